@@ -1,0 +1,76 @@
+"""Shared test set-up: offline, W&B offline, a shared cache for tiny assets, and a real `accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "recipes"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("toolkit-cache")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "TOOLKIT_CACHE": str(cache),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(
+    config: str,
+    recipe: str,
+    *args: str,
+    cwd: Path,
+    num_processes: int = 2,
+    env: dict | None = None,
+    launcher_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py ARGS`, for real."""
+    cmd = [str(BIN / "accelerate"), "launch"]
+    if config:
+        cmd += ["--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml")]
+    cmd += [*launcher_args, "--num_processes", str(num_processes), "--main_process_port", str(free_port())]
+    cmd += [str(ROOT / "recipes" / f"{recipe}.py"), *args]
+    return run_cmd(cmd, cwd, env)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def rank_reports(output_dir: Path) -> list[dict]:
+    files = sorted((output_dir / "rank_reports").glob("rank*.json"))
+    return [json.loads(f.read_text()) for f in files]

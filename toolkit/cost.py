@@ -1,0 +1,93 @@
+"""Cost: what a run costs, from the dated price table in `hardware.yaml`.
+
+cost_usd = wall_seconds / 3600 x billed units x price per unit-hour x overhead
+where the billed units are the GPUs of the job (one per process), or on CPU the vCPUs of every node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TABLE = Path(__file__).parent / "hardware.yaml"
+
+
+class UnknownHardware(ValueError):
+    pass
+
+
+@cache
+def price_table() -> dict[str, Any]:
+    return yaml.safe_load(TABLE.read_text())
+
+
+def device_spec(name: str) -> dict[str, Any]:
+    devices = price_table()["devices"]
+    if name not in devices:
+        raise UnknownHardware(f"Unknown GPU type '{name}'. Known: {', '.join(devices)} (or pass --hourly_usd).")
+    return devices[name]
+
+
+def detect_device() -> str:
+    """The price-table entry for this machine's accelerator (the first GPU), or 'cpu'."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    gpu = torch.cuda.get_device_name(0)
+    for name, spec in price_table()["devices"].items():
+        if any(m.lower() in gpu.lower() for m in spec.get("match", [])):
+            return name
+    return gpu  # not in the table: priced only with --hourly_usd
+
+
+@dataclass(frozen=True)
+class CostModel:
+    device: str
+    unit: str  # "GPU" or "vCPU": what the price is per
+    units: int  # billed units in the whole job
+    usd_per_unit_hour: float | None  # None: unknown device and no --hourly_usd
+    pricing: str
+    overhead: float = 1.0
+
+    @classmethod
+    def for_job(
+        cls,
+        num_processes: int,
+        num_machines: int,
+        device: str | None = None,
+        hourly_usd: float | None = None,
+        pricing: str = "on_demand",
+        overhead: float = 1.0,
+    ) -> CostModel:
+        if device is not None and hourly_usd is None:
+            device_spec(device)  # a name the user typed must be in the table: the error lists those that are
+        device = device or detect_device()
+        spec = price_table()["devices"].get(device)
+        per_vcpu = spec is not None and spec.get("per") == "vcpu"
+        units = (os.cpu_count() or 1) * num_machines if per_vcpu else num_processes
+        price = hourly_usd if hourly_usd is not None else (spec[pricing] if spec else None)
+        return cls(device, "vCPU" if per_vcpu else "GPU", units, price, pricing, overhead)
+
+    def unit_hours(self, seconds: float) -> float:
+        return seconds / 3600 * self.units
+
+    def usd(self, seconds: float) -> float | None:
+        if self.usd_per_unit_hour is None:
+            return None
+        return self.unit_hours(seconds) * self.usd_per_unit_hour * self.overhead
+
+    def summary(self, seconds: float) -> str:
+        hours = self.unit_hours(seconds)
+        if self.usd_per_unit_hour is None:
+            return f"cost: {hours:.4f} {self.unit}-hours on {self.device} (not in the price table: pass --hourly_usd)"
+        return (
+            f"cost: ${self.usd(seconds):.4g} = {hours:.4g} {self.unit}-hours x ${self.usd_per_unit_hour}/"
+            f"{self.unit}-hour ({self.device}, {self.pricing.replace('_', '-')}, prices of "
+            f"{price_table()['prices_date']})"
+        )

@@ -1,0 +1,100 @@
+"""The recipe runner: arguments -> checks -> tokenizer -> data -> model -> RecipeTrainer -> train, evaluate, save.
+
+Cheap checks run first (arguments, process group, Hub reachability), so a bad launch fails in seconds,
+before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from transformers import set_seed
+
+from . import tiny
+from .arguments import ConfigError, parse
+from .cost import UnknownHardware
+from .data import DataError, load_raw, prepare
+from .models import ParameterCounts, add_lora, load_model, load_tokenizer
+from .sources import SourceUnavailable
+from .strategy import StrategyMismatch, check_processes
+from .trainer import RecipeTrainer
+
+USER_ERRORS = (
+    ConfigError,
+    SourceUnavailable,
+    DataError,
+    StrategyMismatch,
+    UnknownHardware,
+    FileNotFoundError,
+)
+
+
+def accuracy(eval_pred) -> dict[str, float]:
+    logits, labels = eval_pred
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def save_tiny_base(model, tokenizer, training) -> str:
+    path = Path(training.output_dir) / "tiny_base"
+    with training.main_process_first(desc="saving the tiny base model"):
+        if training.process_index == 0:
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    return str(path.resolve())
+
+
+def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> dict[str, float]:
+    """Run a recipe; returns the final metrics. Raises the USER_ERRORS on bad input."""
+    name = name or Path(sys.argv[0]).stem
+    args = parse(recipe, name, argv, tiny_defaults=lambda values: tiny.tiny_training_defaults(values["task"]))
+    training = args.training
+    check_processes(training.world_size)  # creating the process group happens on first access of the device
+    set_seed(training.seed)
+
+    tokenizer = load_tokenizer(args.model, args.data.task, args.run.tiny)
+    data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
+    model = load_model(args.model, args.data.task, tokenizer, data.label_names, args.run.tiny)
+    if args.model.use_lora:
+        if args.run.tiny:  # a random tiny base cannot be found by its Hub name: keep it beside the adapter
+            model.name_or_path = save_tiny_base(model, tokenizer, training)
+        model = add_lora(model, args.model, args.data.task)
+    counts = ParameterCounts.of(model)
+
+    trainer = RecipeTrainer(
+        model=model,
+        args=training,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        data_collator=data.collator,
+        processing_class=tokenizer,
+        compute_metrics=accuracy if args.data.task == "classification" else None,
+        arguments=args,
+        param_counts=counts,
+    )
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    metrics = dict(result.metrics)
+    if data.eval is not None:
+        evaluation = trainer.evaluate()
+        metrics.update(evaluation)
+        if trainer.is_world_process_zero() and "eval_accuracy" in evaluation:
+            print(f"eval accuracy {evaluation['eval_accuracy']:.4f} on {len(data.eval)} held-out examples")
+    trainer.save_model(training.output_dir)
+    if trainer.is_world_process_zero():
+        print(f"saved to {training.output_dir}")
+    return metrics
+
+
+def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:
+    """Entry point of a recipe script: clear one-paragraph errors for bad input, clean distributed exit."""
+    try:
+        train(recipe, argv, name)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""The distributed strategy: what the launch asked for, what is in effect, and a refusal when they differ.
+
+accelerate degrades silently in several ways (../shared/cpu-distributed.md): an FSDP config becomes plain DDP
+on CPU, `--cpu --num_processes 2` starts one process, and ranks that never joined a process group each train
+alone on the whole data set. Every one of these costs a full run before anyone notices, so we refuse to start.
+
+What was asked is read from the environment `accelerate launch` and torchrun give the script:
+- WORLD_SIZE: set by torchrun (accelerate's multi-GPU and DeepSpeed launchers use it) to the processes started.
+- MASTER_ADDR without WORLD_SIZE: accelerate's simple launcher sets MASTER_ADDR only when more than one
+  process or machine was asked for, yet starts a single process (`prepare_simple_launcher_cmd_env`).
+- ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED: set from the config's distributed_type.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+
+class StrategyMismatch(RuntimeError):
+    """The launch does not run the strategy its config asked for."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+@dataclass
+class Requested:
+    num_processes: int | None  # None: not known from the environment
+    fsdp: bool
+    deepspeed: bool
+    collapsed_launch: bool  # accelerate's simple launcher was asked for several processes
+
+    @classmethod
+    def from_env(cls) -> Requested:
+        world = os.environ.get("WORLD_SIZE")
+        under_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+        return cls(
+            num_processes=int(world) if world else None,
+            fsdp=_flag("ACCELERATE_USE_FSDP"),
+            deepspeed=_flag("ACCELERATE_USE_DEEPSPEED"),
+            collapsed_launch=under_accelerate and world is None and "MASTER_ADDR" in os.environ,
+        )
+
+
+def check_processes(num_processes: int, requested: Requested | None = None) -> None:
+    """Run as soon as the process group exists, before any weights are loaded."""
+    requested = requested or Requested.from_env()
+    if requested.collapsed_launch:
+        raise StrategyMismatch(
+            "accelerate was asked for several processes but started only this one (its simple launcher: "
+            "`--cpu` or `distributed_type: MULTI_CPU` without MPI). On a CPU machine launch with "
+            "`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes N ...` instead: the "
+            "toolkit runs it over gloo."
+        )
+    if requested.num_processes is not None and requested.num_processes != num_processes:
+        raise StrategyMismatch(
+            f"{requested.num_processes} processes were launched but this one sees a job of {num_processes}: "
+            "the ranks are training independently on the same data. On a machine without GPUs pass "
+            "--use_cpu true so they join one gloo process group."
+        )
+
+
+def check_strategy(accelerator: Accelerator, requested: Requested | None = None) -> None:
+    """Run once the Trainer has built its accelerator, before training."""
+    requested = requested or Requested.from_env()
+    check_processes(accelerator.num_processes, requested)
+    in_effect = accelerator.distributed_type
+    if requested.fsdp and in_effect != DistributedType.FSDP:
+        raise StrategyMismatch(
+            f"The config asks for FSDP but accelerate set up {in_effect.value} (no sharding). On CPU, accelerate "
+            "turns FSDP into DDP; launch a DDP or DeepSpeed config instead, or run the FSDP config on GPUs."
+        )
+    if requested.deepspeed and in_effect != DistributedType.DEEPSPEED:
+        raise StrategyMismatch(f"The config asks for DeepSpeed but accelerate set up {in_effect.value}.")
+
+
+def num_machines(num_processes: int) -> int:
+    """Nodes in the job: torchrun sets LOCAL_WORLD_SIZE to the processes on this node."""
+    return max(1, num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes)))
+
+
+def describe(accelerator: Accelerator) -> dict[str, str | int]:
+    """The strategy in effect, as printed in the run header and logged to W&B."""
+    state = accelerator.state
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        plugin = state.fsdp_plugin
+        sharding = f"FSDP{plugin.fsdp_version} {getattr(plugin.sharding_strategy, 'name', plugin.sharding_strategy)}"
+    elif kind == DistributedType.DEEPSPEED:
+        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        sharding = f"ZeRO-{zero.get('stage', 0)}"
+        for what in ("offload_optimizer", "offload_param"):
+            device = zero.get(what, {}).get("device", "none")
+            if device not in ("none", None):
+                sharding += f" {what}={device}"
+    elif accelerator.num_processes > 1:
+        sharding = "none (replicated, DDP)"
+    else:
+        sharding = "none (single process)"
+    return {
+        "distributed_type": kind.value,
+        "num_processes": accelerator.num_processes,
+        "num_machines": num_machines(accelerator.num_processes),
+        "device": str(accelerator.device.type),
+        "mixed_precision": accelerator.mixed_precision,
+        "sharding": sharding,
+        "backend": str(state.backend) if state.backend else "none",
+    }

@@ -1,0 +1,159 @@
+"""`RecipeTrainer`: the `transformers.Trainer` every recipe runs on.
+
+On top of the Trainer it: refuses a launch whose strategy silently degraded, prints a run header, adds live
+throughput and cost to every log line, logs the resolved config to W&B, prints the cost at the end, and, on
+request, writes per-rank reports (rows trained on, weight digest) for checking distributed runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from .arguments import Arguments
+from .cost import CostModel
+from .models import ParameterCounts
+from .strategy import check_strategy, describe, num_machines
+from .tracking import RunTracker
+from .wandb_run import WandbRunConfig, configure_env, launch_environment
+
+
+def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
+    """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
+    return base_lr * global_batch / reference_batch
+
+
+class RecipeTrainer(Trainer):
+    def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_strategy(self.accelerator)  # before a single step is paid for
+        if arguments.data.task == "classification":
+            # Classification heads take **kwargs but ignore num_items_in_batch and return a per-example mean.
+            # Left on, the Trainer treats that mean as token-normalised: it multiplies loss and gradients by
+            # the number of processes and skips the division by gradient-accumulation steps.
+            self.model_accepts_loss_kwargs = False
+        self.recipe = arguments
+        self.param_counts = param_counts
+        self.strategy = describe(self.accelerator)
+        run = arguments.run
+        self.base_learning_rate = self.args.learning_rate
+        if run.lr_reference_batch_size:
+            self.args.learning_rate = scaled_learning_rate(
+                self.base_learning_rate, self.global_batch_size, run.lr_reference_batch_size
+            )
+            if not self.args.warmup_steps:  # a large scaled lr needs a gradual start
+                self.args.warmup_steps = 0.05
+        self.cost = CostModel.for_job(
+            self.accelerator.num_processes,
+            num_machines(self.accelerator.num_processes),
+            device=run.gpu_type,
+            hourly_usd=run.hourly_usd,
+            pricing=run.pricing,
+        )
+        self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
+        self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
+        if "wandb" in self.args.report_to:
+            tags = [
+                arguments.recipe_name,
+                self.strategy["distributed_type"],
+                f"world-{self.accelerator.num_processes}",
+                self.cost.device,
+            ]
+            tags += [t.strip() for t in (run.wandb_tags or "").split(",") if t.strip()]
+            notice = configure_env(run.wandb_project, run.wandb_group or arguments.recipe_name, tags)
+            if notice and self.is_world_process_zero():
+                print(notice)
+            self.add_callback(WandbRunConfig(self.run_config()))
+
+    @property
+    def global_batch_size(self) -> int:
+        args = self.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    def run_config(self) -> dict[str, Any]:
+        return {
+            "toolkit": self.recipe.resolved(),
+            "strategy": self.strategy,
+            "launch": launch_environment(),
+            "parameters": {"total": self.param_counts.total, "trainable": self.param_counts.trainable},
+            "global_batch_size": self.global_batch_size,
+            "pricing": {
+                "device": self.cost.device,
+                "usd_per_unit_hour": self.cost.usd_per_unit_hour,
+                "unit": self.cost.unit,
+                "units": self.cost.units,
+                "pricing": self.cost.pricing,
+            },
+        }
+
+    def header(self) -> str:
+        a, s, p = self.args, self.strategy, self.param_counts
+        lr = f"{a.learning_rate:.3g}"
+        if self.recipe.run.lr_reference_batch_size:
+            lr += f" (scaled from {self.base_learning_rate:.3g} at batch {self.recipe.run.lr_reference_batch_size})"
+        tiny = "  [tiny, random init]" if self.recipe.run.tiny else ""
+        lines = [
+            f"recipe        {self.recipe.recipe_name}",
+            f"model         {self.recipe.model.model_name_or_path}{tiny}",
+            f"parameters    {p.total:,} total, {p.trainable:,} trainable ({100 * p.trainable / max(p.total, 1):.2f}%)",
+            f"strategy      {s['distributed_type']}, {s['num_processes']} process(es) on {s['num_machines']} "
+            f"machine(s), {s['device']}, backend {s['backend']}",
+            f"sharding      {s['sharding']}",
+            f"precision     {s['mixed_precision']}, weights {self.recipe.model.dtype}",
+            f"batch         {a.per_device_train_batch_size} per device x {a.gradient_accumulation_steps} accumulation "
+            f"x {s['num_processes']} processes = {self.global_batch_size} global",
+            f"learning rate {lr}",
+            f"pricing       {self.cost.device}: "
+            + (
+                f"${self.cost.usd_per_unit_hour}/{self.cost.unit}-hour x {self.cost.units} ({self.cost.pricing})"
+                if self.cost.usd_per_unit_hour is not None
+                else "unknown (pass --hourly_usd)"
+            ),
+        ]
+        rule = "-" * 78
+        return "\n".join([rule, *lines, rule])
+
+    def train(self, *args, **kwargs):
+        if self.is_world_process_zero():
+            print(self.header(), flush=True)
+        self.tracker.start(self.state)
+        output = super().train(*args, **kwargs)
+        if self.is_world_process_zero():
+            print(self.cost.summary(self.tracker.elapsed), flush=True)
+        if self._rows_seen is not None:
+            self.write_rank_report()
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(self.tracker.metrics(self.state, training="loss" in logs))
+        super().log(logs, start_time)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._rows_seen is not None:  # costs a device sync: only when asked for
+            mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
+            for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True):
+                row = [t for t, k in zip(ids, keep, strict=True) if k]
+                self._rows_seen.append(hashlib.sha1(json.dumps(row).encode()).hexdigest())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def write_rank_report(self) -> None:
+        """Rows this rank trained on and a digest of the weights it holds, for verifying a distributed run."""
+        digest = hashlib.sha256()
+        for name, param in sorted(self.model.named_parameters()):
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        report = {
+            "process_index": self.accelerator.process_index,
+            "strategy": self.strategy,
+            "rows": self._rows_seen,
+            "weights_sha256": digest.hexdigest(),
+            "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
+        }
+        folder = Path(self.args.output_dir) / "rank_reports"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{self.accelerator.process_index}.json").write_text(json.dumps(report))
