@@ -162,7 +162,7 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     check_keys(recipe, f"recipe '{recipe_name}'")
-    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False)  # a prefix is a typo, not a match
     parser.add_argument("--config", help="YAML file of overrides (field: value).")
     required = [a.dest for a in parser._actions if a.required]
     for action in parser._actions:  # keep only the flags actually given; the layers below supply the rest

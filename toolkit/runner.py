@@ -7,6 +7,7 @@ before any weights are loaded.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,14 @@ def save_tiny_base(model, tokenizer, training) -> str:
     return str(path.resolve())
 
 
-def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> dict[str, float]:
-    """Run a recipe; returns the final metrics. Raises the USER_ERRORS on bad input."""
+@dataclass
+class RunResult:
+    trainer: RecipeTrainer
+    metrics: dict[str, float]
+
+
+def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
+    """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input."""
     name = name or Path(sys.argv[0]).stem
     args = parse(recipe, name, argv, tiny_defaults=lambda values: tiny.tiny_training_defaults(values["task"]))
     training = args.training
@@ -85,7 +92,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     trainer.save_model(training.output_dir)
     if trainer.is_world_process_zero():
         print(f"saved to {training.output_dir}")
-    return metrics
+    return RunResult(trainer, metrics)
 
 
 def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:

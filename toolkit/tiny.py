@@ -21,6 +21,8 @@ HUB_CONFIGS = Path(__file__).parent / "hub_configs"
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+# Dropout off: its random masks differ between 1 and N processes, and tests compare those runs number for number.
+NO_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "classifier_dropout")
 
 # Training settings that make a tiny run take seconds; command-line flags still win.
 TINY_TRAINING = {
@@ -83,6 +85,9 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
     for key, value in TINY_SIZES.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    for key in NO_DROPOUT:
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
     if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
         config.num_key_value_heads = max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads)
     if getattr(config, "head_dim", None):

@@ -152,6 +152,7 @@ class RecipeTrainer(Trainer):
             "strategy": self.strategy,
             "rows": self._rows_seen,
             "weights_sha256": digest.hexdigest(),
+            "tokens_seen": self.state.num_input_tokens_seen,
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
         }
         folder = Path(self.args.output_dir) / "rank_reports"

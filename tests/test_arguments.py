@@ -1,0 +1,108 @@
+"""Layered arguments: recipe < --tiny < YAML < command line, and clear errors for typos and bad files."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from toolkit.arguments import ConfigError, parse
+from toolkit.tiny import tiny_training_defaults
+
+RECIPE = dict(
+    model_name_or_path="google-bert/bert-base-cased",
+    task="classification",
+    dataset_name="nyu-mll/glue",
+    learning_rate=2e-5,
+    per_device_train_batch_size=32,
+    max_seq_length=128,
+)
+
+
+def tiny_layer(values):
+    return tiny_training_defaults(values["task"])
+
+
+def test_layers_later_wins(tmp_path):
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("learning_rate: 3.0e-5\nmax_seq_length: 256\nlora_r: 8\n")
+    args = parse(RECIPE, "bert", ["--config", str(overrides), "--max_seq_length", "64"])
+    assert args.training.learning_rate == 3e-5  # YAML over recipe
+    assert args.data.max_seq_length == 64  # command line over YAML
+    assert args.model.lora_r == 8
+    assert args.training.per_device_train_batch_size == 32  # recipe over TrainingArguments' default of 8
+    assert args.training.output_dir == "runs/bert"  # toolkit default
+    assert args.training.include_num_input_tokens_seen == "non_padding"
+
+
+def test_tiny_layer_sits_under_explicit_flags():
+    args = parse(RECIPE, "bert", ["--tiny", "--max_steps", "3"], tiny_defaults=tiny_layer)
+    assert args.run.tiny
+    assert args.training.max_steps == 3  # flag beats tiny
+    assert args.training.learning_rate == 2e-3  # tiny beats recipe
+    assert args.data.dataset_name.endswith(".jsonl")
+    plain = parse(RECIPE, "bert", [], tiny_defaults=tiny_layer)
+    assert not plain.run.tiny and plain.data.dataset_name == "nyu-mll/glue"
+
+
+def test_tiny_from_yaml(tmp_path):
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("tiny: true\n")
+    args = parse(RECIPE, "bert", ["--config", str(overrides)], tiny_defaults=tiny_layer)
+    assert args.run.tiny and args.data.dataset_name.endswith(".jsonl")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learning_rat", "1e-4"], "Did you mean '--learning_rate'?"),
+        (["--num_train_epoch", "4"], "Did you mean '--num_train_epochs'?"),
+        (["--lora_r", "many"], "Invalid command-line arguments"),
+    ],
+)
+def test_bad_flags(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")):
+        parse(RECIPE, "bert", argv)
+
+
+def test_typo_in_recipe_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"'max_seq_len' in recipe 'bert'. Did you mean 'max_seq_length'\?"):
+        parse({**RECIPE, "max_seq_len": 10}, "bert", [])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lerning_rate: 1\n")
+    with pytest.raises(ConfigError, match=r"Did you mean 'learning_rate'\?"):
+        parse(RECIPE, "bert", ["--config", str(bad)])
+
+
+def test_malformed_and_missing_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse(RECIPE, "bert", ["--config", str(bad)])
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        parse(RECIPE, "bert", ["--config", str(bad)])
+    with pytest.raises(ConfigError, match="Config file not found"):
+        parse(RECIPE, "bert", ["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_missing_required_and_bad_choice():
+    with pytest.raises(ConfigError, match=r"does not set \['dataset_name'\]"):
+        parse({k: v for k, v in RECIPE.items() if k != "dataset_name"}, "bert", [])
+    with pytest.raises(ConfigError, match="task must be"):
+        parse(RECIPE, "bert", ["--task", "regression"])
+
+
+@pytest.mark.parametrize("name", ["bert", "llama3_fft", "llama3_lora", "minilm_bbc"])
+def test_every_recipe_parses(name):
+    recipe = importlib.import_module(name).RECIPE
+    args = parse(recipe, name, [])
+    assert args.model.model_name_or_path == recipe["model_name_or_path"]
+    assert args.model.use_lora == (name == "llama3_lora")
+    tiny = parse(recipe, name, ["--tiny"], tiny_defaults=tiny_layer)
+    assert tiny.run.tiny and tiny.model.dtype == "float32" and not tiny.training.bf16
+
+
+def test_secrets_masked_in_resolved_config():
+    args = parse(RECIPE, "bert", ["--hub_token", "hf_supersecret"])
+    assert "hf_supersecret" not in str(args.resolved())
