@@ -19,7 +19,7 @@ install: $(BIN)/activate
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# Offline: pretrained MiniLM on BBC News, both shipped by PyPI packages. About two minutes on 2 CPU cores.
+# Offline: pretrained MiniLM on BBC News, both shipped by PyPI packages. About 90 s on 2 CPU cores.
 demo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/minilm_bbc.py $(ARGS)
 

@@ -44,7 +44,8 @@ def free_port() -> int:
 
 
 def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
+    """Run a command; in `env`, a value of None removes that variable."""
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

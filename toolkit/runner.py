@@ -23,6 +23,7 @@ from .models import ParameterCounts, add_lora, load_model, load_tokenizer
 from .sources import SourceUnavailable
 from .strategy import StrategyMismatch, check_processes
 from .trainer import RecipeTrainer
+from .wandb_run import finish_run, redact_argv
 
 USER_ERRORS = (
     ConfigError,
@@ -58,6 +59,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input."""
     name = name or Path(sys.argv[0]).stem
     args = parse(recipe, name, argv, tiny_defaults=lambda values: tiny.tiny_training_defaults(values["task"]))
+    redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     training = args.training
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     set_seed(training.seed)
@@ -92,6 +94,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     trainer.save_model(training.output_dir)
     if trainer.is_world_process_zero():
         print(f"saved to {training.output_dir}")
+    finish_run()
     return RunResult(trainer, metrics)
 
 

@@ -36,14 +36,14 @@ class RunTracker:
         if self.started is None:
             return {}
         now = time.perf_counter()
-        out: dict[str, float] = {f"{self.cost.unit.lower()}_hours": round(self.cost.unit_hours(self.elapsed), 6)}
+        out: dict[str, float] = {f"{self.cost.unit.lower()}_hours": self.cost.unit_hours(self.elapsed)}
         usd = self.cost.usd(self.elapsed)
         if usd is not None:
-            out["cost_usd"] = round(usd, 6)
+            out["cost_usd"] = usd
         if training and now > self._last_time:
             tokens = state.num_input_tokens_seen - self._last_tokens
             rate = tokens / (now - self._last_time)
-            out["tokens_per_second"] = round(rate, 2)
-            out["tokens_per_second_per_device"] = round(rate / self.num_processes, 2)
+            out["tokens_per_second"] = rate
+            out["tokens_per_second_per_device"] = rate / self.num_processes
             self._last_time, self._last_tokens = now, state.num_input_tokens_seen
         return out

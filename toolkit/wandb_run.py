@@ -26,6 +26,26 @@ def redact(value: Any) -> Any:
     return value
 
 
+def redact_argv(argv: list[str]) -> None:
+    """Mask credential flags' values in place: wandb records sys.argv in every run's metadata."""
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if flag.startswith("-") and SECRET.search(flag):
+            if eq:
+                argv[i] = f"{flag}=<redacted>"
+            elif i + 1 < len(argv):
+                argv[i + 1] = "<redacted>"
+
+
+def finish_run() -> None:
+    """Flush and close the W&B run, so the process does not exit with it half-written."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+
+
 def has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
