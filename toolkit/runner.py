@@ -15,13 +15,13 @@ import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
-from . import tiny
+from . import fsdp_cpu, tiny
 from .arguments import ConfigError, parse
 from .cost import UnknownHardware
 from .data import DataError, load_raw, prepare
 from .models import ParameterCounts, add_lora, load_model, load_tokenizer
 from .sources import SourceUnavailable
-from .strategy import StrategyMismatch, check_processes
+from .strategy import StrategyMismatch, check_processes, resolve_config_paths
 from .trainer import RecipeTrainer
 from .wandb_run import finish_run, redact_argv
 
@@ -58,6 +58,8 @@ class RunResult:
 def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
     """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input."""
     name = name or Path(sys.argv[0]).stem
+    resolve_config_paths()
+    fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
     args = parse(recipe, name, argv, tiny_defaults=lambda values: tiny.tiny_training_defaults(values["task"]))
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     training = args.training

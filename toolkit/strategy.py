@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
@@ -45,6 +46,23 @@ class Requested:
             deepspeed=_flag("ACCELERATE_USE_DEEPSPEED"),
             collapsed_launch=under_accelerate and world is None and "MASTER_ADDR" in os.environ,
         )
+
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_config_paths() -> None:
+    """Let an accelerate config name its DeepSpeed JSON relative to the project, from any working directory."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or Path(path).is_file():
+        return
+    candidate = PROJECT_ROOT / path
+    if not candidate.is_file():
+        raise StrategyMismatch(
+            f"DeepSpeed config file '{path}' (deepspeed_config_file in the accelerate config) not found from "
+            f"{Path.cwd()} nor from {PROJECT_ROOT}."
+        )
+    os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(candidate)
 
 
 def check_processes(num_processes: int, requested: Requested | None = None) -> None:
@@ -90,7 +108,14 @@ def describe(accelerator: Accelerator) -> dict[str, str | int]:
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         plugin = state.fsdp_plugin
-        sharding = f"FSDP{plugin.fsdp_version} {getattr(plugin.sharding_strategy, 'name', plugin.sharding_strategy)}"
+        if plugin.fsdp_version == 2:  # FSDP2 expresses FULL_SHARD / SHARD_GRAD_OP as reshard_after_forward
+            mode = "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
+        else:
+            mode = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
+        sharding = f"FSDP{plugin.fsdp_version} {mode}"
+        offload = plugin.cpu_offload  # FSDP1: CPUOffload(offload_params); FSDP2: an OffloadPolicy subclass
+        if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":
+            sharding += " offload_params=cpu"
     elif kind == DistributedType.DEEPSPEED:
         zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         sharding = f"ZeRO-{zero.get('stage', 0)}"

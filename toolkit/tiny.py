@@ -220,9 +220,10 @@ def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
     """Trained once on the tiny data and cached; every rank then loads the same files."""
     encoder = is_encoder(model_name)
     kind = "wordpiece" if encoder else "bpe"
-    path = cache_dir() / f"tokenizer-{kind}-{task}"
+    data = write_tiny_dataset(task)  # content-addressed: new data, new tokenizer
+    path = cache_dir() / f"tokenizer-{kind}-{data.stem}"
     if not (path / "tokenizer.json").exists():
-        rows = classification_rows() if task == "classification" else chat_rows()
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
         texts = (
             [r["text"] for r in rows]
             if task == "classification"

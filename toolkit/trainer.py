@@ -23,6 +23,13 @@ from .tracking import RunTracker
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter or state tensor that this rank stores."""
+    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the partition lives beside an empty placeholder
+        return t.ds_tensor
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
+
+
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
     """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
     return base_lr * global_batch / reference_batch
@@ -129,6 +136,15 @@ class RecipeTrainer(Trainer):
             self.write_rank_report()
         return output
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
+        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
+        if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type) and not _internal_call:
+            # The Trainer writes no weights at all here; gather the shards into one state dict on rank 0.
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+            return
+        super().save_model(output_dir, _internal_call)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(self.tracker.metrics(self.state, training="loss" in logs))
         super().log(logs, start_time)
@@ -141,18 +157,33 @@ class RecipeTrainer(Trainer):
                 self._rows_seen.append(hashlib.sha1(json.dumps(row).encode()).hexdigest())
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
+        params = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in self.model_wrapped.parameters())
+        optimizer = self.optimizer
+        while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, then torch's
+            optimizer = optimizer.optimizer
+        state = sum(
+            local_tensor(t).numel() * local_tensor(t).element_size()
+            for per_param in optimizer.state.values()
+            for t in per_param.values()
+            if torch.is_tensor(t) and t.dim() > 0  # not the scalar step counters
+        )
+        return {"param_bytes": params, "optimizer_state_bytes": state}
+
     def write_rank_report(self) -> None:
         """Rows this rank trained on and a digest of the weights it holds, for verifying a distributed run."""
         digest = hashlib.sha256()
-        for name, param in sorted(self.model.named_parameters()):
+        for name, param in sorted(self.model.named_parameters()):  # this rank's shard where sharded
             digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
+            digest.update(local_tensor(param).detach().float().cpu().numpy().tobytes())
         report = {
             "process_index": self.accelerator.process_index,
             "strategy": self.strategy,
             "rows": self._rows_seen,
             "weights_sha256": digest.hexdigest(),
             "tokens_seen": self.state.num_input_tokens_seen,
+            **self.held_bytes(),
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
         }
         folder = Path(self.args.output_dir) / "rank_reports"

@@ -1,0 +1,61 @@
+"""FSDP on a machine without GPUs: make accelerate really shard instead of quietly running DDP.
+
+accelerate maps every CPU job to `MULTI_CPU` (`PartialState._prepare_backend`) and `AcceleratorState` only
+turns a job into FSDP when its type is a GPU-style multi-device one, so an FSDP config trains as plain DDP on
+CPU. FSDP2 itself (`torch.distributed.fsdp.fully_shard`) runs on CPU over gloo, so we finish the decision
+accelerate skipped: when the launch asked for FSDP, the job is multi-process, and no accelerator exists, the
+state becomes FSDP with the plugin accelerate built from the config. That is all; everything else (wrapping,
+sharded and full state dicts) is accelerate's and torch's own code.
+
+This is for tests and dry runs of a GPU config on a laptop. It is guarded by
+tests/test_fsdp_cpu.py::test_accelerate_still_needs_the_cpu_fsdp_patch, which fails the day accelerate
+handles FSDP on CPU itself (then delete this module).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+
+from .strategy import StrategyMismatch, _flag
+
+_ORIGINAL_INIT = AcceleratorState.__init__
+
+
+def needed() -> bool:
+    import torch
+
+    return _flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
+
+
+def enable() -> None:
+    """Call before the Trainer builds its Accelerator. A no-op unless an FSDP launch runs without a GPU."""
+    if not needed() or AcceleratorState.__init__ is not _ORIGINAL_INIT:
+        return
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise StrategyMismatch(
+            "On CPU only FSDP2 configs run (fsdp_version: 2): FSDP1 over gloo needs device_id and no module-state "
+            "sync, and its full-state-dict gather is unreliable there. Use accelerate_configs/fsdp2.yaml."
+        )
+    if _flag("FSDP_OFFLOAD_PARAMS"):
+        # Offloading pins host memory, which needs an accelerator; on CPU the parameters already live in RAM.
+        warnings.warn(
+            "fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without offload.",
+            stacklevel=2,
+        )
+        os.environ["FSDP_OFFLOAD_PARAMS"] = "false"
+    AcceleratorState.__init__ = _init_with_cpu_fsdp
+
+
+def _init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+    _ORIGINAL_INIT(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+    if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
+        # What AcceleratorState.__init__ does for GPU-style types when ACCELERATE_USE_FSDP is set.
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+        self.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
