@@ -75,3 +75,10 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def rank_reports(output_dir: Path) -> list[dict]:
     files = sorted((output_dir / "rank_reports").glob("rank*.json"))
     return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_extensions_cache():
+    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per machine, not once per test."""
+    cache = Path.home() / ".cache" / "finetune-recipes" / "torch_extensions"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
 from toolkit.arguments import ConfigError, parse
-from toolkit.tiny import tiny_training_defaults
+from toolkit.runner import tiny_layer
 
 RECIPE = dict(
     model_name_or_path="google-bert/bert-base-cased",
@@ -17,10 +18,6 @@ RECIPE = dict(
     per_device_train_batch_size=32,
     max_seq_length=128,
 )
-
-
-def tiny_layer(values):
-    return tiny_training_defaults(values["task"])
 
 
 def test_layers_later_wins(tmp_path):
@@ -41,6 +38,9 @@ def test_tiny_layer_sits_under_explicit_flags():
     assert args.training.max_steps == 3  # flag beats tiny
     assert args.training.learning_rate == 2e-3  # tiny beats recipe
     assert args.data.dataset_name.endswith(".jsonl")
+    checkpoint = Path(args.model.model_name_or_path)  # a local tiny checkpoint of the recipe's model
+    assert checkpoint.name.startswith("google-bert--bert-base-cased-classification-")
+    assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
     plain = parse(RECIPE, "bert", [], tiny_defaults=tiny_layer)
     assert not plain.run.tiny and plain.data.dataset_name == "nyu-mll/glue"
 

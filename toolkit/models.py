@@ -1,4 +1,4 @@
-"""Model loading: Hub id or local folder (or tiny mode), dtype, attention implementation, LoRA."""
+"""Model loading: Hub id or local folder (tiny mode is a local folder too), dtype, attention, LoRA."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from . import tiny
 from .arguments import ModelArguments
 from .sources import check_hub_model, resolve
 
@@ -36,9 +35,7 @@ def model_class(task: str):
     return AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
 
 
-def load_tokenizer(args: ModelArguments, task: str, is_tiny: bool) -> PreTrainedTokenizerBase:
-    if is_tiny:
-        return tiny.tiny_tokenizer(args.model_name_or_path, task)
+def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
     return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
@@ -49,7 +46,6 @@ def load_model(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
     label_names: list[str] | None,
-    is_tiny: bool,
 ) -> PreTrainedModel:
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got '{args.dtype}'.")
@@ -60,25 +56,15 @@ def load_model(
             id2label=dict(enumerate(label_names)),
             label2id={n: i for i, n in enumerate(label_names)},
         )
-    cls = model_class(task)
-    if is_tiny:
-        config = tiny.tiny_config(args.model_name_or_path, tokenizer)
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        if args.attn_implementation:
-            config._attn_implementation = args.attn_implementation
-        torch.manual_seed(0)  # same random init on every rank and every run
-        model = cls.from_config(config, dtype=DTYPES[args.dtype] if args.dtype != "auto" else None)
-    else:
-        name = resolve(args.model_name_or_path)
-        check_hub_model(name)
-        model = cls.from_pretrained(
-            name,
-            dtype=DTYPES[args.dtype],
-            attn_implementation=args.attn_implementation,
-            trust_remote_code=args.trust_remote_code,
-            **kwargs,
-        )
+    name = resolve(args.model_name_or_path)
+    check_hub_model(name)
+    model = model_class(task).from_pretrained(
+        name,
+        dtype=DTYPES[args.dtype],
+        attn_implementation=args.attn_implementation,
+        trust_remote_code=args.trust_remote_code,
+        **kwargs,
+    )
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     return model

@@ -40,13 +40,8 @@ def accuracy(eval_pred) -> dict[str, float]:
     return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
 
 
-def save_tiny_base(model, tokenizer, training) -> str:
-    path = Path(training.output_dir) / "tiny_base"
-    with training.main_process_first(desc="saving the tiny base model"):
-        if training.process_index == 0:
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-    return str(path.resolve())
+def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
+    return tiny.tiny_training_defaults(values["task"], values["model_name_or_path"])
 
 
 @dataclass
@@ -60,18 +55,16 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     name = name or Path(sys.argv[0]).stem
     resolve_config_paths()
     fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
-    args = parse(recipe, name, argv, tiny_defaults=lambda values: tiny.tiny_training_defaults(values["task"]))
+    args = parse(recipe, name, argv, tiny_defaults=tiny_layer)
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     training = args.training
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     set_seed(training.seed)
 
-    tokenizer = load_tokenizer(args.model, args.data.task, args.run.tiny)
+    tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
-    model = load_model(args.model, args.data.task, tokenizer, data.label_names, args.run.tiny)
+    model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     if args.model.use_lora:
-        if args.run.tiny:  # a random tiny base cannot be found by its Hub name: keep it beside the adapter
-            model.name_or_path = save_tiny_base(model, tokenizer, training)
         model = add_lora(model, args.model, args.data.task)
     counts = ParameterCounts.of(model)
 

@@ -3,6 +3,10 @@
 Lets any recipe x any accelerate config launch on a CPU in seconds, offline. The architecture comes from the
 recipe model's real `config.json`, stored in `toolkit/hub_configs/` (public hyper-parameters), with only the
 sizes scaled down; the data is small, deterministic and learnable, so a test can see the loss go down.
+
+The tiny model is a checkpoint folder created once (seeded, content-addressed in the cache) and then loaded
+like any local model, so every strategy goes through its real loading path (ZeRO-3 partitioned loading,
+FSDP's RAM-efficient loading) and every run starts from the same weights.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+from .sources import resolve
 
 HUB_CONFIGS = Path(__file__).parent / "hub_configs"
 
@@ -65,7 +73,10 @@ def hub_config_path(model_name: str) -> Path:
 
 
 def stored_config(model_name: str) -> PretrainedConfig:
-    """The real config of a recipe's model, from the copy kept in the repo (no Hub call)."""
+    """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
+    local = Path(resolve(model_name)) / "config.json"
+    if local.is_file():
+        return AutoConfig.from_pretrained(local.parent)
     path = hub_config_path(model_name)
     if not path.is_file():
         known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*.json"))
@@ -104,8 +115,9 @@ def is_encoder(model_name: str) -> bool:
     return stored_config(model_name).model_type in ("bert", "roberta", "distilbert", "deberta", "deberta-v2")
 
 
-def tiny_training_defaults(task: str) -> dict[str, Any]:
-    values = dict(TINY_TRAINING)
+def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
+    """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
+    values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
     values["dataset_name"] = str(write_tiny_dataset(task))
     values["dataset_config"] = None
     values["train_split"] = "train"
@@ -216,6 +228,37 @@ def train_tokenizer(encoder: bool, texts: list[str], vocab_size: int = 512) -> P
     )
 
 
+def tiny_checkpoint(model_name: str, task: str) -> Path:
+    """A save_pretrained folder (config, random weights, tokenizer) of the recipe's architecture at toy size."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    tokenizer = tiny_tokenizer(model_name, task)
+    data = write_tiny_dataset(task)
+    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{task}-{data.stem}"
+    if (path / "config.json").exists():
+        return path
+    config = tiny_config(model_name, tokenizer)
+    if task == "classification":
+        labels = sorted({str(r["label"]) for r in classification_rows()})
+        config.num_labels, config.id2label = len(labels), dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = cls.from_config(config)
+    _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return path
+
+
+def _save_atomically(path: Path, save) -> None:
+    """Write into a temporary folder, then rename: concurrent ranks never see half a folder."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    save(tmp)
+    try:
+        tmp.replace(path)
+    except OSError:  # another rank got there first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
     """Trained once on the tiny data and cached; every rank then loads the same files."""
     encoder = is_encoder(model_name)
@@ -229,11 +272,5 @@ def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
             if task == "classification"
             else [m["content"] for r in rows for m in r["messages"]]
         )
-        tok = train_tokenizer(encoder, texts)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tok.save_pretrained(tmp)
-        try:
-            tmp.replace(path)
-        except OSError:  # another rank got there first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        _save_atomically(path, train_tokenizer(encoder, texts).save_pretrained)
     return PreTrainedTokenizerFast.from_pretrained(path)
