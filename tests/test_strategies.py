@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, check, launch, rank_reports, run_cmd
-from safetensors.torch import load_file
 
 from toolkit import tiny
 from toolkit.arguments import DataArguments
@@ -54,9 +53,14 @@ def row_hashes(rows) -> set[str]:
     return {hashlib.sha1(json.dumps(ids).encode()).hexdigest() for ids in rows}
 
 
-def saved_weights(folder) -> dict[str, torch.Tensor]:
-    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
-    return load_file(folder / name)
+def exported_weights(folder, recipe: str) -> dict[str, torch.Tensor]:
+    """The weights a user gets back: the exported folder loaded with from_pretrained (peft's for adapters)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    loader = {"bert": AutoModelForSequenceClassification, "llama3_fft": AutoModelForCausalLM,
+              "llama3_lora": AutoPeftModelForCausalLM}[recipe]  # fmt: skip
+    return loader.from_pretrained(folder).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,7 @@ def reference(tmp_path_factory):
             check(run_cmd([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *ONE_EPOCH, "--output_dir",
                            str(out), "--per_device_train_batch_size", "16", "--gradient_accumulation_steps",
                            accumulation], cwd=out))  # fmt: skip
-            runs[recipe] = (rank_reports(out)[0], saved_weights(out))
+            runs[recipe] = (rank_reports(out)[0], exported_weights(out, recipe))
         return runs[recipe]
 
     return get
@@ -116,7 +120,7 @@ def test_strategy(config, recipe, reference, tmp_path):
 
     # Same answer as one process: the loss trajectory, and the exported, consolidated weights.
     assert reports[0]["losses"] == pytest.approx(ref_report["losses"], rel=2e-3, abs=1e-4)
-    weights = saved_weights(out)
+    weights = exported_weights(out, recipe)
     assert weights.keys() == ref_weights.keys()
     for name, value in weights.items():
         torch.testing.assert_close(value.float(), ref_weights[name].float(), rtol=1e-3, atol=2e-4, msg=name)

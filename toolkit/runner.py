@@ -21,7 +21,7 @@ from .cost import UnknownHardware
 from .data import DataError, load_raw, prepare
 from .models import ParameterCounts, add_lora, load_model, load_tokenizer
 from .sources import SourceUnavailable
-from .strategy import StrategyMismatch, check_processes, resolve_config_paths
+from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from .trainer import RecipeTrainer
 from .wandb_run import finish_run, redact_argv
 
@@ -65,7 +65,9 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     if args.model.use_lora:
+        set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
+    set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
 
     trainer = RecipeTrainer(
@@ -100,6 +102,11 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    else:
+        if dist.is_available() and dist.is_initialized():
+            # Rank 0 may still be saving: a rank that tears the group down early can abort its process
+            # ("terminate called without an active exception"), failing a run that had succeeded.
+            dist.barrier()
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

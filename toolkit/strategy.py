@@ -97,6 +97,37 @@ def check_strategy(accelerator: Accelerator, requested: Requested | None = None)
         raise StrategyMismatch(f"The config asks for DeepSpeed but accelerate set up {in_effect.value}.")
 
 
+def layer_class(model) -> str:
+    """The model's repeated block (LlamaDecoderLayer, BertLayer): the class of its longest layer list."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    blocks = [m for m in lists if len({type(x) for x in m}) == 1]
+    if not blocks:
+        raise StrategyMismatch(f"{type(model).__name__} has no list of identical layers for FSDP to wrap.")
+    return type(max(blocks, key=len)[0]).__name__
+
+
+def set_fsdp_wrap_class(model) -> None:
+    """FSDP wraps one unit per transformer layer: the config's class if it names one (checked), else the model's.
+
+    Left empty, accelerate wraps every class in `_no_split_modules`, which for BERT includes the embeddings
+    module; it then wraps the word embeddings inside it a second time and FSDP2 fails at set-up.
+    """
+    if not _flag("ACCELERATE_USE_FSDP"):
+        return
+    configured = [c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip()]
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in configured if c not in present]
+    if missing:
+        raise StrategyMismatch(
+            f"fsdp_transformer_layer_cls_to_wrap names {missing}, which {type(model).__name__} does not have. "
+            f"Set it to {layer_class(model)} or to null (the model's own layer class)."
+        )
+    if not configured:
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = layer_class(model)
+
+
 def num_machines(num_processes: int) -> int:
     """Nodes in the job: torchrun sets LOCAL_WORLD_SIZE to the processes on this node."""
     return max(1, num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes)))

@@ -50,6 +50,7 @@ TINY_TRAINING = {
     "bf16": False,
     "fp16": False,
     "attn_implementation": None,
+    "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
 }
 
 LLAMA3_SPECIAL_TOKENS = [
