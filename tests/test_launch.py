@@ -40,18 +40,26 @@ def test_collapsed_launch_is_refused(tmp_path):
 
 
 def test_fsdp_fallback_to_ddp_is_refused(tmp_path):
-    """On CPU accelerate quietly turns an FSDP config into DDP: refused before the first step."""
-    config = tmp_path / "fsdp.yaml"
-    config.write_text(
-        (ROOT / "accelerate_configs" / "ddp.yaml")
-        .read_text()
-        .replace("distributed_type: MULTI_GPU", "distributed_type: FSDP")
-        + "fsdp_config:\n  fsdp_version: 2\n  fsdp_cpu_ram_efficient_loading: false\n  fsdp_sync_module_states: false\n"
-    )
-    result = launch(str(config.with_suffix("")), "bert", "--tiny", "--output_dir", str(tmp_path / "run"), cwd=tmp_path)
+    """Without the toolkit's CPU FSDP support, accelerate quietly trains an FSDP config as DDP: refused.
+
+    Also the guard of toolkit/fsdp_cpu.py: the day accelerate shards on CPU by itself, this run trains as FSDP,
+    the test fails, and that module can go.
+    """
+    result = launch("fsdp2", "bert", "--tiny", "--output_dir", str(tmp_path / "run"), cwd=tmp_path,
+                    env={"TOOLKIT_CPU_FSDP": "0"})  # fmt: skip
     assert result.returncode != 0, result.stderr[-3000:]
     assert "The config asks for FSDP but accelerate set up MULTI_CPU" in result.stderr
     assert not list((tmp_path / "run").glob("*.safetensors"))
+
+
+def test_fsdp1_on_cpu_is_refused_with_the_fix(tmp_path):
+    config = tmp_path / "fsdp1.yaml"
+    config.write_text(
+        (ROOT / "accelerate_configs" / "fsdp2.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1")
+    )
+    result = launch(str(config.with_suffix("")), "bert", "--tiny", "--output_dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "On CPU only FSDP2 configs run (fsdp_version: 2)" in result.stderr and "fsdp2.yaml" in result.stderr
 
 
 def test_make_finetune_offline_fails_fast_then_trains_tiny(tmp_path):

@@ -32,6 +32,8 @@ STRATEGIES = {
     "zero3": ("DEEPSPEED", "ZeRO-3", True, True, 2),
     "zero3_offload": ("DEEPSPEED", "ZeRO-3 offload_optimizer=cpu offload_param=cpu", True, True, 2),
     "fsdp2": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),
+    "fsdp_shard_grad_op": ("FSDP", "FSDP2 SHARD_GRAD_OP", True, True, 2),
+    "fsdp_offload": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),  # on CPU: runs without offload, and says so
 }
 RECIPES = {"bert": ("classification", 1), "llama3_fft": ("sft", 2), "llama3_lora": ("sft", 1)}  # task, accumulation
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",
@@ -101,6 +103,8 @@ def test_strategy(config, recipe, reference, tmp_path):
         assert r["strategy"]["num_processes"] == processes
         assert r["strategy"]["sharding"] == sharding
     assert f"sharding      {sharding}\n" in result.stdout
+    offload_warning = "fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without offload"
+    assert (offload_warning in result.stderr) == (config == "fsdp_offload")
 
     # What each rank holds: 1/2 of the reference's bytes where sharded, all of them where replicated.
     for r in reports:

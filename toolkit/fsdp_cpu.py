@@ -7,9 +7,9 @@ accelerate skipped: when the launch asked for FSDP, the job is multi-process, an
 state becomes FSDP with the plugin accelerate built from the config. That is all; everything else (wrapping,
 sharded and full state dicts) is accelerate's and torch's own code.
 
-This is for tests and dry runs of a GPU config on a laptop. It is guarded by
-tests/test_fsdp_cpu.py::test_accelerate_still_needs_the_cpu_fsdp_patch, which fails the day accelerate
-handles FSDP on CPU itself (then delete this module).
+This is for tests and dry runs of a GPU config on a laptop; TOOLKIT_CPU_FSDP=0 turns it off. It is guarded by
+tests/test_launch.py::test_fsdp_fallback_to_ddp_is_refused, which runs with it off and fails the day
+accelerate handles FSDP on CPU itself (then delete this module).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ _ORIGINAL_INIT = AcceleratorState.__init__
 def needed() -> bool:
     import torch
 
-    return _flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
+    enabled = os.environ.get("TOOLKIT_CPU_FSDP", "1") != "0"
+    return enabled and _flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
 
 
 def enable() -> None:
