@@ -66,26 +66,33 @@ def test_truncation_drops_conversations_without_assistant_tokens(llama_tokenizer
         prepare(load_raw(args), llama_tokenizer, args, no_lock)
 
 
-def test_missing_columns_are_named(tmp_path):
+@pytest.fixture
+def sentiment_csv(tmp_path):
     path = tmp_path / "d.csv"
-    path.write_text("sentence,sentiment\nnice film,pos\nbad film,neg\n")
-    tok = tiny.tiny_tokenizer("google-bert/bert-base-cased", "classification")
-    args = DataArguments(task="classification", dataset_name=str(path))
+    path.write_text("sentence,sentiment\nnice film,pos\nbad film,neg\nok film,pos\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bert_tokenizer():
+    return tiny.tiny_tokenizer("google-bert/bert-base-cased", "classification")
+
+
+def test_missing_columns_are_named(sentiment_csv, bert_tokenizer):
+    tok, path = bert_tokenizer, sentiment_csv
+    args = DataArguments(task="classification", dataset_name=path)
     with pytest.raises(DataError, match=r"no column \['text'\] \(it has \['sentence', 'sentiment'\]\).*--text_columns"):
         prepare(load_raw(args), tok, args, no_lock)
-    args = DataArguments(task="classification", dataset_name=str(path), text_columns="sentence", label_column="label")
+    args = DataArguments(task="classification", dataset_name=path, text_columns="sentence", label_column="label")
     with pytest.raises(DataError, match="--label_column"):
         prepare(load_raw(args), tok, args, no_lock)
 
 
-def test_string_labels_map_to_sorted_ids(tmp_path):
-    path = tmp_path / "d.csv"
-    path.write_text("sentence,sentiment\nnice film,pos\nbad film,neg\nok film,pos\n")
-    tok = tiny.tiny_tokenizer("google-bert/bert-base-cased", "classification")
+def test_string_labels_map_to_sorted_ids(sentiment_csv, bert_tokenizer):
     args = DataArguments(
-        task="classification", dataset_name=str(path), text_columns="sentence", label_column="sentiment"
+        task="classification", dataset_name=sentiment_csv, text_columns="sentence", label_column="sentiment"
     )
-    data = prepare(load_raw(args), tok, args, no_lock)
+    data = prepare(load_raw(args), bert_tokenizer, args, no_lock)
     assert data.label_names == ["neg", "pos"]
     assert data.train["labels"] == [1, 0, 1]
 

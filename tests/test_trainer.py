@@ -83,3 +83,13 @@ def test_redact_argv():
         "--learning_rate",
         "2",
     ]
+
+
+def test_unknown_gpu_type_fails_before_loading(tmp_path, capsys):
+    from toolkit import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(BERT, ["--tiny", "--gpu_type", "B300", "--output_dir", str(tmp_path / "run")], name="bert")
+    assert exit_info.value.code == 2
+    assert "Unknown GPU type 'B300'. Known: RTX-3090" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -46,6 +46,12 @@ def detect_device() -> str:
     return gpu  # not in the table: priced only with --hourly_usd
 
 
+def check_device_name(device: str | None, hourly_usd: float | None) -> None:
+    """A GPU type given by name must be in the table, unless its price is given too."""
+    if device is not None and hourly_usd is None:
+        device_spec(device)  # the error lists the known names
+
+
 @dataclass(frozen=True)
 class CostModel:
     device: str
@@ -65,8 +71,7 @@ class CostModel:
         pricing: str = "on_demand",
         overhead: float = 1.0,
     ) -> CostModel:
-        if device is not None and hourly_usd is None:
-            device_spec(device)  # a name the user typed must be in the table: the error lists those that are
+        check_device_name(device, hourly_usd)
         device = device or detect_device()
         spec = price_table()["devices"].get(device)
         per_vcpu = spec is not None and spec.get("per") == "vcpu"

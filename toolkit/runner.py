@@ -17,7 +17,7 @@ from transformers import set_seed
 
 from . import fsdp_cpu, tiny
 from .arguments import ConfigError, parse
-from .cost import UnknownHardware
+from .cost import UnknownHardware, check_device_name
 from .data import DataError, load_raw, prepare
 from .models import ParameterCounts, add_lora, load_model, load_tokenizer
 from .sources import SourceUnavailable
@@ -57,6 +57,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
     args = parse(recipe, name, argv, tiny_defaults=tiny_layer)
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
+    check_device_name(args.run.gpu_type, args.run.hourly_usd)
     training = args.training
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     set_seed(training.seed)

@@ -37,6 +37,15 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int
 
 class RecipeTrainer(Trainer):
     def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, **kwargs):
+        training = kwargs["args"]
+        self.base_learning_rate = training.learning_rate
+        if arguments.run.lr_reference_batch_size:  # before the Trainer copies lr into DeepSpeed's "auto" values
+            global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps
+            training.learning_rate = scaled_learning_rate(
+                self.base_learning_rate, global_batch * training.world_size, arguments.run.lr_reference_batch_size
+            )
+            if not training.warmup_steps:  # a large scaled lr needs a gradual start
+                training.warmup_steps = 0.05
         super().__init__(*args, **kwargs)
         check_strategy(self.accelerator)  # before a single step is paid for
         if arguments.data.task == "classification":
@@ -48,13 +57,6 @@ class RecipeTrainer(Trainer):
         self.param_counts = param_counts
         self.strategy = describe(self.accelerator)
         run = arguments.run
-        self.base_learning_rate = self.args.learning_rate
-        if run.lr_reference_batch_size:
-            self.args.learning_rate = scaled_learning_rate(
-                self.base_learning_rate, self.global_batch_size, run.lr_reference_batch_size
-            )
-            if not self.args.warmup_steps:  # a large scaled lr needs a gradual start
-                self.args.warmup_steps = 0.05
         self.cost = CostModel.for_job(
             self.accelerator.num_processes,
             num_machines(self.accelerator.num_processes),
