@@ -235,7 +235,7 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
 
     tokenizer = tiny_tokenizer(model_name, task)
     data = write_tiny_dataset(task)
-    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{task}-{data.stem}"
+    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}"  # data.stem: task-hash
     if (path / "config.json").exists():
         return path
     config = tiny_config(model_name, tokenizer)
