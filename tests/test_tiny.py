@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModel
 
 from toolkit import tiny
+from toolkit.arguments import ConfigError
 
 
 def meta_parameters(config) -> int:
@@ -47,3 +49,8 @@ def test_tiny_data_is_deterministic_and_unique():
     assert len({r["text"] for r in rows}) == len(rows)
     assert {r["label"] for r in rows} == {0, 1}
     assert tiny.write_tiny_dataset("sft") == tiny.write_tiny_dataset("sft")
+
+
+def test_tiny_mode_for_an_unknown_model_says_how_to_add_it():
+    with pytest.raises(ConfigError, match=r"No stored config for 'acme/unknown-7b'.*meta-llama/Meta-Llama-3-8B"):
+        tiny.stored_config("acme/unknown-7b")

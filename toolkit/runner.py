@@ -31,7 +31,6 @@ USER_ERRORS = (
     DataError,
     StrategyMismatch,
     UnknownHardware,
-    FileNotFoundError,
 )
 
 

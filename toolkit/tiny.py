@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
 
+from .arguments import ConfigError
 from .sources import resolve
 
 HUB_CONFIGS = Path(__file__).parent / "hub_configs"
@@ -81,7 +82,7 @@ def stored_config(model_name: str) -> PretrainedConfig:
     path = hub_config_path(model_name)
     if not path.is_file():
         known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*.json"))
-        raise FileNotFoundError(
+        raise ConfigError(
             f"No stored config for '{model_name}' in {HUB_CONFIGS}; tiny mode knows {known}. "
             "Add the model's config.json there (named <org>--<name>.json) to use --tiny with it."
         )
