@@ -95,13 +95,13 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         # transformers models use every parameter in forward: skip DDP's extra graph traversal per step
         "ddp_find_unused_parameters": False,
     }
-    if not _has_accelerator():
+    if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
         defaults["use_cpu"] = True
     return defaults
 
 
-def _has_accelerator() -> bool:
+def has_accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())

@@ -20,16 +20,15 @@ import warnings
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
+from .arguments import has_accelerator
 from .strategy import StrategyMismatch, _flag
 
 _ORIGINAL_INIT = AcceleratorState.__init__
 
 
 def needed() -> bool:
-    import torch
-
     enabled = os.environ.get("TOOLKIT_CPU_FSDP", "1") != "0"
-    return enabled and _flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
+    return enabled and _flag("ACCELERATE_USE_FSDP") and not has_accelerator()
 
 
 def enable() -> None:

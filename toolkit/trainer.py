@@ -30,6 +30,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
 
 
+def nbytes(t: torch.Tensor) -> int:
+    local = local_tensor(t)
+    return local.numel() * local.element_size()
+
+
+def global_batch_size(training) -> int:
+    """Samples per optimizer step over the whole job."""
+    return training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+
+
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
     """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
     return base_lr * global_batch / reference_batch
@@ -40,9 +50,8 @@ class RecipeTrainer(Trainer):
         training = kwargs["args"]
         self.base_learning_rate = training.learning_rate
         if arguments.run.lr_reference_batch_size:  # before the Trainer copies lr into DeepSpeed's "auto" values
-            global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps
             training.learning_rate = scaled_learning_rate(
-                self.base_learning_rate, global_batch * training.world_size, arguments.run.lr_reference_batch_size
+                self.base_learning_rate, global_batch_size(training), arguments.run.lr_reference_batch_size
             )
             if not training.warmup_steps:  # a large scaled lr needs a gradual start
                 training.warmup_steps = 0.05
@@ -79,18 +88,13 @@ class RecipeTrainer(Trainer):
                 print(notice)
             self.add_callback(WandbRunConfig(self.run_config()))
 
-    @property
-    def global_batch_size(self) -> int:
-        args = self.args
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
-
     def run_config(self) -> dict[str, Any]:
         return {
             "toolkit": self.recipe.resolved(),
             "strategy": self.strategy,
             "launch": launch_environment(),
             "parameters": {"total": self.param_counts.total, "trainable": self.param_counts.trainable},
-            "global_batch_size": self.global_batch_size,
+            "global_batch_size": global_batch_size(self.args),
             "pricing": {
                 "device": self.cost.device,
                 "usd_per_unit_hour": self.cost.usd_per_unit_hour,
@@ -115,7 +119,7 @@ class RecipeTrainer(Trainer):
             f"sharding      {s['sharding']}",
             f"precision     {s['mixed_precision']}, weights {self.recipe.model.dtype}",
             f"batch         {a.per_device_train_batch_size} per device x {a.gradient_accumulation_steps} accumulation "
-            f"x {s['num_processes']} processes = {self.global_batch_size} global",
+            f"x {s['num_processes']} processes = {global_batch_size(self.args)} global",
             f"learning rate {lr}",
             f"pricing       {self.cost.device}: "
             + (
@@ -161,12 +165,12 @@ class RecipeTrainer(Trainer):
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
-        params = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in self.model_wrapped.parameters())
+        params = sum(nbytes(p) for p in self.model_wrapped.parameters())
         optimizer = self.optimizer
         while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, then torch's
             optimizer = optimizer.optimizer
         state = sum(
-            local_tensor(t).numel() * local_tensor(t).element_size()
+            nbytes(t)
             for per_param in optimizer.state.values()
             for t in per_param.values()
             if torch.is_tensor(t) and t.dim() > 0  # not the scalar step counters

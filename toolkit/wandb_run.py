@@ -9,6 +9,7 @@ import netrc
 import os
 import re
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,6 @@ def redact_argv(argv: list[str]) -> None:
 
 def finish_run() -> None:
     """Flush and close the W&B run, so the process does not exit with it half-written."""
-    import sys
-
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()
