@@ -58,6 +58,7 @@ def test_tiny_from_yaml(tmp_path):
         (["--learning_rat", "1e-4"], "Did you mean '--learning_rate'?"),
         (["--num_train_epoch", "4"], "Did you mean '--num_train_epochs'?"),
         (["--lora_r", "many"], "Invalid command-line arguments"),
+        (["--merge_lora", "true"], "merge_lora merges a LoRA adapter: set use_lora true too"),
     ],
 )
 def test_bad_flags(argv, message):

@@ -13,7 +13,8 @@ from test_strategies import STRATEGIES
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from toolkit.strategy import StrategyMismatch, resolve_config_paths
+from toolkit import fsdp_cpu
+from toolkit.strategy import StrategyMismatch, check_hybrid_mesh, resolve_config_paths
 
 YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 JSONS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -61,3 +62,25 @@ def test_deepspeed_config_path_resolves_from_any_directory(monkeypatch, tmp_path
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/nope.json")
     with pytest.raises(StrategyMismatch, match="nope.json.*not found"):
         resolve_config_paths()
+
+
+def test_fsdp1_hybrid_on_cpu_names_the_fsdp2_config(monkeypatch):
+    """FSDP1 FULL_SHARD / SHARD_GRAD_OP run as FSDP2 on CPU (the matrix launches fsdp.yaml); HYBRID_SHARD is refused."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD")
+    with pytest.raises(StrategyMismatch, match="FSDP1 HYBRID_SHARD needs GPUs.*accelerate_configs/fsdp_hybrid.yaml"):
+        fsdp_cpu.enable()
+
+
+@pytest.mark.parametrize(("per_node", "shard", "refused"), [(2, 2, False), (4, 2, False), (2, 4, True)])
+def test_hybrid_shard_groups_stay_inside_a_node(monkeypatch, per_node, shard, refused):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    mesh = SimpleNamespace(dp_replicate_enabled=True, dp_shard_enabled=True, dp_shard_size=shard)
+    accelerator = SimpleNamespace(parallelism_config=mesh, num_processes=8)
+    if refused:
+        fix = "--parallelism_config_dp_shard_size 2 --parallelism_config_dp_replicate_size 4"
+        with pytest.raises(StrategyMismatch, match=fix):
+            check_hybrid_mesh(accelerator)
+    else:
+        check_hybrid_mesh(accelerator)

@@ -52,16 +52,6 @@ def test_fsdp_fallback_to_ddp_is_refused(tmp_path):
     assert not list((tmp_path / "run").glob("*.safetensors"))
 
 
-def test_fsdp1_on_cpu_is_refused_with_the_fix(tmp_path):
-    config = tmp_path / "fsdp1.yaml"
-    config.write_text(
-        (ROOT / "accelerate_configs" / "fsdp2.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1")
-    )
-    result = launch(str(config.with_suffix("")), "bert", "--tiny", "--output_dir", str(tmp_path / "run"), cwd=tmp_path)
-    assert result.returncode != 0
-    assert "On CPU only FSDP2 configs run (fsdp_version: 2)" in result.stderr and "fsdp2.yaml" in result.stderr
-
-
 def test_make_finetune_offline_fails_fast_then_trains_tiny(tmp_path):
     # An unreachable endpoint, without HF_HUB_OFFLINE: the reachability probe must catch it, not 30 s of retries.
     env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}

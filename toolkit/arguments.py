@@ -38,6 +38,10 @@ class ModelArguments:
         default="all-linear",
         metadata={"help": "Comma-separated module names, or all-linear (every linear but the head)."},
     )
+    merge_lora: bool = field(
+        default=False,
+        metadata={"help": "LoRA: also save base + adapter merged into one standalone model in OUTPUT_DIR/merged."},
+    )
 
 
 @dataclass
@@ -201,4 +205,6 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError(f"task must be 'classification' or 'sft', got '{data.task}'.")
     if run.pricing not in ("on_demand", "spot"):
         raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{run.pricing}'.")
+    if model.merge_lora and not model.use_lora:
+        raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     return Arguments(model, data, run, training, recipe_name)

@@ -19,7 +19,7 @@ from . import fsdp_cpu, tiny
 from .arguments import ConfigError, parse
 from .cost import UnknownHardware, check_device_name
 from .data import DataError, load_raw, prepare
-from .models import ParameterCounts, add_lora, load_model, load_tokenizer
+from .models import ParameterCounts, add_lora, allocate_placeholders, load_model, load_tokenizer, save_merged
 from .sources import SourceUnavailable
 from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from .trainer import RecipeTrainer
@@ -64,9 +64,11 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
+    loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
+    allocate_placeholders(model)  # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
     set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
 
@@ -80,6 +82,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         compute_metrics=accuracy if args.data.task == "classification" else None,
         arguments=args,
         param_counts=counts,
+        loaded_param_bytes=loaded_bytes,
     )
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     metrics = dict(result.metrics)
@@ -91,6 +94,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     trainer.save_model(training.output_dir)
     if trainer.is_world_process_zero():
         print(f"saved to {training.output_dir}")
+        if args.model.use_lora and args.model.merge_lora:
+            print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
     finish_run()
     return RunResult(trainer, metrics)
 

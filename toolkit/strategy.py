@@ -25,7 +25,7 @@ class StrategyMismatch(RuntimeError):
     """The launch does not run the strategy its config asked for."""
 
 
-def _flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
@@ -42,8 +42,8 @@ class Requested:
         under_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
         return cls(
             num_processes=int(world) if world else None,
-            fsdp=_flag("ACCELERATE_USE_FSDP"),
-            deepspeed=_flag("ACCELERATE_USE_DEEPSPEED"),
+            fsdp=env_flag("ACCELERATE_USE_FSDP"),
+            deepspeed=env_flag("ACCELERATE_USE_DEEPSPEED"),
             collapsed_launch=under_accelerate and world is None and "MASTER_ADDR" in os.environ,
         )
 
@@ -95,6 +95,26 @@ def check_strategy(accelerator: Accelerator, requested: Requested | None = None)
         )
     if requested.deepspeed and in_effect != DistributedType.DEEPSPEED:
         raise StrategyMismatch(f"The config asks for DeepSpeed but accelerate set up {in_effect.value}.")
+    check_hybrid_mesh(accelerator)
+
+
+def check_hybrid_mesh(accelerator: Accelerator) -> None:
+    """HYBRID_SHARD shards inside a node: a shard group that spans nodes all-gathers over the slow network.
+
+    The mesh is replicate x shard with the shard dimension innermost, so shard groups are runs of consecutive
+    ranks; they stay inside a node when the processes per node are a multiple of the shard size.
+    """
+    mesh = accelerator.parallelism_config
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    if mesh is None or not (mesh.dp_replicate_enabled and mesh.dp_shard_enabled) or per_node % mesh.dp_shard_size == 0:
+        return
+    nodes = max(1, accelerator.num_processes // per_node)
+    raise StrategyMismatch(
+        f"The HYBRID_SHARD mesh shards over {mesh.dp_shard_size} processes but a node runs {per_node}: set "
+        f"parallelism_config_dp_shard_size: {per_node} and parallelism_config_dp_replicate_size: {nodes} in the "
+        f"config, or pass --parallelism_config_dp_shard_size {per_node} "
+        f"--parallelism_config_dp_replicate_size {nodes} to accelerate launch."
+    )
 
 
 def layer_class(model) -> str:
@@ -114,7 +134,7 @@ def set_fsdp_wrap_class(model) -> None:
     Left empty, accelerate wraps every class in `_no_split_modules`, which for BERT includes the embeddings
     module; it then wraps the word embeddings inside it a second time and FSDP2 fails at set-up.
     """
-    if not _flag("ACCELERATE_USE_FSDP"):
+    if not env_flag("ACCELERATE_USE_FSDP"):
         return
     configured = [c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip()]
     present = {type(m).__name__ for m in model.modules()}
@@ -143,6 +163,9 @@ def describe(accelerator: Accelerator) -> dict[str, str | int]:
             mode = "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
         else:
             mode = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
+        mesh = accelerator.parallelism_config
+        if mesh is not None and mesh.dp_replicate_enabled and mesh.dp_shard_enabled:  # FSDP2's HSDP
+            mode = f"HYBRID_SHARD ({mesh.dp_replicate_size} replicas x {mesh.dp_shard_size} shards)"
         sharding = f"FSDP{plugin.fsdp_version} {mode}"
         offload = plugin.cpu_offload  # FSDP1: CPUOffload(offload_params); FSDP2: an OffloadPolicy subclass
         if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":

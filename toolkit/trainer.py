@@ -17,22 +17,10 @@ from transformers import Trainer
 
 from .arguments import Arguments
 from .cost import CostModel
-from .models import ParameterCounts
+from .models import ParameterCounts, local_tensor, nbytes
 from .strategy import check_strategy, describe, num_machines
 from .tracking import RunTracker
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter or state tensor that this rank stores."""
-    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the partition lives beside an empty placeholder
-        return t.ds_tensor
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
-
-
-def nbytes(t: torch.Tensor) -> int:
-    local = local_tensor(t)
-    return local.numel() * local.element_size()
 
 
 def global_batch_size(training) -> int:
@@ -46,7 +34,14 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int
 
 
 class RecipeTrainer(Trainer):
-    def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, **kwargs):
+    def __init__(
+        self,
+        *args,
+        arguments: Arguments,
+        param_counts: ParameterCounts,
+        loaded_param_bytes: int | None = None,
+        **kwargs,
+    ):
         training = kwargs["args"]
         self.base_learning_rate = training.learning_rate
         if arguments.run.lr_reference_batch_size:  # before the Trainer copies lr into DeepSpeed's "auto" values
@@ -64,6 +59,7 @@ class RecipeTrainer(Trainer):
             self.model_accepts_loss_kwargs = False
         self.recipe = arguments
         self.param_counts = param_counts
+        self.loaded_param_bytes = loaded_param_bytes
         self.strategy = describe(self.accelerator)
         run = arguments.run
         self.cost = CostModel.for_job(
@@ -190,7 +186,9 @@ class RecipeTrainer(Trainer):
             "weights_sha256": digest.hexdigest(),
             "tokens_seen": self.state.num_input_tokens_seen,
             **self.held_bytes(),
+            "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
+            "learning_rates": [e["learning_rate"] for e in self.state.log_history if "loss" in e],
         }
         folder = Path(self.args.output_dir) / "rank_reports"
         folder.mkdir(parents=True, exist_ok=True)

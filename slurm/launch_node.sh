@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One node's part of a multi-node job: `accelerate launch` with this node's rank, the job's size and the head
+# node's address, all taken from the scheduler. srun runs it once per node (see finetune.sbatch); on plain hosts
+# set the same variables by hand (README, "Several nodes").
+#
+#   slurm/launch_node.sh CONFIG RECIPE [recipe flags...]
+#
+# SLURM_NODEID, SLURM_NNODES  this node's index and the node count (srun sets them)
+# MAIN_ADDR, MAIN_PORT        the head node's address and a free port on it (finetune.sbatch sets them)
+# GPUS_PER_NODE               processes per node (default: SLURM_GPUS_ON_NODE, else the GPUs nvidia-smi lists)
+set -euo pipefail
+
+config=${1:?usage: slurm/launch_node.sh CONFIG RECIPE [recipe flags...]}
+recipe=${2:?usage: slurm/launch_node.sh CONFIG RECIPE [recipe flags...]}
+shift 2
+node=${SLURM_NODEID:?not set: run under srun, or export SLURM_NODEID (0 on the head node)}
+nodes=${SLURM_NNODES:?not set: run under srun, or export SLURM_NNODES}
+addr=${MAIN_ADDR:?not set: the head node address (finetune.sbatch sets it)}
+port=${MAIN_PORT:-29500}
+per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
+if [ "$per_node" -lt 1 ]; then
+  echo "no GPUs found on $(hostname): set GPUS_PER_NODE" >&2
+  exit 2
+fi
+
+# The mesh flags only matter to configs with a parallelism_config (fsdp_hybrid.yaml): replicate across the
+# nodes, shard over one node's processes. accelerate ignores them otherwise.
+exec accelerate launch --config_file "$config" \
+  --num_machines "$nodes" --num_processes $((nodes * per_node)) --machine_rank "$node" \
+  --main_process_ip "$addr" --main_process_port "$port" \
+  --parallelism_config_dp_replicate_size "$nodes" --parallelism_config_dp_shard_size "$per_node" \
+  "$recipe" "$@"
