@@ -154,7 +154,11 @@ def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
     from its shards when saved). Loads one full copy of the base model in host RAM.
     """
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    # This runs on rank 0 alone, after training. Under a ZeRO-3 run, from_pretrained would still partition the
+    # model across ranks: collectives only this rank joins, a hang. This is the run's last step, so drop it.
+    unset_hf_deepspeed_config()
     loader = AutoPeftModelForSequenceClassification if task == "classification" else AutoPeftModelForCausalLM
     model = loader.from_pretrained(adapter_dir, dtype=DTYPES[dtype])  # the precision the base trained in
     merged = model.merge_and_unload()  # W + (alpha / r) * B @ A, adapters removed
