@@ -140,15 +140,21 @@ def test_hybrid_shard_on_two_nodes(reference, tmp_path):
     out = tmp_path / "run"
     env = {"PATH": f"{fake_bin}:{BIN}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "2", "MAIN_PORT": str(free_port())}  # fmt: skip
-    cmd = ["bash", str(ROOT / "slurm" / "finetune.sbatch"), "accelerate_configs/fsdp_hybrid.yaml",
-           "recipes/llama3_fft.py", *run_flags("llama3_fft", 4, out)]  # fmt: skip
-    result = check(run_cmd(cmd, cwd=tmp_path, env=env))
+    sbatch = ["bash", str(ROOT / "slurm" / "finetune.sbatch"), "accelerate_configs/fsdp_hybrid.yaml",
+              "recipes/llama3_fft.py"]  # fmt: skip
+    result = check(run_cmd([*sbatch, *run_flags("llama3_fft", 4, out)], cwd=tmp_path, env=env))
     check_run("fsdp_hybrid", "llama3_fft", out, result, reference)
     reports = rank_reports(out)
     assert all(r["strategy"]["num_machines"] == 2 for r in reports)
     digests = [r["weights_sha256"] for r in reports]  # ranks 0,1 on node 0; 2,3 on node 1
     assert digests[0] == digests[2] and digests[1] == digests[3]  # replicated across nodes
     assert digests[0] != digests[1]  # sharded inside a node
+
+    # Resume the job from its sharded HSDP checkpoint (2-D mesh) the way a requeued SLURM job would.
+    resumed = tmp_path / "resumed"
+    flags = [*run_flags("llama3_fft", 4, resumed), "--resume_from_checkpoint", str(out / f"checkpoint-{RESUME_STEP}")]
+    check(run_cmd([*sbatch, *flags], cwd=tmp_path, env={**env, "MAIN_PORT": str(free_port())}))
+    check_resumed(reports, rank_reports(resumed))
 
 
 def run_flags(recipe: str, processes: int, out) -> list[str]:
