@@ -8,8 +8,11 @@ MODEL  ?= bert          # a file in recipes/ (without .py)
 CONFIG ?= single_gpu    # a file in accelerate_configs/ (without .yaml)
 NUM_PROCESSES ?=        # overrides the config's num_processes, e.g. 2 for a CPU DDP run
 ARGS   ?=               # extra recipe flags, e.g. --tiny or --learning_rate 1e-5
+GPU    ?= A100-80GB     # plan: a GPU type from toolkit/hardware.yaml
+GPUS   ?= 8             # plan: GPUs per node
+NODES  ?= 1             # plan: nodes
 
-.PHONY: install demo finetune test test-fast lint format clean
+.PHONY: install demo finetune plan test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -27,6 +30,11 @@ finetune:
 	$(BIN)/accelerate launch --config_file accelerate_configs/$(strip $(CONFIG)).yaml \
 		$(if $(strip $(NUM_PROCESSES)),--num_processes $(strip $(NUM_PROCESSES))) \
 		recipes/$(strip $(MODEL)).py $(ARGS)
+
+# Memory per GPU for every config, the fit verdict and the recommendation (offline, no weights loaded).
+plan:
+	$(BIN)/python -m toolkit plan $(strip $(MODEL)) --gpu $(strip $(GPU)) --gpus $(strip $(GPUS)) \
+		--nodes $(strip $(NODES)) $(ARGS)
 
 test:
 	$(BIN)/python -m pytest -q

@@ -19,7 +19,7 @@ import torch
 from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
 from safetensors.torch import load_file
 
-from toolkit import tiny
+from toolkit import planner, tiny
 from toolkit.arguments import DataArguments
 from toolkit.data import load_raw, prepare
 
@@ -186,6 +186,12 @@ def check_run(config, recipe, out, result, reference) -> None:
                 assert 0.45 <= share <= 0.6, (key, share)
             else:
                 assert share == 1.0, (key, share)
+    # The planner's per-rank bytes for the same model, strategy file and world size equal the measured ones
+    # (fp32, AdamW); ZeRO pads its flat partitions to an alignment, a few hundred bytes on these tiny models.
+    planned = planned_bytes(config, recipe, processes)
+    for r in reports:
+        assert r["param_bytes"] == pytest.approx(planned["parameters"], rel=0.01, abs=512), config
+        assert r["optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.01, abs=512), config
     # ... and right after loading: RAM-efficient loading (every FSDP config) materializes the weights on rank 0
     # only, the others start empty and receive them; ZeRO-3 partitions while loading; the rest load a full copy.
     full = ref_report["loaded_param_bytes"]
@@ -213,6 +219,25 @@ def check_run(config, recipe, out, result, reference) -> None:
         torch.testing.assert_close(value.float(), ref_weights[name].float(), rtol=1e-3, atol=2e-4, msg=name)
     if not params_sharded:
         assert len({r["weights_sha256"] for r in reports}) == 1  # replicas identical
+
+
+def planned_bytes(config: str, recipe: str, processes: int) -> dict[str, int]:
+    """What toolkit.planner says each rank holds at rest for this run, wherever it lives."""
+    from transformers import AutoConfig
+
+    task = RECIPES[recipe][0]
+    model_name = "google-bert/bert-base-cased" if recipe == "bert" else "meta-llama/Meta-Llama-3-8B"
+    model_config = AutoConfig.from_pretrained(tiny.tiny_checkpoint(model_name, task))
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"} if recipe == "llama3_lora" else None
+    shape = planner.Shape.of(planner.meta_model(model_config, task, lora), model_config)
+    layout = planner.Layout.from_file(ROOT / "accelerate_configs" / f"{config}.yaml")
+    nodes = 2 if layout.hybrid else 1
+    per_node = processes // nodes
+    memory = planner.plan_memory(shape, layout, planner.Workload(precision="fp32"), per_node, nodes)
+    return {  # on the device, or this rank's share of what the node offloads to host RAM
+        key: memory.device[key] + memory.host_per_node.get(key, 0) // per_node
+        for key in ("parameters", "optimizer_states")
+    }
 
 
 def check_merged(out) -> None:

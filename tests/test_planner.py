@@ -1,0 +1,143 @@
+"""The planner against independent sources: published parameter counts, accelerate's and DeepSpeed's own
+estimators, the textbook cost example, and (in test_strategies.py) the bytes each rank really held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.commands.estimate import calculate_maximum_sizes, estimate_training_usage
+from conftest import ROOT
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from toolkit import tiny
+from toolkit.cost import device_spec
+from toolkit.planner import (
+    GIB,
+    Layout,
+    Shape,
+    Workload,
+    cost_from_throughput,
+    meta_model,
+    plan_memory,
+    verdicts,
+)
+
+MIB = 2**20
+LLAMA, BERT = "meta-llama/Meta-Llama-3-8B", "google-bert/bert-base-cased"
+
+
+@pytest.fixture(scope="module")
+def llama() -> Shape:
+    config = tiny.stored_config(LLAMA)
+    return Shape.of(meta_model(config, "sft"), config)
+
+
+def layout(name: str) -> Layout:
+    return Layout.from_file(ROOT / "accelerate_configs" / f"{name}.yaml")
+
+
+def model_states(memory) -> int:
+    return sum(v for k, v in memory.device.items() if k not in ("activations", "cuda_context"))
+
+
+def test_parameter_accounting(llama):
+    assert llama.total == 8_030_261_248 == llama.trainable  # Meta-Llama-3-8B, model card
+    assert llama.largest_module == 128_256 * 4_096  # the embedding (the untied head is as large)
+    config = tiny.stored_config(LLAMA)
+    lora = Shape.of(meta_model(config, "sft", {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}), config)
+    # r x (in + out) per adapted linear: q, k, v, o, gate, up, down in 32 layers
+    per_layer = 16 * ((4096 + 4096) + (4096 + 1024) * 2 + (4096 + 4096) + (4096 + 14336) * 2 + (14336 + 4096))
+    assert lora.trainable == 32 * per_layer and lora.total == llama.total + lora.trainable
+    assert lora.frozen == llama.total
+
+
+ACCELERATE_BERT = [("fp32", "float32", 413.18, 1.61, GIB), ("bf16", "float16", 206.59, 826.36, MIB)]
+
+
+@pytest.mark.parametrize(("precision", "dtype", "size_mib", "adam", "adam_unit"), ACCELERATE_BERT)
+def test_bert_matches_accelerate_estimate_memory(precision, dtype, size_mib, adam, adam_unit):
+    """accelerate's published figures for bert-base-cased (`accelerate estimate-memory`, its docs): 413.18 MB and
+    1.61 GB with Adam in fp32, 206.59 MB / 826.36 MB in fp16. The planner in accelerate's assumptions (one
+    device, weights, gradients and Adam states all in one dtype, no activations) gives the same, once the 8 KiB
+    of int64 buffers accelerate also counts (position and token-type ids) are added."""
+    from transformers import AutoModel
+
+    config = tiny.stored_config(BERT)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)  # accelerate sizes the bare model
+    shape = Shape.of(model, config)
+    assert shape.total == 108_310_272
+    memory = plan_memory(shape, layout("single_gpu"), Workload(precision=precision), gpus_per_node=1)
+    scale = 2 if precision == "bf16" else 1  # accelerate halves the whole size, buffers included
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers()) // scale
+    assert (memory.device["parameters"] + buffers) / MIB == pytest.approx(size_mib, abs=0.005)
+    assert (model_states(memory) + 4 * buffers) / adam_unit == pytest.approx(adam, abs=0.005)
+    # ... and accelerate's own functions, run here on the same meta model
+    total_size, _ = calculate_maximum_sizes(model)
+    assert memory.device["parameters"] + buffers == total_size // scale
+    if precision == "fp32":
+        assert model_states(memory) + 4 * buffers == max(estimate_training_usage(total_size, dtype).values())
+
+
+@pytest.mark.parametrize("gpus_per_node, nodes", [(8, 1), (8, 2), (4, 1)])
+@pytest.mark.parametrize("config", ["zero2", "zero2_offload", "zero3", "zero3_offload"])
+def test_deepspeed_model_states_match_deepspeed_estimators(llama, config, gpus_per_node, nodes):
+    """Device bytes of model states (weights, gradients, master weights, optimizer states, gathered buffers) for
+    Llama-3-8B under each ZeRO config equal DeepSpeed's own estimators, read from the same JSON files."""
+    memory = plan_memory(llama, layout(config), Workload(), gpus_per_node, nodes)
+    offload = config.endswith("offload")
+    if config.startswith("zero2"):
+        _, expected = estimate_zero2_model_states_mem_needs(llama.total, gpus_per_node, nodes, cpu_offload=offload)
+    else:
+        _, expected, _ = estimate_zero3_model_states_mem_needs(
+            llama.total, llama.largest_module, gpus_per_node, nodes, cpu_offload=offload, cpu_offload_params=offload
+        )
+    assert model_states(memory) == expected
+
+
+def test_textbook_cost_example():
+    """1M samples x 10 epochs at 100 samples/s on one A100 at $3/h: 27.8 GPU-hours, about $108 with overhead 1.3."""
+    a100 = device_spec("A100-80GB")
+    estimate = cost_from_throughput(1_000_000, 10, 100.0, devices=1, usd_per_device_hour=a100["on_demand"],
+                                    spot_usd_per_device_hour=a100["spot"])  # fmt: skip
+    assert a100["on_demand"] == 3.00
+    assert estimate.device_hours == pytest.approx(27.78, abs=0.01)
+    assert estimate.usd == pytest.approx(108.33, abs=0.01)
+    assert estimate.usd_spot < estimate.usd
+
+
+def test_verdicts_reproduce_the_decision_guide(llama):
+    """The usual guide, from computed memory: a BERT fits one 24 GB card; Llama-3-8B full fine-tuning does not
+    fit replicated on 80 GB cards (DDP) but fits sharded over 8 (ZeRO-3, FSDP), and on a single 80 GB card only
+    with offload."""
+    bert_config = tiny.stored_config(BERT)
+    bert = Shape.of(meta_model(bert_config, "classification"), bert_config)
+    work = Workload(seq_length=512, micro_batch=8)
+    assert {v.config: v.fits for v in verdicts(bert, work, device_gib=24, gpus_per_node=1)}["single_gpu"]
+
+    eight = {v.config: v for v in verdicts(llama, Workload(), device_gib=80, gpus_per_node=8)}
+    assert not eight["ddp"].fits
+    assert eight["zero3"].fits and eight["fsdp2"].fits
+    assert eight["zero3"].device_gib < eight["zero2"].device_gib < eight["zero1"].device_gib < eight["ddp"].device_gib
+
+    one = {v.config: v.fits for v in verdicts(llama, Workload(), device_gib=80, gpus_per_node=1)}
+    assert not one["single_gpu"] and not one["zero3"] and one["zero3_offload"]
+
+
+def test_plan_command_offline(tmp_path):
+    """`python -m toolkit plan` for a recipe: offline (stored config, meta model), table and --json agree."""
+    import json
+    import sys
+
+    from conftest import run_cmd
+
+    cmd = [sys.executable, "-m", "toolkit", "plan", "llama3_lora", "--gpu", "RTX-4090", "--gpus", "1"]
+    table = run_cmd(cmd, cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})
+    assert table.returncode == 0, table.stderr[-2000:]
+    plan = json.loads(run_cmd([*cmd, "--json"], cwd=ROOT, env={"HF_HUB_OFFLINE": "1"}).stdout)
+    assert plan["parameters"]["frozen"] == 8_030_261_248  # LoRA: the base is frozen, counted as such
+    single = next(c for c in plan["configs"] if c["config"] == "single_gpu")
+    assert plan["recommended"] == "single_gpu" and plan["recommended_micro_batch"] == single["micro_batch"] >= 1
+    flag = f"--per_device_train_batch_size {single['micro_batch']}"
+    assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table.stdout

@@ -1,0 +1,18 @@
+"""`python -m toolkit plan ...`: the toolkit's commands."""
+
+import sys
+
+COMMANDS = {"plan": "toolkit.planner"}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m toolkit {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

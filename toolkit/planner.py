@@ -1,0 +1,478 @@
+"""The planner: parameters, per-device memory, a fit verdict, time and cost, before anything is launched.
+
+Everything is computed from a meta-device model (no weights, no Hub call for the recipes' models) and from the
+strategy files themselves (`accelerate_configs/*.yaml` and the DeepSpeed JSON they name). Each formula says
+where it comes from; tests check them against accelerate's and DeepSpeed's own estimators and against the
+bytes each rank really held in the strategy matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter accounting of a model, from its meta-device instance."""
+
+    total: int  # tied weights once
+    trainable: int
+    largest_module: int  # the largest single module's own parameters: ZeRO-3 gathers per module
+    largest_unit: int  # the largest FSDP unit: a transformer layer, or the embeddings / the output head
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config) -> Shape:
+        params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+        own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+        layer = max((sum(p.numel() for p in b[0].parameters()) for b in blocks), default=0)
+        embeddings = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings()
+        head_params = head.weight.numel() if head is not None else 0
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(
+            total=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            largest_module=max(own),
+            largest_unit=max(layer, embeddings, head_params),
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            num_heads=text.num_attention_heads,
+            vocab_size=text.vocab_size,
+        )
+
+
+def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
+    """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+        if lora:
+            from peft import LoraConfig, TaskType, get_peft_model
+
+            task_type = TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM
+            model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
+    return model
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a strategy file does to memory: which states are split over how many ranks, what is offloaded."""
+
+    name: str
+    engine: str  # "torch" (single, DDP, FSDP) or "deepspeed"
+    shard_params: bool = False  # weights split at rest (FSDP, ZeRO-3)
+    shard_grads: bool = False
+    shard_optimizer: bool = False
+    gathered_through_backward: bool = False  # FSDP SHARD_GRAD_OP: a gathered layer stays until its backward
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    hybrid: bool = False  # shard inside a node, replicate across nodes
+    ddp: bool = False
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Layout:
+        path = Path(path)
+        config = yaml.safe_load(path.read_text())
+        kind = config["distributed_type"]
+        if kind == "DEEPSPEED":
+            ds_file = PROJECT_ROOT / config["deepspeed_config"]["deepspeed_config_file"]
+            zero = json.loads(ds_file.read_text()).get("zero_optimization", {})
+            stage = zero.get("stage", 0)
+            offload = {k: zero.get(k, {}).get("device", "none") not in ("none", None) for k in
+                       ("offload_optimizer", "offload_param")}  # fmt: skip
+            return cls(path.stem, "deepspeed", shard_params=stage >= 3, shard_grads=stage >= 2,
+                       shard_optimizer=stage >= 1, offload_params=offload["offload_param"],
+                       offload_optimizer=offload["offload_optimizer"])  # fmt: skip
+        if kind == "FSDP":
+            fsdp = config.get("fsdp_config", {})
+            version = fsdp.get("fsdp_version", 1)
+            if version == 2:
+                keep = fsdp.get("fsdp_reshard_after_forward", True) is False
+            else:
+                keep = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper() == "SHARD_GRAD_OP"
+            offload = bool(fsdp.get("fsdp_offload_params", False))
+            return cls(path.stem, "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
+                       gathered_through_backward=keep, offload_params=offload, offload_optimizer=offload,
+                       hybrid="parallelism_config" in config)  # fmt: skip
+        return cls(path.stem, "torch", ddp=kind != "NO" and config.get("num_processes", 1) > 1)
+
+
+def strategy_files() -> list[Path]:
+    return sorted((PROJECT_ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+# Bytes per parameter of each persistent state, by precision, for the engine's own bookkeeping.
+#   torch (Trainer + torch.optim, FSDP): the weights are the master copy; mixed precision keeps fp32 weights
+#     and gradients and casts per op (autocast) or per gathered unit (FSDP's MixedPrecisionPolicy).
+#   DeepSpeed: 16-bit weights, plus an fp32 master copy and fp32 gradients in the optimizer's partition,
+#     whatever the precision (DeepSpeed's estimators: "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit +
+#     4_params_32bit + 8_optimizer_states_32bit"; deepspeed/runtime/zero/stage_1_and_2.py, stage3.py).
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+OPTIMIZER_STATE_BYTES = {  # per trainable parameter, in the optimizer state dtype
+    "adamw": lambda state_bytes: 2 * state_bytes,  # exp_avg and exp_avg_sq
+    "adamw_8bit": lambda state_bytes: 2,  # bitsandbytes: two 8-bit states (block-wise scales aside)
+    "sgd": lambda state_bytes: 0,  # without momentum
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    micro_batch: int = 1
+    seq_length: int = 2048
+    activation_checkpointing: bool = False
+    flash_attention: bool = True  # sdpa / flash: no s x s attention scores kept for backward
+    cuda_context_gib: float = 0.5  # stated assumption: CUDA context and allocator slack per process
+
+
+@dataclass
+class Memory:
+    """Bytes per device (GPU) and per node (host RAM), by component."""
+
+    device: dict[str, int] = field(default_factory=dict)
+    host_per_node: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_per_node.values())
+
+
+def model_state_bytes(
+    shape: Shape, layout: Layout, precision: str, optimizer: str, upcast_trainable: bool = False
+) -> dict[str, float]:
+    """Bytes of the persistent states before sharding: {component: bytes}. `upcast_trainable`: trainable 16-bit
+    weights are kept in fp32 (accelerate's FSDP2 under mixed precision)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got '{precision}'.")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got '{optimizer}'.")
+    P, T = shape.total, shape.trainable
+    if layout.engine == "deepspeed":
+        weight = 4 if precision == "fp32" else 2
+        return {
+            "parameters": weight * P,
+            "gradients": 0 if layout.shard_params else weight * T,  # ZeRO-3 reduces straight into fp32 ones
+            "fp32_gradients": 4 * T,  # the optimizer partition's
+            "master_weights": 4 * T,
+            "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](4) * T,
+        }
+    weight = 2 if precision == "bf16" else 4
+    trained = 4 if upcast_trainable else weight
+    return {
+        "parameters": weight * (P - T) + trained * T,
+        "gradients": trained * T,
+        "master_weights": 0,
+        "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](trained) * T,
+    }
+
+
+def activation_bytes(shape: Shape, work: Workload) -> int:
+    """Activations kept for backward, per device (Korthikanti et al. 2022, "Reducing Activation Recomputation
+    in Large Transformer Models", eq. 1, no tensor parallelism): per layer s*b*h*(34 + 5*a*s/h) bytes with
+    16-bit activations; flash/sdpa attention drops the 5*a*s/h term (no attention scores stored); fp32 doubles
+    it. With activation checkpointing each layer keeps only its 16-bit input (2*s*b*h) and one layer at a time
+    is recomputed. The loss adds the logits: 16-bit, an fp32 copy for cross-entropy and its gradient
+    (2 + 4 + 4 bytes per token per vocabulary entry)."""
+    s, b, h, a, L = work.seq_length, work.micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
+    scale = 2 if work.precision == "fp32" else 1
+    attention_scores = 0 if work.flash_attention else 5 * a * s / h
+    per_layer = s * b * h * (34 + attention_scores) * scale
+    layers = L * 2 * s * b * h * scale + per_layer if work.activation_checkpointing else L * per_layer
+    logits = s * b * shape.vocab_size * (8 + (4 if work.precision == "fp32" else 2))
+    return int(layers + logits)
+
+
+def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
+    world = gpus_per_node * nodes
+    shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
+    # accelerate's FSDP2 upcasts trainable 16-bit weights to fp32 under mixed precision (one dtype per unit;
+    # fsdp2_prepare_model): bf16 weights train as fp32 masters with bf16 compute.
+    upcast = layout.engine == "torch" and layout.shard_params and work.precision == "bf16"
+    states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast)
+    split = {
+        "parameters": layout.shard_params,
+        "gradients": layout.shard_grads,
+        "fp32_gradients": layout.shard_optimizer,
+        "master_weights": layout.shard_optimizer,
+        "optimizer_states": layout.shard_optimizer,
+    }
+    per_rank = {k: v / shards if split[k] else v for k, v in states.items()}
+    # Offloaded optimizer: its states, master weights and fp32 gradients live in host RAM (ZeRO-Offload keeps
+    # only the 16-bit parameters and gradient buckets on the device); FSDP's offload moves parameters too.
+    on_host = {"parameters": layout.offload_params}
+    for k in ("fp32_gradients", "master_weights", "optimizer_states"):
+        on_host[k] = layout.offload_optimizer
+    if layout.engine == "deepspeed" and layout.offload_optimizer:
+        per_rank["gradients"] = 0  # reduced in buckets straight into the host partition
+    if layout.engine == "torch" and layout.offload_params:
+        on_host["gradients"] = True  # FSDP's CPUOffloadPolicy: gradients too, the optimizer steps on the CPU
+    mem = Memory()
+    for k, v in per_rank.items():
+        if on_host.get(k):
+            mem.host_per_node[k] = int(v * gpus_per_node)  # every rank of the node offloads its share
+            mem.device[k] = 0
+        else:
+            mem.device[k] = int(v)
+    # Temporary buffers: the gathered 16-bit unit. DeepSpeed counts two gathered copies of the largest module
+    # ("largest_layer_memory = 4 * largest_layer_params"); FSDP gathers one transformer layer, prefetching the
+    # next (two units in the compute dtype), or keeps every layer gathered through backward under SHARD_GRAD_OP.
+    compute = 4 if work.precision == "fp32" else 2
+    if layout.engine == "deepspeed" and layout.shard_params:
+        mem.device["gathered_buffers"] = 2 * compute * shape.largest_module
+    elif layout.shard_params:
+        gathered = shape.total if layout.gathered_through_backward else 2 * shape.largest_unit
+        mem.device["gathered_buffers"] = compute * gathered
+    elif layout.ddp:
+        mem.device["gathered_buffers"] = int(states["gradients"])  # DDP's gradient buckets: a second copy
+    mem.device["activations"] = activation_bytes(shape, work)
+    mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
+    return mem
+
+
+@dataclass(frozen=True)
+class Verdict:
+    config: str
+    device_gib: float
+    host_gib_per_node: float
+    fits: bool
+    micro_batch: int
+
+
+def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
+             headroom: float = 0.1, layouts: list[Layout] | None = None) -> list[Verdict]:  # fmt: skip
+    """Each strategy on this hardware: memory at the workload's micro-batch, and the largest micro-batch that
+    fits with `headroom` of the device memory left free."""
+    out = []
+    budget = device_gib * (1 - headroom) * GIB
+    for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
+        if layout.name == "single_gpu" and gpus_per_node * nodes > 1:
+            continue
+        if layout.hybrid and nodes < 2:
+            continue
+        mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
+        best = 0
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            trial = plan_memory(shape, layout, Workload(**{**asdict(work), "micro_batch": b}), gpus_per_node, nodes)
+            if trial.device_total <= budget:
+                best = b
+        out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.device_total <= budget,
+                           best))  # fmt: skip
+    return out
+
+
+# Time and cost.
+def training_flops_per_token(shape: Shape, seq_length: int) -> float:
+    """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
+    to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
+    appendix B: 6N + 12LHQT)."""
+    return 6 * shape.trainable + 4 * shape.frozen + 12 * shape.num_layers * shape.hidden_size * seq_length
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    device_hours: float
+    usd: float
+    usd_spot: float | None
+
+
+def cost_from_throughput(samples: int, epochs: float, samples_per_second: float, devices: int,
+                         usd_per_device_hour: float, overhead: float = 1.3,
+                         spot_usd_per_device_hour: float | None = None) -> CostEstimate:  # fmt: skip
+    """hours = samples x epochs / samples per second / 3600 (wall, the whole job); device-hours = hours x
+    devices; dollars = device-hours x price x overhead (failed runs, tuning, debugging)."""
+    device_hours = samples * epochs / samples_per_second / 3600 * devices
+    spot = device_hours * spot_usd_per_device_hour * overhead if spot_usd_per_device_hour is not None else None
+    return CostEstimate(device_hours, device_hours * usd_per_device_hour * overhead, spot)
+
+
+def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices: int, peak_tflops: float) -> float:
+    """MFU = achieved model FLOPs / peak: samples/s = MFU x devices x peak / (FLOPs per token x tokens per sample)."""
+    return mfu * devices * peak_tflops * 1e12 / (training_flops_per_token(shape, seq_length) * seq_length)
+
+
+# The CLI: python -m toolkit plan MODEL ...
+# Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
+# what fits; this order only breaks ties between configs that fit.
+PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
+              "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
+# Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides): typical figures
+# for well-tuned transformer fine-tuning on A100/H100-class GPUs; offload runs are bound by host transfers.
+ASSUMED_MFU = {"replicated": 0.40, "sharded": 0.35, "offload": 0.15}
+
+
+def assumed_mfu(layout: Layout) -> float:
+    if layout.offload_optimizer or layout.offload_params:
+        return ASSUMED_MFU["offload"]
+    return ASSUMED_MFU["sharded" if layout.shard_params else "replicated"]
+
+
+def recipe_values(model: str) -> dict:
+    """A recipe's RECIPE dict (recipes/<model>.py), or the bare minimum for a Hub id or a local folder."""
+    path = PROJECT_ROOT / "recipes" / f"{model}.py"
+    if not path.is_file():
+        return {"model_name_or_path": model, "task": "sft"}
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(path.parent))  # recipes import each other (llama3_lora builds on llama3_fft)
+    spec = importlib.util.spec_from_file_location(f"recipe_{model}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RECIPE
+
+
+def build_plan(args) -> dict:
+    from .cost import device_spec
+    from .tiny import stored_config
+
+    values = recipe_values(args.model)
+    config = stored_config(values["model_name_or_path"])
+    task = values.get("task", "sft")
+    lora = None
+    if values.get("use_lora"):
+        targets = values.get("lora_target_modules", "all-linear")
+        lora = {"r": values.get("lora_r", 16), "lora_alpha": values.get("lora_alpha", 32),
+                "target_modules": targets if targets == "all-linear" else targets.split(",")}  # fmt: skip
+    shape = Shape.of(meta_model(config, task, lora), config)
+    low_precision = values.get("dtype") in ("bfloat16", "float16")
+    mixed = values.get("bf16") or values.get("fp16")
+    precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
+    work = Workload(
+        precision=precision,
+        optimizer=args.optimizer,
+        micro_batch=args.micro_batch or values.get("per_device_train_batch_size", 8),
+        seq_length=args.seq_length or values.get("max_seq_length", 512),
+        activation_checkpointing=values.get("activation_checkpointing", False)
+        if args.activation_checkpointing is None
+        else args.activation_checkpointing,
+        flash_attention=values.get("attn_implementation") != "eager",
+        cuda_context_gib=args.cuda_context_gib,
+    )
+    gpu = device_spec(args.gpu)
+    results = []
+    layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
+    for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values())):
+        row = asdict(v)
+        if args.samples:
+            layout = layouts[v.config]
+            mfu = args.mfu or assumed_mfu(layout)
+            peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
+            rate = samples_per_second_at_mfu(shape, work.seq_length, mfu, args.gpus * args.nodes, peak)
+            cost = cost_from_throughput(args.samples, args.epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
+                                        args.overhead, gpu.get("spot"))  # fmt: skip
+            row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
+                       usd_spot=cost.usd_spot)  # fmt: skip
+        results.append(row)
+    fitting = [r for r in results if r["micro_batch"]]  # fits with some micro-batch
+    fitting.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
+    return {
+        "model": values["model_name_or_path"],
+        "recipe": args.model if (PROJECT_ROOT / "recipes" / f"{args.model}.py").is_file() else None,
+        "parameters": {
+            "total": shape.total,
+            "trainable": shape.trainable,
+            "frozen": shape.frozen,
+            "largest_module": shape.largest_module,
+            "largest_fsdp_unit": shape.largest_unit,
+        },  # fmt: skip
+        "hardware": {
+            "gpu": args.gpu,
+            "memory_gib": gpu["memory_gb"],
+            "gpus_per_node": args.gpus,
+            "nodes": args.nodes,
+            "headroom": args.headroom,
+        },  # fmt: skip
+        "workload": asdict(work),
+        "flops_per_token": training_flops_per_token(shape, work.seq_length),
+        "configs": results,
+        "recommended": fitting[0]["config"] if fitting else None,
+        "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
+    }
+
+
+def render(plan: dict) -> str:
+    p, h, w = plan["parameters"], plan["hardware"], plan["workload"]
+    lines = [
+        f"model       {plan['model']}" + (f"  (recipe {plan['recipe']})" if plan["recipe"] else ""),
+        f"parameters  {p['total']:,} total, {p['trainable']:,} trainable, {p['frozen']:,} frozen; "
+        f"largest module {p['largest_module']:,}",
+        f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
+        f"{int(h['headroom'] * 100)}% headroom",
+        f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
+        f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
+        f"CUDA context {w['cuda_context_gib']} GiB (assumed)",
+        "",
+    ]
+    costed = "usd" in plan["configs"][0] if plan["configs"] else False
+    fits = f"fits@{w['micro_batch']}"
+    header = f"{'config':<20}{'GiB/GPU':>9}{'host GiB/node':>15}  {fits:<8}{'max micro-batch':>16}"
+    if costed:
+        header += f"{'MFU':>6}{'GPU-hours':>11}{'$ on-demand':>13}{'$ spot':>10}"
+    lines.append(header)
+    for r in plan["configs"]:
+        line = (f"{r['config']:<20}{r['device_gib']:>9.1f}{r['host_gib_per_node']:>15.1f}  "
+                f"{'yes' if r['fits'] else 'no':<8}{r['micro_batch'] or '-':>16}")  # fmt: skip
+        if costed:
+            spot = f"{r['usd_spot']:>10,.0f}" if r["usd_spot"] is not None else f"{'-':>10}"
+            line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.1f}{r['usd']:>13,.0f}{spot}"
+        lines.append(line)
+    lines.append("")
+    if plan["recommended"]:
+        lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml with --per_device_train_batch_size "
+                     f"{plan['recommended_micro_batch']}")  # fmt: skip
+    else:
+        lines.append("recommended: nothing fits; add GPUs or nodes, shorten the sequence, or use LoRA")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit plan", description="Memory, fit, time and cost of a "
+                                     "fine-tune, before launching it.")  # fmt: skip
+    parser.add_argument("model", help="a recipe name (bert, llama3_fft, ...), a Hub id with a stored config, or a "
+                        "local folder")  # fmt: skip
+    parser.add_argument("--gpu", default="A100-80GB", help="GPU type from toolkit/hardware.yaml")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the recipe's")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    parser.add_argument("--micro_batch", type=int, help="per-device batch; default: the recipe's")
+    parser.add_argument("--seq_length", type=int, help="default: the recipe's max_seq_length")
+    parser.add_argument("--activation_checkpointing", type=lambda v: v.lower() in ("1", "true", "yes"))
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
+    parser.add_argument("--cuda_context_gib", type=float, default=0.5)
+    parser.add_argument("--samples", type=int, help="training samples: adds time and cost")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
+    parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    plan = build_plan(args)
+    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    return 0
