@@ -336,13 +336,15 @@ def recipe_values(model: str) -> dict:
     path = PROJECT_ROOT / "recipes" / f"{model}.py"
     if not path.is_file():
         return {"model_name_or_path": model, "task": "sft"}
+    import contextlib
     import importlib.util
     import sys
 
     sys.path.insert(0, str(path.parent))  # recipes import each other (llama3_lora builds on llama3_fft)
     spec = importlib.util.spec_from_file_location(f"recipe_{model}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with contextlib.redirect_stdout(sys.stderr):  # importing a recipe imports the toolkit: keep --json clean
+        spec.loader.exec_module(module)
     return module.RECIPE
 
 
