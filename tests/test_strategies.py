@@ -192,6 +192,10 @@ def check_run(config, recipe, out, result, reference) -> None:
     for r in reports:
         assert r["param_bytes"] == pytest.approx(planned["parameters"], rel=0.01, abs=512), config
         assert r["optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.01, abs=512), config
+        # The run planned itself from what accelerate set up, not from the file: the same model-state bytes.
+        own, per_node = r["memory_plan"], processes // r["strategy"]["num_machines"]
+        for key in planned:
+            assert own["device"][key] + own["host_per_node"].get(key, 0) // per_node == planned[key]
     # ... and right after loading: RAM-efficient loading (every FSDP config) materializes the weights on rank 0
     # only, the others start empty and receive them; ZeRO-3 partitions while loading; the rest load a full copy.
     full = ref_report["loaded_param_bytes"]

@@ -38,6 +38,28 @@ def test_cost_in_logs_is_wall_time_times_price(tmp_path):
     assert all(e["tokens_per_second"] > 0 for e in train_logs)
 
 
+def test_memory_plan_at_start_equals_what_the_run_holds(tmp_path, capsys):
+    """The plan printed (and sent to W&B) before training is the planner's; its model states are what the run
+    then really holds (one process, fp32, AdamW: parameters and optimizer states to the byte)."""
+    result = train(BERT, ["--tiny", "--max_steps", "2", "--report_to", "none", "--output_dir", str(tmp_path)], "bert")
+    trainer = result.trainer
+    held, plan = trainer.held_bytes(), trainer.memory_plan
+    assert plan.device["parameters"] == held["param_bytes"] > 0
+    assert plan.device["optimizer_states"] == held["optimizer_state_bytes"] == 2 * held["param_bytes"]
+    assert plan.device["cuda_context"] == 0  # a CPU run
+    assert "memory plan" in capsys.readouterr().out
+    assert trainer.run_config()["memory_plan"]["device_total"] == plan.device_total
+
+
+def test_not_fitting_warning_names_the_planner():
+    from toolkit.planner import GIB, not_fitting_warning
+
+    assert not_fitting_warning(70 * GIB, 80 * GIB) is None
+    assert not_fitting_warning(70 * GIB, 0) is None  # no GPU: nothing to compare with
+    message = not_fitting_warning(79 * GIB, 80 * GIB)
+    assert "79.0 GiB per device" in message and "python -m toolkit plan" in message
+
+
 def test_redact_masks_credentials_at_any_depth():
     cleaned = redact({"hub_token": "hf_x", "nested": {"WANDB_API_KEY": "k", "lr": 1}, "list": [{"password": "p"}]})
     assert cleaned == {"hub_token": "<redacted>", "nested": {"WANDB_API_KEY": "<redacted>", "lr": 1},
@@ -65,6 +87,7 @@ def test_wandb_offline_run_without_an_account(tmp_path):
     assert run["config"]["toolkit"]["recipe"] == "llama3_fft"
     assert run["config"]["strategy"]["distributed_type"] == "NO"
     assert run["config"]["parameters"]["trainable"] > 0
+    assert run["config"]["memory_plan"]["device"]["parameters"] == 4 * run["config"]["parameters"]["total"]
     assert set(run["tags"]) >= {"llama3_fft", "NO", "world-1", "cpu"}
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer
 
+from . import planner
 from .arguments import Arguments
 from .cost import CostModel
 from .models import ParameterCounts, local_tensor, nbytes
@@ -70,6 +72,7 @@ class RecipeTrainer(Trainer):
             pricing=run.pricing,
         )
         self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
+        self.memory_plan = self.plan_memory()
         self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
         if "wandb" in self.args.report_to:
             tags = [
@@ -84,6 +87,17 @@ class RecipeTrainer(Trainer):
                 print(notice)
             self.add_callback(WandbRunConfig(self.run_config()))
 
+    def plan_memory(self) -> planner.Memory:
+        """What toolkit.planner predicts each device of this run holds (the same formulas as `toolkit plan`)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        config, task = base.config, self.recipe.data.task
+        shape = planner.Shape.of(planner.meta_model(config, task, planner.lora_settings(self.recipe.model)), config)
+        dtype = next(self.model.parameters()).dtype
+        layout = planner.Layout.from_accelerator(self.accelerator)
+        per_node = self.accelerator.num_processes // self.strategy["num_machines"]
+        work = planner.workload_for(self.recipe, dtype, on_gpu=torch.cuda.is_available())
+        return planner.plan_memory(shape, layout, work, per_node, self.strategy["num_machines"])
+
     def run_config(self) -> dict[str, Any]:
         return {
             "toolkit": self.recipe.resolved(),
@@ -91,6 +105,11 @@ class RecipeTrainer(Trainer):
             "launch": launch_environment(),
             "parameters": {"total": self.param_counts.total, "trainable": self.param_counts.trainable},
             "global_batch_size": global_batch_size(self.args),
+            "memory_plan": {
+                "device": self.memory_plan.device,
+                "host_per_node": self.memory_plan.host_per_node,
+                "device_total": self.memory_plan.device_total,
+            },  # fmt: skip
             "pricing": {
                 "device": self.cost.device,
                 "usd_per_unit_hour": self.cost.usd_per_unit_hour,
@@ -117,6 +136,8 @@ class RecipeTrainer(Trainer):
             f"batch         {a.per_device_train_batch_size} per device x {a.gradient_accumulation_steps} accumulation "
             f"x {s['num_processes']} processes = {global_batch_size(self.args)} global",
             f"learning rate {lr}",
+            f"memory plan   {planner.human_bytes(self.memory_plan.device_total)} per device predicted: "
+            + ", ".join(f"{k} {planner.human_bytes(v)}" for k, v in self.memory_plan.device.items() if v),
             f"pricing       {self.cost.device}: "
             + (
                 f"${self.cost.usd_per_unit_hour}/{self.cost.unit}-hour x {self.cost.units} ({self.cost.pricing})"
@@ -130,6 +151,10 @@ class RecipeTrainer(Trainer):
     def train(self, *args, **kwargs):
         if self.is_world_process_zero():
             print(self.header(), flush=True)
+            available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+            warning = planner.not_fitting_warning(self.memory_plan.device_total, available)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.tracker.start(self.state)
         output = super().train(*args, **kwargs)
         if self.is_world_process_zero():
@@ -187,6 +212,7 @@ class RecipeTrainer(Trainer):
             "tokens_seen": self.state.num_input_tokens_seen,
             **self.held_bytes(),
             "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
+            "memory_plan": {"device": self.memory_plan.device, "host_per_node": self.memory_plan.host_per_node},
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
             "learning_rates": [e["learning_rate"] for e in self.state.log_history if "loss" in e],
         }
