@@ -194,7 +194,7 @@ def check_run(config, recipe, out, result, reference) -> None:
         assert r["optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.01, abs=512), config
         # The run planned itself from what accelerate set up, not from the file: the same model-state bytes.
         own, per_node = r["memory_plan"], processes // r["strategy"]["num_machines"]
-        for key in planned:
+        for key in ("parameters", "optimizer_states"):
             assert own["device"][key] + own["host_per_node"].get(key, 0) // per_node == planned[key]
     # ... and right after loading: RAM-efficient loading (every FSDP config) materializes the weights on rank 0
     # only, the others start empty and receive them; ZeRO-3 partitions while loading; the rest load a full copy.
@@ -206,6 +206,9 @@ def check_run(config, recipe, out, result, reference) -> None:
             assert 0.45 <= r["loaded_param_bytes"] / full <= 0.6
         else:
             assert r["loaded_param_bytes"] == full
+    # The planner's host RAM at load, in copies of the model: what the ranks together really loaded.
+    loaded = sum(r["loaded_param_bytes"] for r in reports) / full
+    assert loaded == pytest.approx(planned["copies_at_load"], rel=0.02), config
 
     # Data: disjoint across ranks, together the whole set; tokens counted exactly over ranks and micro-batches.
     rows = tokenized_rows(recipe)
@@ -239,8 +242,11 @@ def planned_bytes(config: str, recipe: str, processes: int) -> dict[str, int]:
     per_node = processes // nodes
     memory = planner.plan_memory(shape, layout, planner.Workload(precision="fp32"), per_node, nodes)
     return {  # on the device, or this rank's share of what the node offloads to host RAM
-        key: memory.device[key] + memory.host_per_node.get(key, 0) // per_node
-        for key in ("parameters", "optimizer_states")
+        **{
+            key: memory.device[key] + memory.host_per_node.get(key, 0) // per_node
+            for key in ("parameters", "optimizer_states")
+        },  # fmt: skip
+        "copies_at_load": memory.host_loading / (4 * shape.total),
     }
 
 

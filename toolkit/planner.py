@@ -8,8 +8,9 @@ bytes each rank really held in the strategy matrix.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -32,6 +33,16 @@ class Shape:
     hidden_size: int
     num_heads: int
     vocab_size: int
+    # What decides the activations kept for backward (activation_bytes):
+    intermediate_size: int = 0
+    q_size: int = 0  # queries' width: heads x head dim (the hidden size, unless head_dim says otherwise)
+    kv_size: int = 0  # keys' (and values') width: heads x head dim, fewer heads under grouped-query attention
+    gated_mlp: bool = False  # SwiGLU (gate_proj, up_proj): three intermediate-wide tensors instead of one
+    rms_norm: bool = False  # RMSNorm keeps an fp32 copy of its input and the normalized tensor
+    extra_norms: int = 0  # norms outside the layers: BERT's embedding LayerNorm, Llama's final norm
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
 
     @property
     def frozen(self) -> int:
@@ -47,6 +58,10 @@ class Shape:
         head = model.get_output_embeddings()
         head_params = head.weight.numel() if head is not None else 0
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        names = [name for name, _ in model.named_modules()]
+        norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
         return cls(
             total=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -54,8 +69,18 @@ class Shape:
             largest_unit=max(layer, embeddings, head_params),
             num_layers=text.num_hidden_layers,
             hidden_size=text.hidden_size,
-            num_heads=text.num_attention_heads,
+            num_heads=heads,
             vocab_size=text.vocab_size,
+            intermediate_size=text.intermediate_size,
+            q_size=heads * head_dim,
+            kv_size=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+            gated_mlp=any(name.endswith("gate_proj") for name in names),
+            rms_norm=any("RMSNorm" in n for n in norms),
+            extra_norms=len(norms) - 2 * text.num_hidden_layers,
+            hidden_dropout=getattr(text, "hidden_dropout_prob", 0.0) or 0.0,
+            attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0))
+            or 0.0,
+            language_model=head is not None and head_params == embeddings,
         )
 
 
@@ -64,7 +89,7 @@ def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
-    with torch.device("meta"):
+    with torch.device("meta"), outside_zero3_init():
         model = auto.from_config(config)
         if lora:
             from peft import LoraConfig, TaskType, get_peft_model
@@ -72,6 +97,21 @@ def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
             task_type = TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM
             model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
     return model
+
+
+@contextlib.contextmanager
+def outside_zero3_init():
+    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init (partitioned, with
+    collectives): not what a meta model for counting wants. Suspend that for the block."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    current = hf_deepspeed._hf_deepspeed_config_weak_ref  # the Trainer's config, held weakly by transformers
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if current is not None and current() is not None:
+            hf_deepspeed.set_hf_deepspeed_config(current())
 
 
 @dataclass(frozen=True)
@@ -88,6 +128,7 @@ class Layout:
     offload_optimizer: bool = False
     hybrid: bool = False  # shard inside a node, replicate across nodes
     ddp: bool = False
+    ram_efficient_loading: bool = False  # FSDP: only rank 0 reads the checkpoint, the others receive it
 
     @classmethod
     def from_file(cls, path: str | Path) -> Layout:
@@ -96,13 +137,7 @@ class Layout:
         kind = config["distributed_type"]
         if kind == "DEEPSPEED":
             ds_file = PROJECT_ROOT / config["deepspeed_config"]["deepspeed_config_file"]
-            zero = json.loads(ds_file.read_text()).get("zero_optimization", {})
-            stage = zero.get("stage", 0)
-            offload = {k: zero.get(k, {}).get("device", "none") not in ("none", None) for k in
-                       ("offload_optimizer", "offload_param")}  # fmt: skip
-            return cls(path.stem, "deepspeed", shard_params=stage >= 3, shard_grads=stage >= 2,
-                       shard_optimizer=stage >= 1, offload_params=offload["offload_param"],
-                       offload_optimizer=offload["offload_optimizer"])  # fmt: skip
+            return cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {}))
         if kind == "FSDP":
             fsdp = config.get("fsdp_config", {})
             version = fsdp.get("fsdp_version", 1)
@@ -113,8 +148,40 @@ class Layout:
             offload = bool(fsdp.get("fsdp_offload_params", False))
             return cls(path.stem, "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
                        gathered_through_backward=keep, offload_params=offload, offload_optimizer=offload,
-                       hybrid="parallelism_config" in config)  # fmt: skip
+                       hybrid="parallelism_config" in config,
+                       ram_efficient_loading=bool(fsdp.get("fsdp_cpu_ram_efficient_loading")))  # fmt: skip
         return cls(path.stem, "torch", ddp=kind != "NO" and config.get("num_processes", 1) > 1)
+
+    @classmethod
+    def zero(cls, name: str, zero: dict) -> Layout:
+        """A DeepSpeed ZeRO layout from the `zero_optimization` section of its config."""
+        stage = zero.get("stage", 0)
+        offload = {k: (zero.get(k) or {}).get("device", "none") not in ("none", None) for k in
+                   ("offload_optimizer", "offload_param")}  # fmt: skip
+        return cls(name, "deepspeed", shard_params=stage >= 3, shard_grads=stage >= 2, shard_optimizer=stage >= 1,
+                   offload_params=offload["offload_param"], offload_optimizer=offload["offload_optimizer"])  # fmt: skip
+
+    @classmethod
+    def from_accelerator(cls, accelerator) -> Layout:
+        """The layout of a running job, from what accelerate set up (the script never sees the config file)."""
+        from accelerate.utils import DistributedType
+
+        kind, state = accelerator.distributed_type, accelerator.state
+        if kind == DistributedType.DEEPSPEED:
+            return cls.zero("deepspeed", state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
+        if kind == DistributedType.FSDP:
+            plugin = state.fsdp_plugin
+            reshard = plugin.reshard_after_forward  # FSDP2: a bool; FSDP1: a ShardingStrategy
+            keep = reshard is False or getattr(reshard, "name", "") == "SHARD_GRAD_OP"
+            offload = getattr(plugin.cpu_offload, "offload_params", False) or (
+                type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+            )
+            mesh = accelerator.parallelism_config
+            hybrid = bool(mesh and mesh.dp_replicate_enabled and mesh.dp_shard_enabled)
+            return cls("fsdp", "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
+                       gathered_through_backward=keep, offload_params=offload, offload_optimizer=offload,
+                       hybrid=hybrid, ram_efficient_loading=bool(plugin.cpu_ram_efficient_loading))  # fmt: skip
+        return cls(kind.value.lower(), "torch", ddp=accelerator.num_processes > 1)
 
 
 def strategy_files() -> list[Path]:
@@ -144,6 +211,14 @@ class Workload:
     activation_checkpointing: bool = False
     flash_attention: bool = True  # sdpa / flash: no s x s attention scores kept for backward
     cuda_context_gib: float = 0.5  # stated assumption: CUDA context and allocator slack per process
+    dropout_mask_bytes: int = 1  # CUDA's fused dropout keeps a bool mask; on CPU it is the activation dtype
+
+    @property
+    def activation_dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+MODEL_STATES = ("parameters", "gradients", "fp32_gradients", "master_weights", "optimizer_states", "gathered_buffers")
 
 
 @dataclass
@@ -152,10 +227,17 @@ class Memory:
 
     device: dict[str, int] = field(default_factory=dict)
     host_per_node: dict[str, int] = field(default_factory=dict)
+    host_loading: int = 0  # host RAM on the busiest node while the pretrained weights load (before training)
 
     @property
     def device_total(self) -> int:
         return sum(self.device.values())
+
+    @property
+    def model_states(self) -> int:
+        """Device bytes of weights, gradients, optimizer states and the gathered copies of sharded weights:
+        everything but activations and the CUDA context (what DeepSpeed's and accelerate's estimators cover)."""
+        return sum(v for k, v in self.device.items() if k in MODEL_STATES)
 
     @property
     def host_total(self) -> int:
@@ -191,20 +273,61 @@ def model_state_bytes(
     }
 
 
+def layer_activation_bytes(shape: Shape, work: Workload) -> int:
+    """Bytes one transformer layer keeps for its backward, tensor by tensor (e: bytes of an activation; t = s x b
+    tokens; every tensor counted once, though several ops save it):
+      each of the 2 norms: its input (RMSNorm: an fp32 copy, plus the normalized tensor) and fp32 statistics;
+      the inputs of the linear layers: q/k/v's and the MLP's (h wide), o's (q_size), the down projection's (i);
+      the MLP's activation: its input (i wide), and under SwiGLU also the gate's activated output and up's output;
+      attention, fused (sdpa/flash): q, k, v (q_size, kv_size, kv_size wide), an fp32 log-sum-exp per head;
+        eager: q, k, v (k and v repeated to every head), the softmax output (a x s x s; Llama's is fp32 then
+        cast), and with attention dropout its mask and the dropped probabilities;
+      with hidden dropout: the masks of the two residual-branch dropouts.
+    For a GPT/BERT layer (i = 4h, LayerNorm, GELU, dropout with bool masks, 16-bit) this is Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1): s*b*h*(34 + 5*a*s/h), plus
+    the norms' statistics; tests also check it against the tensors PyTorch really saves."""
+    s, b, e = work.seq_length, work.micro_batch, work.activation_dtype_bytes
+    t, h, i, a, q = s * b, shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.q_size
+    norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
+    total = 2 * norm + e * t * (2 * h + q + i)
+    total += e * t * i * (3 if shape.gated_mlp else 1)
+    if shape.hidden_dropout:
+        total += 2 * work.dropout_mask_bytes * t * h
+    if work.flash_attention:
+        total += e * t * (q + 2 * shape.kv_size) + 4 * t * a
+    else:
+        scores = a * s * s * b
+        total += 3 * e * t * q + scores * (4 + e if shape.gated_mlp and e != 4 else e)
+        if shape.attention_dropout:
+            total += scores * (work.dropout_mask_bytes + e)
+    return int(total)
+
+
 def activation_bytes(shape: Shape, work: Workload) -> int:
-    """Activations kept for backward, per device (Korthikanti et al. 2022, "Reducing Activation Recomputation
-    in Large Transformer Models", eq. 1, no tensor parallelism): per layer s*b*h*(34 + 5*a*s/h) bytes with
-    16-bit activations; flash/sdpa attention drops the 5*a*s/h term (no attention scores stored); fp32 doubles
-    it. With activation checkpointing each layer keeps only its 16-bit input (2*s*b*h) and one layer at a time
-    is recomputed. The loss adds the logits: 16-bit, an fp32 copy for cross-entropy and its gradient
-    (2 + 4 + 4 bytes per token per vocabulary entry)."""
-    s, b, h, a, L = work.seq_length, work.micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
-    scale = 2 if work.precision == "fp32" else 1
-    attention_scores = 0 if work.flash_attention else 5 * a * s / h
-    per_layer = s * b * h * (34 + attention_scores) * scale
-    layers = L * 2 * s * b * h * scale + per_layer if work.activation_checkpointing else L * per_layer
-    logits = s * b * shape.vocab_size * (8 + (4 if work.precision == "fp32" else 2))
-    return int(layers + logits)
+    """Activations kept for backward at the end of the forward pass, per device. Each layer keeps
+    layer_activation_bytes, or with activation checkpointing only its input (e*t*h; the layer is recomputed
+    during its backward: the `recomputed_layer` component). Outside the layers: each extra norm (input,
+    statistics, and its output or, followed by dropout, the mask), the head's input, and for a language model
+    the fp32 log-probabilities the cross-entropy keeps (t x vocabulary)."""
+    s, b, e = work.seq_length, work.micro_batch, work.activation_dtype_bytes
+    t, h = s * b, shape.hidden_size
+    layers = shape.num_layers * (e * t * h if work.activation_checkpointing else layer_activation_bytes(shape, work))
+    norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
+    follower = work.dropout_mask_bytes if shape.hidden_dropout else e
+    extra = shape.extra_norms * (norm + follower * t * h)
+    if shape.language_model:
+        head = 4 * t * shape.vocab_size  # the lm_head's input is the final norm's output, counted there
+    else:
+        head = e * t * h  # a classifier keeps the last hidden states alive (the pooler's slice of them)
+    return int(layers + extra + head)
+
+
+def logits_bytes(shape: Shape, work: Workload) -> int:
+    """A language model's transient logits at the loss: the logits in the activation dtype and the fp32
+    gradient flowing back through them (t x vocabulary each); the largest single buffers at long sequence."""
+    if not shape.language_model:
+        return 0
+    return work.seq_length * work.micro_batch * shape.vocab_size * (work.activation_dtype_bytes + 4)
 
 
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
@@ -249,7 +372,19 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
         mem.device["gathered_buffers"] = compute * gathered
     elif layout.ddp:
         mem.device["gathered_buffers"] = int(states["gradients"])  # DDP's gradient buckets: a second copy
+    # Loading: every rank reads the whole checkpoint into host RAM, except under RAM-efficient loading (rank 0
+    # alone; the others build on the meta device) and ZeRO-3 (each rank keeps only its partition).
+    weight = 2 if work.precision == "bf16" else 4  # the dtype the weights load in
+    if layout.ram_efficient_loading:
+        copies = 1
+    elif layout.engine == "deepspeed" and layout.shard_params:
+        copies = gpus_per_node / world
+    else:
+        copies = gpus_per_node
+    mem.host_loading = int(copies * weight * shape.total)
     mem.device["activations"] = activation_bytes(shape, work)
+    mem.device["recomputed_layer"] = layer_activation_bytes(shape, work) if work.activation_checkpointing else 0
+    mem.device["logits"] = logits_bytes(shape, work)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem
 
@@ -258,7 +393,8 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
 class Verdict:
     config: str
     device_gib: float
-    host_gib_per_node: float
+    host_gib_per_node: float  # during training (offloaded states)
+    host_load_gib_per_node: float  # while loading the pretrained weights
     fits: bool
     micro_batch: int
 
@@ -280,9 +416,51 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             trial = plan_memory(shape, layout, Workload(**{**asdict(work), "micro_batch": b}), gpus_per_node, nodes)
             if trial.device_total <= budget:
                 best = b
-        out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.device_total <= budget,
-                           best))  # fmt: skip
+        out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.host_loading / GIB,
+                           mem.device_total <= budget, best))  # fmt: skip
     return out
+
+
+def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workload:
+    """The workload of a resolved recipe (toolkit.arguments.Arguments) whose weights load as `weights_dtype`."""
+    t, d = arguments.training, arguments.data
+    if weights_dtype in (torch.bfloat16, torch.float16):
+        precision = "bf16"
+    else:
+        precision = "bf16-mixed" if t.bf16 or t.fp16 else "fp32"
+    optim = str(getattr(t.optim, "value", t.optim))
+    optimizer = "adamw_8bit" if "8bit" in optim else "sgd" if "sgd" in optim else "adamw"
+    return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
+                    seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
+                    flash_attention=arguments.model.attn_implementation != "eager",
+                    cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0)  # fmt: skip
+
+
+def lora_settings(model_args) -> dict | None:
+    """The peft LoraConfig arguments of a recipe's ModelArguments, or None without LoRA."""
+    if not model_args.use_lora:
+        return None
+    targets = model_args.lora_target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",")]
+    return {"r": model_args.lora_r, "lora_alpha": model_args.lora_alpha, "target_modules": targets}
+
+
+def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:
+    """The loud line printed before training when the plan says a device will run out of memory."""
+    if available <= 0 or predicted <= threshold * available:
+        return None
+    return (f"the memory plan predicts {predicted / GIB:.1f} GiB per device, above {threshold:.0%} of the "
+            f"{available / GIB:.1f} GiB available: expect an out-of-memory error. `python -m toolkit plan` lists the "
+            "configs and micro-batches that fit.")  # fmt: skip
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
 
 
 # Time and cost.
@@ -336,7 +514,6 @@ def recipe_values(model: str) -> dict:
     path = PROJECT_ROOT / "recipes" / f"{model}.py"
     if not path.is_file():
         return {"model_name_or_path": model, "task": "sft"}
-    import contextlib
     import importlib.util
     import sys
 
@@ -348,18 +525,38 @@ def recipe_values(model: str) -> dict:
     return module.RECIPE
 
 
+def model_config(name: str):
+    """A model's config without its weights: a local folder's, the copy stored in the repo, or the Hub's."""
+    from transformers import AutoConfig
+
+    from .arguments import ConfigError
+    from .tiny import HUB_CONFIGS, stored_config
+
+    try:
+        return stored_config(name)
+    except ConfigError:
+        pass
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        recipes = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
+        raise ConfigError(
+            f"'{name}' is not a recipe ({', '.join(recipes)}), a folder with a config.json, or a model whose config "
+            f"could be fetched from the Hub ({type(error).__name__}). Offline, put its config.json in {HUB_CONFIGS} "
+            "as <org>--<name>.json."
+        ) from None
+
+
 def build_plan(args) -> dict:
     from .cost import device_spec
-    from .tiny import stored_config
 
     values = recipe_values(args.model)
-    config = stored_config(values["model_name_or_path"])
+    config = model_config(values["model_name_or_path"])
     task = values.get("task", "sft")
-    lora = None
-    if values.get("use_lora"):
-        targets = values.get("lora_target_modules", "all-linear")
-        lora = {"r": values.get("lora_r", 16), "lora_alpha": values.get("lora_alpha", 32),
-                "target_modules": targets if targets == "all-linear" else targets.split(",")}  # fmt: skip
+    from .arguments import ModelArguments
+
+    model_fields = {f.name for f in fields(ModelArguments)}
+    lora = lora_settings(ModelArguments(**{k: v for k, v in values.items() if k in model_fields}))
     shape = Shape.of(meta_model(config, task, lora), config)
     low_precision = values.get("dtype") in ("bfloat16", "float16")
     mixed = values.get("bf16") or values.get("fp16")
@@ -432,13 +629,14 @@ def render(plan: dict) -> str:
     ]
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"
-    header = f"{'config':<20}{'GiB/GPU':>9}{'host GiB/node':>15}  {fits:<8}{'max micro-batch':>16}"
+    header = f"{'config':<20}{'GiB/GPU':>9}{'host GiB/node':>15}{'at load':>9}  {fits:<8}{'max micro-batch':>16}"
     if costed:
         header += f"{'MFU':>6}{'GPU-hours':>11}{'$ on-demand':>13}{'$ spot':>10}"
     lines.append(header)
     for r in plan["configs"]:
-        line = (f"{r['config']:<20}{r['device_gib']:>9.1f}{r['host_gib_per_node']:>15.1f}  "
-                f"{'yes' if r['fits'] else 'no':<8}{r['micro_batch'] or '-':>16}")  # fmt: skip
+        line = (f"{r['config']:<20}{r['device_gib']:>9.1f}{r['host_gib_per_node']:>15.1f}"
+                f"{r['host_load_gib_per_node']:>9.1f}  {'yes' if r['fits'] else 'no':<8}"
+                f"{r['micro_batch'] or '-':>16}")  # fmt: skip
         if costed:
             spot = f"{r['usd_spot']:>10,.0f}" if r["usd_spot"] is not None else f"{'-':>10}"
             line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.1f}{r['usd']:>13,.0f}{spot}"
@@ -448,7 +646,11 @@ def render(plan: dict) -> str:
         lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml with --per_device_train_batch_size "
                      f"{plan['recommended_micro_batch']}")  # fmt: skip
     else:
-        lines.append("recommended: nothing fits; add GPUs or nodes, shorten the sequence, or use LoRA")
+        least = min(plan["configs"], key=lambda r: r["device_gib"])
+        lines.append(f"recommended: nothing fits; the least memory, {least['config']}, needs {least['device_gib']:.1f} "
+                     f"GiB per GPU at micro-batch {w['micro_batch']}. Add GPUs or nodes, shorten the sequence, "
+                     + ("" if w["activation_checkpointing"] else "turn on activation checkpointing, ")
+                     + "or train LoRA adapters.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -475,6 +677,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    plan = build_plan(args)
+    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be at least 1, got {value}.")
+    from .arguments import ConfigError
+    from .cost import UnknownHardware
+
+    try:
+        plan = build_plan(args)
+    except (ConfigError, UnknownHardware) as error:
+        parser.error(str(error))
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0
