@@ -258,3 +258,24 @@ def test_plan_command_offline(tmp_path):
     assert plan["recommended"] == "single_gpu" and plan["recommended_micro_batch"] == single["micro_batch"] >= 1
     flag = f"--per_device_train_batch_size {single['micro_batch']}"
     assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table.stdout
+
+
+def test_make_plan_prints_fit_time_and_cost_offline():
+    """The acceptance command: `make plan MODEL=llama3_fft GPU=A100-80GB GPUS=8`, offline; every row of the
+    table shows the same numbers as --json, time and cost included (the data set's size is stored)."""
+    import json
+
+    from conftest import run_cmd
+
+    make = ["make", "-s", "plan", "MODEL=llama3_fft", "GPU=A100-80GB", "GPUS=8"]
+    table = run_cmd(make, cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})
+    assert table.returncode == 0, table.stderr[-2000:]
+    plan = json.loads(run_cmd([*make, "ARGS=--json"], cwd=ROOT, env={"HF_HUB_OFFLINE": "1"}).stdout)
+    assert plan["data"] == {"samples": 207_865, "epochs": 1, "tokens_per_sample": 2048}  # ultrachat_200k train_sft
+    rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line.split()[:1] and
+            line.split()[0] in {c["config"] for c in plan["configs"]}}  # fmt: skip
+    for c in plan["configs"]:
+        row = rows[c["config"]]
+        assert row[1] == f"{c['device_gib']:.1f}" and row[4] == ("yes" if c["fits"] else "no")
+        assert row[-3:-1] == [f"{c['device_hours']:,.1f}", f"{c['usd']:,.0f}"]
+    assert f"recommended: accelerate_configs/{plan['recommended']}.yaml" in table.stdout

@@ -406,8 +406,8 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
     out = []
     budget = device_gib * (1 - headroom) * GIB
     for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
-        if layout.name == "single_gpu" and gpus_per_node * nodes > 1:
-            continue
+        if layout.name == "single_gpu" and gpus_per_node * nodes > 1 or layout.ddp and gpus_per_node * nodes == 1:
+            continue  # one device is single_gpu's case, several are DDP's
         if layout.hybrid and nodes < 2:
             continue
         mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
@@ -547,6 +547,16 @@ def model_config(name: str):
         ) from None
 
 
+def stored_split_size(values: dict) -> int | None:
+    """Rows in the recipe's training split, from toolkit/hub_configs/datasets.json (public card figures)."""
+    from .tiny import HUB_CONFIGS
+
+    sizes = json.loads((HUB_CONFIGS / "datasets.json").read_text())
+    name = values.get("dataset_name", "")
+    key = f"{name}:{values['dataset_config']}" if values.get("dataset_config") else name
+    return sizes.get(key, {}).get(values.get("train_split", "train"))
+
+
 def build_plan(args) -> dict:
     from .cost import device_spec
 
@@ -573,22 +583,25 @@ def build_plan(args) -> dict:
         cuda_context_gib=args.cuda_context_gib,
     )
     gpu = device_spec(args.gpu)
+    samples = args.samples or stored_split_size(values)
+    epochs = args.epochs or values.get("num_train_epochs", 1)
+    tokens_per_sample = args.tokens_per_sample or work.seq_length
     results = []
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values())):
         row = asdict(v)
-        if args.samples:
+        if samples:
             layout = layouts[v.config]
             mfu = args.mfu or assumed_mfu(layout)
             peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
-            rate = samples_per_second_at_mfu(shape, work.seq_length, mfu, args.gpus * args.nodes, peak)
-            cost = cost_from_throughput(args.samples, args.epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
+            rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak)
+            cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
             row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
                        usd_spot=cost.usd_spot)  # fmt: skip
         results.append(row)
-    fitting = [r for r in results if r["micro_batch"]]  # fits with some micro-batch
-    fitting.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
+    results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
+    fitting = [r for r in results if r["micro_batch"]]  # fits with some micro-batch, in order of preference
     return {
         "model": values["model_name_or_path"],
         "recipe": args.model if (PROJECT_ROOT / "recipes" / f"{args.model}.py").is_file() else None,
@@ -607,6 +620,7 @@ def build_plan(args) -> dict:
             "headroom": args.headroom,
         },  # fmt: skip
         "workload": asdict(work),
+        "data": {"samples": samples, "epochs": epochs, "tokens_per_sample": tokens_per_sample} if samples else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
@@ -625,12 +639,18 @@ def render(plan: dict) -> str:
         f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB (assumed)",
-        "",
     ]
+    if plan["data"]:
+        d = plan["data"]
+        lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x {d['tokens_per_sample']:,} "
+                     f"tokens; {plan['flops_per_token']:.3g} training FLOPs per token")  # fmt: skip
+    lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"
     header = f"{'config':<20}{'GiB/GPU':>9}{'host GiB/node':>15}{'at load':>9}  {fits:<8}{'max micro-batch':>16}"
-    if costed:
+    if costed:  # cents and hundredths of an hour only where the amounts are small
+        cents = 2 if max(r["usd"] for r in plan["configs"]) < 100 else 0
+        hour_digits = 2 if max(r["device_hours"] for r in plan["configs"]) < 10 else 1
         header += f"{'MFU':>6}{'GPU-hours':>11}{'$ on-demand':>13}{'$ spot':>10}"
     lines.append(header)
     for r in plan["configs"]:
@@ -638,8 +658,8 @@ def render(plan: dict) -> str:
                 f"{r['host_load_gib_per_node']:>9.1f}  {'yes' if r['fits'] else 'no':<8}"
                 f"{r['micro_batch'] or '-':>16}")  # fmt: skip
         if costed:
-            spot = f"{r['usd_spot']:>10,.0f}" if r["usd_spot"] is not None else f"{'-':>10}"
-            line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.1f}{r['usd']:>13,.0f}{spot}"
+            spot = f"{r['usd_spot']:>10,.{cents}f}" if r["usd_spot"] is not None else f"{'-':>10}"
+            line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.{hour_digits}f}{r['usd']:>13,.{cents}f}{spot}"
         lines.append(line)
     lines.append("")
     if plan["recommended"]:
@@ -671,13 +691,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation_checkpointing", type=lambda v: v.lower() in ("1", "true", "yes"))
     parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
     parser.add_argument("--cuda_context_gib", type=float, default=0.5)
-    parser.add_argument("--samples", type=int, help="training samples: adds time and cost")
-    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--samples", type=int, help="training samples (default: the recipe's split, when known)")
+    parser.add_argument("--epochs", type=float, help="default: the recipe's num_train_epochs")
+    parser.add_argument("--tokens_per_sample", type=int, help="default: the sequence length (full, packed rows)")
     parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples"):
+    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples", "tokens_per_sample"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag} must be at least 1, got {value}.")
