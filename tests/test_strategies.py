@@ -194,6 +194,8 @@ def check_run(config, recipe, out, result, reference) -> None:
         assert r["optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.01, abs=512), config
         # The run planned itself from what accelerate set up, not from the file: the same model-state bytes.
         own, per_node = r["memory_plan"], processes // r["strategy"]["num_machines"]
+        if kind != "DEEPSPEED":  # DeepSpeed keeps gradients in its own buffers (its estimators check those)
+            assert r["gradient_bytes"] == planned["gradients"], config
         for key in ("parameters", "optimizer_states"):
             assert own["device"][key] + own["host_per_node"].get(key, 0) // per_node == planned[key]
     # ... and right after loading: RAM-efficient loading (every FSDP config) materializes the weights on rank 0
@@ -244,8 +246,8 @@ def planned_bytes(config: str, recipe: str, processes: int) -> dict[str, int]:
     return {  # on the device, or this rank's share of what the node offloads to host RAM
         **{
             key: memory.device[key] + memory.host_per_node.get(key, 0) // per_node
-            for key in ("parameters", "optimizer_states")
-        },  # fmt: skip
+            for key in ("parameters", "gradients", "optimizer_states")
+        },
         "copies_at_load": memory.host_loading / (4 * shape.total),
     }
 

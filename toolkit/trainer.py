@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from . import planner
 from .arguments import Arguments
@@ -33,6 +33,19 @@ def global_batch_size(training) -> int:
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
     """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
     return base_lr * global_batch / reference_batch
+
+
+class GradientBytes(TrainerCallback):
+    """The most gradient bytes this rank held at an optimizer step (for rank reports: it walks every parameter).
+    Under DeepSpeed the gradients live in the engine's own partitioned buffers, not in `.grad`: None there."""
+
+    def __init__(self) -> None:
+        self.most: int | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        held = [nbytes(local_tensor(p.grad)) for p in model.parameters() if p.grad is not None]
+        if held:
+            self.most = max(self.most or 0, sum(held))
 
 
 class RecipeTrainer(Trainer):
@@ -74,6 +87,9 @@ class RecipeTrainer(Trainer):
         self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
         self.memory_plan = self.plan_memory()
         self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
+        self._gradient_bytes = GradientBytes()
+        if run.record_rank_reports:
+            self.add_callback(self._gradient_bytes)
         if "wandb" in self.args.report_to:
             tags = [
                 arguments.recipe_name,
@@ -211,6 +227,7 @@ class RecipeTrainer(Trainer):
             "weights_sha256": digest.hexdigest(),
             "tokens_seen": self.state.num_input_tokens_seen,
             **self.held_bytes(),
+            "gradient_bytes": self._gradient_bytes.most,
             "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
             "memory_plan": {"device": self.memory_plan.device, "host_per_node": self.memory_plan.host_per_node},
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
