@@ -27,6 +27,7 @@ demo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/minilm_bbc.py $(ARGS)
 
 finetune:
+	@$(BIN)/python -m toolkit check accelerate_configs/$(strip $(CONFIG)).yaml $(strip $(MODEL))
 	$(BIN)/accelerate launch --config_file accelerate_configs/$(strip $(CONFIG)).yaml \
 		$(if $(strip $(NUM_PROCESSES)),--num_processes $(strip $(NUM_PROCESSES))) \
 		recipes/$(strip $(MODEL)).py $(ARGS)

@@ -1,8 +1,8 @@
-"""`python -m toolkit plan ...`: the toolkit's commands."""
+"""`python -m toolkit plan|check ...`: the toolkit's commands."""
 
 import sys
 
-COMMANDS = {"plan": "toolkit.planner"}
+COMMANDS = {"plan": "toolkit.planner", "check": "toolkit.launch_check"}
 
 
 def main() -> int:

@@ -77,6 +77,13 @@ class RunArguments:
     wandb_project: str = "finetune-recipes"
     wandb_group: str | None = None
     wandb_tags: str | None = field(default=None, metadata={"help": "Extra comma-separated W&B tags."})
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "auto: continue from the newest complete checkpoint in output_dir (or start fresh, saying "
+            "so); or a checkpoint folder."
+        },  # fmt: skip
+    )
     record_rank_reports: bool = field(
         default=False,
         metadata={"help": "Write rows trained on and a weight digest per rank to output_dir/rank_reports/."},
@@ -205,6 +212,8 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError(f"task must be 'classification' or 'sft', got '{data.task}'.")
     if run.pricing not in ("on_demand", "spot"):
         raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{run.pricing}'.")
+    if run.resume and training.resume_from_checkpoint:
+        raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     return Arguments(model, data, run, training, recipe_name)

@@ -13,11 +13,12 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from .arguments import ModelArguments
+from .arguments import ConfigError, ModelArguments
 from .sources import check_hub_model, resolve
 from .strategy import env_flag
 
@@ -95,6 +96,31 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
     return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+
+
+def load_config(args: ModelArguments) -> PretrainedConfig:
+    """The model's config alone (a few KB): checked before the tokenizer, the data and the weights load."""
+    name = resolve(args.model_name_or_path)
+    check_hub_model(name)
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ConfigError(
+            f"'{args.model_name_or_path}' runs its own model code from its repository (auto_map in its config). "
+            "Read that code, then pass --trust_remote_code true to allow it."
+        ) from None
+
+
+def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and max_seq_length > limit:
+        raise ConfigError(
+            f"max_seq_length {max_seq_length} is above the model's {limit} positions (max_position_embeddings): "
+            f"pass --max_seq_length {limit} or less."
+        )
 
 
 def load_model(

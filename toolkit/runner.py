@@ -15,11 +15,20 @@ import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
-from . import fsdp_cpu, tiny
+from . import checkpoints, fsdp_cpu, tiny
 from .arguments import ConfigError, parse
 from .cost import UnknownHardware, check_device_name
 from .data import DataError, load_raw, prepare
-from .models import ParameterCounts, add_lora, allocate_placeholders, load_model, load_tokenizer, save_merged
+from .models import (
+    ParameterCounts,
+    add_lora,
+    allocate_placeholders,
+    check_sequence_length,
+    load_config,
+    load_model,
+    load_tokenizer,
+    save_merged,
+)
 from .sources import SourceUnavailable
 from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from .trainer import RecipeTrainer
@@ -58,9 +67,14 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     training = args.training
+    resume, resume_note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint,
+                                                   training.output_dir)  # fmt: skip
+    owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
+    checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     set_seed(training.seed)
 
+    check_sequence_length(load_config(args.model), args.data.max_seq_length)
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
@@ -84,7 +98,9 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         param_counts=counts,
         loaded_param_bytes=loaded_bytes,
     )
-    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    if resume_note and trainer.is_world_process_zero():
+        print(resume_note, flush=True)
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
     if data.eval is not None:
         evaluation = trainer.evaluate()

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import rotate_checkpoints
 
-from . import planner
+from . import checkpoints, planner
 from .arguments import Arguments
 from .cost import CostModel
 from .models import ParameterCounts, local_tensor, nbytes
@@ -86,6 +88,7 @@ class RecipeTrainer(Trainer):
         )
         self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
         self.memory_plan = self.plan_memory()
+        self._staging = False
         self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
         self._gradient_bytes = GradientBytes()
         if run.record_rank_reports:
@@ -178,6 +181,33 @@ class RecipeTrainer(Trainer):
         if self._rows_seen is not None:
             self.write_rank_report()
         return output
+
+    def owner(self) -> dict[str, str]:
+        """What a checkpoint of this run records about it (checkpoints.check_output_dir compares it)."""
+        return {"recipe": self.recipe.recipe_name, "model": self.recipe.model.model_name_or_path}
+
+    def _get_output_dir(self, trial) -> str:
+        if self._staging:  # while a checkpoint is written: into the staging folder (see checkpoints.py)
+            return str(checkpoints.staging_dir(self.args.output_dir))
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written by every rank into OUTPUT/.staging, then published whole by rank 0."""
+        staged = checkpoints.staging_dir(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save and staged.exists():
+            shutil.rmtree(staged)  # left by a save that was killed half-way
+        self.accelerator.wait_for_everyone()
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = False
+        self.accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if self.args.should_save:
+            checkpoints.publish(staged, self.args.output_dir, self.owner())
+            # By step, among complete checkpoints only: the newest complete one is never deleted.
+            rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""

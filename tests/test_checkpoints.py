@@ -1,0 +1,90 @@
+"""Checkpoints are complete or absent, `--resume auto` takes the newest complete one, and a run never trains into
+a folder holding checkpoints it would mix with or rotate away."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from bert import RECIPE as BERT
+from llama3_fft import RECIPE as LLAMA
+
+from toolkit import run, train
+from toolkit.checkpoints import OWNER, STAGING
+from toolkit.trainer import RecipeTrainer
+
+EVERY_2 = ["--tiny", "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def listing(folder) -> dict[str, float]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime for p in folder.rglob("*")}
+
+
+def test_checkpoints_are_published_whole_and_rotated_by_step(tmp_path):
+    out = tmp_path / "run"
+    train(BERT, [*EVERY_2, "--save_total_limit", "2", "--output_dir", str(out)], "bert")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert not any((out / STAGING).iterdir())  # nothing left half-written
+    for checkpoint in out.glob("checkpoint-*"):
+        assert json.loads((checkpoint / OWNER).read_text())["recipe"] == "bert"
+        assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+
+
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, monkeypatch, capsys):
+    """The process dies while writing checkpoint-4 (weights written, optimizer not): --resume auto ignores the
+    half-written folder, continues from checkpoint-2, and ends with the uninterrupted run's weights."""
+    reference = train(BERT, [*EVERY_2, "--output_dir", str(tmp_path / "reference")], "bert").trainer
+
+    out = tmp_path / "run"
+    save_optimizer = RecipeTrainer._save_optimizer_and_scheduler
+
+    def dies_at_step_4(self, output_dir):
+        if self.state.global_step == 4:
+            raise KeyboardInterrupt("killed during the save")  # what kill -9 leaves: a partial folder
+        save_optimizer(self, output_dir)
+
+    monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(BERT, [*EVERY_2, "--output_dir", str(out)], "bert")
+    monkeypatch.undo()
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    assert (out / STAGING / "checkpoint-4" / "model.safetensors").is_file()  # the partial one, set aside
+
+    resumed = train(BERT, [*EVERY_2, "--resume", "auto", "--output_dir", str(out)], "bert").trainer
+    assert f"resume auto: continuing from {out / 'checkpoint-2'}" in capsys.readouterr().out
+    assert resumed.state.global_step == 6
+    expected = weights(reference)
+    assert all(torch.equal(expected[k], v) for k, v in weights(resumed).items())  # bit-identical on CPU
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
+    train(BERT, ["--tiny", "--max_steps", "2", "--report_to", "none", "--resume", "auto", "--output_dir",
+                 str(tmp_path / "run")], "bert")  # fmt: skip
+    assert "resume auto: no complete checkpoint in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "message"),
+    [
+        (LLAMA, [], "holds checkpoints of another run (recipe bert"),  # another recipe's folder
+        (BERT, [], "already holds checkpoints of this recipe (newest: checkpoint-6)"),  # not resuming
+        (BERT, ["--resume", "nowhere"], "Cannot resume from 'nowhere': not a complete checkpoint folder"),
+        (BERT, ["--resume", "auto", "--resume_from_checkpoint", "x"], "Both resume and resume_from_checkpoint"),
+    ],
+    ids=["other-recipe", "not-resuming", "bad-path", "both"],
+)
+def test_an_output_folder_with_checkpoints_is_never_overwritten(tmp_path, capsys, recipe, flags, message):
+    out = tmp_path / "run"
+    train(BERT, [*EVERY_2, "--output_dir", str(out)], "bert")
+    before = listing(out)
+    name = "bert" if recipe is BERT else "llama3_fft"
+    with pytest.raises(SystemExit) as exit_info:
+        run(recipe, [*EVERY_2, *flags, "--output_dir", str(out)], name)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert listing(out) == before  # nothing trained, written or rotated

@@ -1,0 +1,111 @@
+"""`python -m toolkit check`: a strategy file's mistakes found in a second, before `accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import ROOT
+
+from toolkit.arguments import ConfigError
+from toolkit.launch_check import check
+
+CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_passes_with_every_recipe(config):
+    for recipe in RECIPES:
+        assert check(config, recipe).endswith(": ok")
+
+
+def edited(tmp_path, name: str, edit) -> str:
+    """A copy of accelerate_configs/NAME.yaml (and its DeepSpeed JSON) with `edit(text) -> text` applied."""
+    text = (ROOT / "accelerate_configs" / f"{name}.yaml").read_text()
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(edit(text))
+    return str(path)
+
+
+def broken_json(tmp_path, edit) -> str:
+    values = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    ds = tmp_path / "zero3.json"
+    ds.write_text(edit(values))
+    return edited(tmp_path, "zero3", lambda t: t.replace("ds_configs/zero3.json", str(ds)))
+
+
+CASES = {
+    "missing file": (lambda tmp: str(tmp / "nope.yaml"), "Config file not found", "accelerate_configs/: ddp.yaml"),
+    "malformed YAML": (lambda tmp: edited(tmp, "ddp", lambda t: t + "\n  bad: [unclosed\n"), "is not valid YAML", ""),
+    "misspelled key": (
+        lambda tmp: edited(tmp, "ddp", lambda t: t.replace("mixed_precision:", "mixed_precison:")),
+        "Unknown key 'mixed_precison'",
+        "Did you mean 'mixed_precision'?",
+    ),
+    "misspelled FSDP key": (
+        lambda tmp: edited(tmp, "fsdp2", lambda t: t.replace("fsdp_state_dict_type", "fsdp_state_dict_typ")),
+        "Unknown key 'fsdp_state_dict_typ' under fsdp_config",
+        "Did you mean 'fsdp_state_dict_type'?",
+    ),
+    "FSDP and DeepSpeed": (
+        lambda tmp: edited(
+            tmp, "fsdp2", lambda t: t + "deepspeed_config:\n  deepspeed_config_file: ds_configs/zero3.json\n"
+        ),
+        "is an FSDP config with a deepspeed_config section",
+        "accelerate_configs/zero3.yaml",
+    ),
+    "malformed JSON": (
+        lambda tmp: broken_json(tmp, lambda v: json.dumps(v)[:-1] + ",}"),
+        "is not valid JSON",
+        "",
+    ),
+    "unknown ZeRO key": (
+        lambda tmp: broken_json(
+            tmp,
+            lambda v: json.dumps(
+                {**v, "zero_optimization": {**v["zero_optimization"], "stage3_gather_16bit_weights_on_model_sav": True}}
+            ),
+        ),  # fmt: skip
+        "DeepSpeed rejects",
+        "stage3_gather_16bit_weights_on_model_sav",
+    ),
+    "layer class the model lacks": (
+        lambda tmp: edited(
+            tmp,
+            "fsdp2",
+            lambda t: t.replace(
+                "fsdp_transformer_layer_cls_to_wrap: null", "fsdp_transformer_layer_cls_to_wrap: GPT2Block"
+            ),
+        ),  # fmt: skip
+        "names ['GPT2Block'], which google-bert/bert-base-cased does not have; its layers are ['BertLayer']",
+        "Set it to null",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_is_one_message_naming_the_fix(tmp_path, case):
+    make, message, fix = CASES[case]
+    with pytest.raises(ConfigError) as error:
+        check(make(tmp_path), "bert")
+    assert message in str(error.value) and fix in str(error.value)
+
+
+def test_offload_without_a_compiler_says_how_to_get_one(monkeypatch):
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    monkeypatch.setattr(CPUAdamBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(ConfigError, match="DeepSpeed's CPU Adam cannot be built here .* build-essential"):
+        check(ROOT / "accelerate_configs" / "zero2_offload.yaml")
+    assert check(ROOT / "accelerate_configs" / "zero2.yaml").endswith(": ok")  # no offload, no build
+
+
+def test_make_finetune_checks_before_launching(tmp_path):
+    """`make finetune` with an unknown recipe: one line, exit 2, no process launched (so no output folder)."""
+    result = subprocess.run(["make", "-s", "finetune", "MODEL=bertt", "CONFIG=ddp"], cwd=ROOT, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode != 0
+    assert "error: No recipe 'bertt' in recipes/. Known: bert, llama3_fft" in result.stderr
+    assert "No such file" not in result.stderr  # accelerate never started the missing script
