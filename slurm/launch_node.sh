@@ -23,6 +23,11 @@ if [ "$per_node" -lt 1 ]; then
   exit 2
 fi
 
+# Preemption (toolkit/preemption.py): the launcher forwards SLURM's warning signal (USR1) to the training
+# processes, not just SIGTERM, and gives them time to finish a step and write a checkpoint before killing them.
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+
 # The mesh flags only matter to configs with a parallelism_config (fsdp_hybrid.yaml): replicate across the
 # nodes, shard over one node's processes. accelerate ignores them otherwise.
 exec accelerate launch --config_file "$config" \

@@ -88,3 +88,46 @@ def test_an_output_folder_with_checkpoints_is_never_overwritten(tmp_path, capsys
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert listing(out) == before  # nothing trained, written or rotated
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, capsys):
+    """SIGTERM at step 3 (sent by the process to itself, as `kill` would) and again in the middle of the save:
+    the step finishes, checkpoint-3 is written whole, the process exits 75, no final model is written; resumed,
+    the run ends with the uninterrupted run's weights."""
+    import os
+    import signal
+
+    from toolkit import runner
+    from toolkit.preemption import PREEMPTED, Preemption
+
+    flags = ["--tiny", "--max_steps", "8", "--report_to", "none"]
+    reference = train(BERT, [*flags, "--output_dir", str(tmp_path / "reference")], "bert").trainer
+
+    class KilledAtStep3(Preemption):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    save_optimizer = RecipeTrainer._save_optimizer_and_scheduler
+
+    def signalled_again(self, output_dir):
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal while the checkpoint is being written
+        save_optimizer(self, output_dir)
+
+    monkeypatch.setattr(runner, "Preemption", KilledAtStep3)
+    monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", signalled_again)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(BERT, [*flags, "--output_dir", str(out)], "bert")
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED == 75
+    assert "received SIGTERM: step 3 finished, saving a checkpoint" in capsys.readouterr().err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (out / "checkpoint-3" / "optimizer.pt").is_file() and not (out / "model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers handed back
+
+    resumed = train(BERT, [*flags, "--resume", "auto", "--output_dir", str(out)], "bert").trainer
+    assert resumed.state.global_step == 8
+    expected = weights(reference)
+    assert all(torch.equal(expected[k], v) for k, v in weights(resumed).items())

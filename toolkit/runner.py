@@ -29,6 +29,7 @@ from .models import (
     load_tokenizer,
     save_merged,
 )
+from .preemption import PREEMPTED, Preempted, Preemption
 from .sources import SourceUnavailable
 from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from .trainer import RecipeTrainer
@@ -59,7 +60,8 @@ class RunResult:
 
 
 def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
-    """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input."""
+    """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input, and
+    Preempted when a signal stopped training (its checkpoint written)."""
     name = name or Path(sys.argv[0]).stem
     resolve_config_paths()
     fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
@@ -100,7 +102,25 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)
-    result = trainer.train(resume_from_checkpoint=resume)
+    preemption = Preemption()
+    trainer.add_callback(preemption)
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+        if preemption.stopped_at is not None:
+            if trainer.is_world_process_zero():
+                print(f"preempted at step {preemption.stopped_at}: {training.output_dir}/checkpoint-"
+                      f"{preemption.stopped_at} written; continue with --resume auto", flush=True)  # fmt: skip
+            finish_run()
+            raise Preempted(preemption.stopped_at)
+        metrics = finish(trainer, args, data, result)
+    finally:
+        preemption.uninstall()
+    return RunResult(trainer, metrics)
+
+
+def finish(trainer: RecipeTrainer, args, data, result) -> dict[str, float]:
+    """After training: evaluate, save the consolidated model (and the merged LoRA one), close the W&B run."""
+    training = args.training
     metrics = dict(result.metrics)
     if data.eval is not None:
         evaluation = trainer.evaluate()
@@ -113,7 +133,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         if args.model.use_lora and args.model.merge_lora:
             print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
     finish_run()
-    return RunResult(trainer, metrics)
+    return metrics
 
 
 def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:
@@ -123,6 +143,8 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Preempted:
+        sys.exit(PREEMPTED)  # after the finally below: every rank leaves the process group cleanly
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process
