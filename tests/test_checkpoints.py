@@ -97,13 +97,12 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
     import os
     import signal
 
-    from toolkit import runner
-    from toolkit.preemption import PREEMPTED, Preemption
+    from toolkit.stopping import PREEMPTED, SafeStop
 
     flags = ["--tiny", "--max_steps", "8", "--report_to", "none"]
     reference = train(BERT, [*flags, "--output_dir", str(tmp_path / "reference")], "bert").trainer
 
-    class KilledAtStep3(Preemption):
+    class KilledAtStep3(SafeStop):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -115,7 +114,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while the checkpoint is being written
         save_optimizer(self, output_dir)
 
-    monkeypatch.setattr(runner, "Preemption", KilledAtStep3)
+    monkeypatch.setattr("toolkit.trainer.SafeStop", KilledAtStep3)
     monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", signalled_again)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -131,3 +130,26 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
     assert resumed.state.global_step == 8
     expected = weights(reference)
     assert all(torch.equal(expected[k], v) for k, v in weights(resumed).items())
+
+
+def test_nan_loss_stops_without_saving_over_good_checkpoints(tmp_path, monkeypatch, capsys):
+    """The loss turns NaN at step 5: the run stops there with exit code 3 and a message naming the step, the
+    newest good checkpoint and the likely causes; checkpoint-2 and -4 stay, nothing of step 5 or later is saved."""
+    from toolkit.stopping import DIVERGED
+
+    compute_loss = RecipeTrainer.compute_loss
+
+    def nan_from_step_5(self, model, inputs, *args, **kwargs):
+        loss = compute_loss(self, model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step >= 4 else loss  # the 5th step's loss
+
+    monkeypatch.setattr(RecipeTrainer, "compute_loss", nan_from_step_5)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(BERT, [*EVERY_2, "--output_dir", str(out)], "bert")
+    assert exit_info.value.code == DIVERGED == 3
+    err = capsys.readouterr().err
+    assert "the loss is not finite at step 5" in err and f"(newest: {out / 'checkpoint-4'})" in err
+    assert "lower --learning_rate" in err and "fp16 overflow" in err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not (out / "model.safetensors").exists()

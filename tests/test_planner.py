@@ -242,35 +242,38 @@ def test_host_ram_at_load(llama):
     assert plan_memory(llama, layout("zero3"), work, 8, nodes=2).host_loading == one_copy // 2
 
 
-def test_plan_command_offline(tmp_path):
+def test_plan_command_offline(capsys):
     """`python -m toolkit plan` for a recipe: offline (stored config, meta model), table and --json agree."""
     import json
-    import sys
 
-    from conftest import run_cmd
+    from toolkit.planner import main
 
-    cmd = [sys.executable, "-m", "toolkit", "plan", "llama3_lora", "--gpu", "RTX-4090", "--gpus", "1"]
-    table = run_cmd(cmd, cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})
-    assert table.returncode == 0, table.stderr[-2000:]
-    plan = json.loads(run_cmd([*cmd, "--json"], cwd=ROOT, env={"HF_HUB_OFFLINE": "1"}).stdout)
+    argv = ["llama3_lora", "--gpu", "RTX-4090", "--gpus", "1"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
     assert plan["parameters"]["frozen"] == 8_030_261_248  # LoRA: the base is frozen, counted as such
     single = next(c for c in plan["configs"] if c["config"] == "single_gpu")
     assert plan["recommended"] == "single_gpu" and plan["recommended_micro_batch"] == single["micro_batch"] >= 1
     flag = f"--per_device_train_batch_size {single['micro_batch']}"
-    assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table.stdout
+    assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table
 
 
-def test_make_plan_prints_fit_time_and_cost_offline():
+def test_make_plan_prints_fit_time_and_cost_offline(capsys):
     """The acceptance command: `make plan MODEL=llama3_fft GPU=A100-80GB GPUS=8`, offline; every row of the
     table shows the same numbers as --json, time and cost included (the data set's size is stored)."""
     import json
 
     from conftest import run_cmd
 
+    from toolkit.planner import main
+
     make = ["make", "-s", "plan", "MODEL=llama3_fft", "GPU=A100-80GB", "GPUS=8"]
     table = run_cmd(make, cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})
     assert table.returncode == 0, table.stderr[-2000:]
-    plan = json.loads(run_cmd([*make, "ARGS=--json"], cwd=ROOT, env={"HF_HUB_OFFLINE": "1"}).stdout)
+    assert main(["llama3_fft", "--gpu", "A100-80GB", "--gpus", "8", "--json"]) == 0  # what make runs, in-process
+    plan = json.loads(capsys.readouterr().out)
     assert plan["data"] == {"samples": 207_865, "epochs": 1, "tokens_per_sample": 2048}  # ultrachat_200k train_sft
     rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line.split()[:1] and
             line.split()[0] in {c["config"] for c in plan["configs"]}}  # fmt: skip

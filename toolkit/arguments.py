@@ -105,6 +105,8 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         "activation_checkpointing_kwargs": {"use_reentrant": False},
         # transformers models use every parameter in forward: skip DDP's extra graph traversal per step
         "ddp_find_unused_parameters": False,
+        # The Trainer replaces a NaN/inf loss by the running mean in its logs; the toolkit stops the run instead.
+        "logging_nan_inf_filter": False,
     }
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.

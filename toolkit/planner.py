@@ -530,6 +530,7 @@ def model_config(name: str):
     from transformers import AutoConfig
 
     from .arguments import ConfigError
+    from .sources import SourceUnavailable, check_hub_model
     from .tiny import HUB_CONFIGS, stored_config
 
     try:
@@ -537,8 +538,9 @@ def model_config(name: str):
     except ConfigError:
         pass
     try:
+        check_hub_model(name)  # seconds, not the download client's retries, when the Hub is out of reach
         return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SourceUnavailable) as error:
         recipes = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
         raise ConfigError(
             f"'{name}' is not a recipe ({', '.join(recipes)}), a folder with a config.json, or a model whose config "

@@ -29,8 +29,8 @@ from .models import (
     load_tokenizer,
     save_merged,
 )
-from .preemption import PREEMPTED, Preempted, Preemption
 from .sources import SourceUnavailable
+from .stopping import DIVERGED, PREEMPTED, Diverged, Preempted
 from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from .trainer import RecipeTrainer
 from .wandb_run import finish_run, redact_argv
@@ -102,19 +102,29 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)
-    preemption = Preemption()
-    trainer.add_callback(preemption)
     try:
         result = trainer.train(resume_from_checkpoint=resume)
-        if preemption.stopped_at is not None:
-            if trainer.is_world_process_zero():
-                print(f"preempted at step {preemption.stopped_at}: {training.output_dir}/checkpoint-"
-                      f"{preemption.stopped_at} written; continue with --resume auto", flush=True)  # fmt: skip
+        stop = trainer.safe_stop
+        if stop.diverged_at is not None:
             finish_run()
-            raise Preempted(preemption.stopped_at)
+            kept = [c for c in checkpoints.complete_checkpoints(training.output_dir)
+                    if int(c.name.split("-")[1]) < stop.diverged_at]  # fmt: skip
+            raise Diverged(
+                f"the loss is not finite at step {stop.diverged_at} (learning rate {training.learning_rate:.3g}); "
+                f"training stopped without saving over the earlier checkpoints (newest: "
+                f"{kept[-1] if kept else 'none'}). Likely causes: a learning rate too high (lower --learning_rate, "
+                "add --warmup_steps), fp16 overflow (use --bf16 true instead of --fp16), or a batch without a "
+                "single label token."
+            )
+        if stop.preempted_at is not None:
+            if trainer.is_world_process_zero():
+                print(f"preempted at step {stop.preempted_at}: {training.output_dir}/checkpoint-"
+                      f"{stop.preempted_at} written; continue with --resume auto", flush=True)  # fmt: skip
+            finish_run()
+            raise Preempted(stop.preempted_at)
         metrics = finish(trainer, args, data, result)
     finally:
-        preemption.uninstall()
+        trainer.safe_stop.uninstall()
     return RunResult(trainer, metrics)
 
 
@@ -145,6 +155,9 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
         sys.exit(2)
     except Preempted:
         sys.exit(PREEMPTED)  # after the finally below: every rank leaves the process group cleanly
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(DIVERGED)
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process

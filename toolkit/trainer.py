@@ -22,6 +22,7 @@ from . import checkpoints, planner
 from .arguments import Arguments
 from .cost import CostModel
 from .models import ParameterCounts, local_tensor, nbytes
+from .stopping import SafeStop
 from .strategy import check_strategy, describe, num_machines
 from .tracking import RunTracker
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
@@ -89,6 +90,8 @@ class RecipeTrainer(Trainer):
         self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
         self.memory_plan = self.plan_memory()
         self._staging = False
+        self.safe_stop = SafeStop()  # preemption signals and a non-finite loss (stopping.py)
+        self.add_callback(self.safe_stop)
         self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
         self._gradient_bytes = GradientBytes()
         if run.record_rank_reports:
@@ -228,7 +231,12 @@ class RecipeTrainer(Trainer):
             for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True):
                 row = [t for t, k in zip(ids, keep, strict=True) if k]
                 self._rows_seen.append(hashlib.sha1(json.dumps(row).encode()).hexdigest())
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # One host sync per micro-batch, the one the Trainer's own NaN filter would make (turned off in
+        # toolkit_defaults: it hides a NaN loss behind the running mean).
+        if not self.safe_stop.nonfinite_at and not torch.isfinite(loss).item():
+            self.safe_stop.nonfinite_at = self.state.global_step + 1
+        return loss
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
