@@ -38,7 +38,7 @@ plan:
 		--nodes $(strip $(NODES)) $(ARGS)
 
 test:
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 test-fast:
 	$(BIN)/python -m pytest -q -m "not launch"

@@ -56,9 +56,11 @@ RECIPES = {"bert": ("classification", 1), "llama3_fft": ("sft", 2), "llama3_lora
 ONE_RECIPE = {"fsdp": "llama3_fft", "fsdp_offload": "llama3_fft", "fsdp_hybrid": "llama3_fft"}
 MATRIX = [(c, r) for c in STRATEGIES if c != "fsdp_hybrid" for r in RECIPES if ONE_RECIPE.get(c, r) == r]
 # Save at this step and resume from it (llama3_fft: 1,024 rows / 32 per step = 32 steps). Configs that run the
-# same code as another on CPU are not resumed twice.
+# same code as another on CPU are not resumed twice; the PREEMPTED ones are resumed from a preemption instead
+# (test_preempted_run_resumes_to_the_same_weights, the same checks at a random step).
 RESUME_STEP = 16
-RESUMED = [c for c in STRATEGIES if c not in ONE_RECIPE]
+PREEMPTED = ["ddp", "zero3", "fsdp2"]
+RESUMED = [c for c in STRATEGIES if c not in ONE_RECIPE and c not in PREEMPTED]
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",
              "--report_to", "none")  # fmt: skip
 
@@ -165,8 +167,8 @@ def test_hybrid_shard_on_two_nodes(reference, tmp_path):
 
 
 # Preemption: SIGTERM at a random step, then --resume auto, ends where the uninterrupted run ends. One config per
-# engine: DDP, DeepSpeed ZeRO-3, FSDP2. The uninterrupted runs are the matrix's own (run here if not yet).
-PREEMPTED = ["ddp", "zero3", "fsdp2"]
+# engine (PREEMPTED: DDP, DeepSpeed ZeRO-3, FSDP2). The uninterrupted runs are the matrix's own (run here if not
+# yet).
 UNINTERRUPTED: dict[str, list[dict]] = {}  # config -> rank reports of its llama3_fft matrix run
 
 
