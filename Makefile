@@ -11,8 +11,10 @@ ARGS   ?=               # extra recipe flags, e.g. --tiny or --learning_rate 1e-
 GPU    ?= A100-80GB     # plan: a GPU type from toolkit/hardware.yaml
 GPUS   ?= 8             # plan: GPUs per node
 NODES  ?= 1             # plan: nodes
+RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
+REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo finetune plan test test-fast lint format clean
+.PHONY: install demo finetune plan report test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -36,6 +38,10 @@ finetune:
 plan:
 	$(BIN)/python -m toolkit plan $(strip $(MODEL)) --gpu $(strip $(GPU)) --gpus $(strip $(GPUS)) \
 		--nodes $(strip $(NODES)) $(ARGS)
+
+# Runs side by side: charts (loss vs step and vs dollars, tokens/s, MFU, memory, cost) and a page, offline.
+report:
+	$(BIN)/python -m toolkit report $(RUNS) --output $(strip $(REPORT))
 
 test:
 	$(BIN)/python -m pytest -q --durations=10

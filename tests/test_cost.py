@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from toolkit.cost import CostModel, UnknownHardware, device_spec, price_table
@@ -40,3 +43,77 @@ def test_unknown_gpu_type_lists_the_known_ones():
         CostModel.for_job(1, 1, device="A100-90GB")
     # with an explicit price any name will do
     assert CostModel.for_job(1, 1, device="A100-90GB", hourly_usd=2.0).usd(3600) == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------- the budget guard, on real runs
+def bert_run(tmp_path, *flags):
+    from bert import RECIPE
+
+    from toolkit import train
+
+    return train(RECIPE, ["--tiny", "--report_to", "none", "--output_dir", str(tmp_path / "run"), *flags], "bert")
+
+
+def test_budget_stops_with_a_checkpoint_that_resumes_and_carries_the_cost(tmp_path, capsys):
+    from toolkit.stopping import BudgetSpent
+
+    # $720 per vCPU-hour: 20 cents per vCPU-second, so $0.5 is spent within the 40 steps (about 2 s)
+    flags = ["--max_steps", "40", "--logging_steps", "2", "--hourly_usd", "720"]
+    with pytest.raises(BudgetSpent, match=r"stopped after step (\d+) of 40 with .*checkpoint-\1 written") as info:
+        bert_run(tmp_path, *flags, "--budget_usd", "0.5")
+    step = int(re.search(r"after step (\d+)", str(info.value)).group(1))
+    assert "budget: $" in capsys.readouterr().err  # the 80% warning, once
+    checkpoint = tmp_path / "run" / f"checkpoint-{step}"
+    spent = json.loads((checkpoint / "toolkit_cost.json").read_text())
+    # training stopped before the next step would pass $0.5; the checkpoint's save then adds its own seconds
+    logged = [json.loads(line) for line in (tmp_path / "run" / "run_log.jsonl").read_text().splitlines()]
+    assert all(line["cost_usd"] <= 0.5 for line in logged if "loss" in line) and spent["usd"] >= 0.4
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())["summary"]
+    assert summary["status"] == "budget" and summary["steps"] == step
+
+    resumed = bert_run(tmp_path, *flags, "--budget_usd", "1000", "--resume", "auto")
+    assert resumed.trainer.state.global_step == 40
+    out = capsys.readouterr().out
+    assert "of it before resuming" in out and f"checkpoint-{step}" in out
+    final = json.loads((tmp_path / "run" / "run_summary.json").read_text())["summary"]
+    assert final["cost_usd"] > spent["usd"] and final["status"] == "completed"
+
+
+def test_a_budget_below_the_plan_is_refused_before_training(tmp_path, capsys):
+    """Priced as an A100, the run's cost plan is the planner's: samples/s at the assumed MFU, x hours x price."""
+    from test_strategies import tokenized_rows
+    from transformers import AutoConfig
+
+    from toolkit import planner, run, tiny
+
+    rows = tokenized_rows("bert")
+    mean_length = sum(map(len, rows)) / len(rows)
+    config = AutoConfig.from_pretrained(tiny.tiny_checkpoint("google-bert/bert-base-cased", "classification"))
+    shape = planner.Shape.of(planner.meta_model(config, "classification"), config)
+    a100 = device_spec("A100-80GB")
+    rate = planner.samples_per_second_at_mfu(shape, mean_length, 0.40, 1, a100["peak_tflops"]["fp32"])
+    planned = planner.cost_from_throughput(1000 * 8, 1, rate, 1, a100["on_demand"], 1.0).usd
+
+    from bert import RECIPE
+
+    base = ["--tiny", "--report_to", "none", "--gpu_type", "A100-80GB", "--max_steps", "1000"]
+    for budget, message in [(planned / 10, rf"the planned cost of this run, \${planned:.3g} for 1000 steps at an "
+                             r"assumed 40% MFU on A100-80GB, is above --budget_usd .*--force_budget true"),
+                            (planned / 5000, r"is below the cost of one optimizer step")]:  # fmt: skip
+        out = tmp_path / f"run-{budget}"
+        with pytest.raises(SystemExit) as exit_info:
+            run(RECIPE, [*base, "--budget_usd", str(budget), "--output_dir", str(out)], name="bert")
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err)
+        assert not list(out.glob("checkpoint-*")) and not (out / "model.safetensors").exists()
+
+
+def test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pass_it():
+    from toolkit.cost import Budget
+
+    budget = Budget(10.0)
+    assert budget.check(7.0, 1.0) == (False, None)
+    stop, warning = budget.check(8.0, 1.0)
+    assert not stop and "80% of --budget_usd 10" in warning
+    assert budget.check(8.5, 1.0) == (False, None)  # said once
+    assert budget.check(9.5, 1.0) == (True, None)  # 9.5 + 1 > 10: stop now, checkpoint, exit

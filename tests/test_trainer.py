@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
 
 import pytest
 from bert import RECIPE as BERT
-from conftest import ROOT, check, run_cmd
+from conftest import check, launch, rank_reports
+from test_strategies import tokenized_rows
+from transformers import AutoConfig
 
-from toolkit import train
+from toolkit import planner, train
+from toolkit.cost import device_spec
 from toolkit.trainer import scaled_learning_rate
 from toolkit.wandb_run import read_offline_run, redact
 
@@ -66,29 +69,63 @@ def test_redact_masks_credentials_at_any_depth():
                        "list": [{"password": "<redacted>"}]}  # fmt: skip
 
 
-def test_wandb_offline_run_without_an_account(tmp_path):
-    """No API key and no WANDB_MODE: the run goes offline by itself; its file holds what the Trainer logged."""
+def test_live_metrics_in_the_log_and_the_offline_wandb_run(tmp_path):
+    """A 2-process DDP run with gradient accumulation 2 and padded batches, no W&B account: it goes offline by
+    itself, and its .wandb file holds exact token counts, MFU and cost by their formulas, the config, the
+    summary and the health alerts; no credential anywhere in it."""
     env = {"HOME": str(tmp_path), "WANDB_API_KEY": None, "HF_TOKEN": "hf_envsecret_123", "WANDB_MODE": None,
            "WANDB_DIR": str(tmp_path)}  # fmt: skip
-    argv = [sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), "--tiny", "--max_steps", "6", "--report_to",
-            "wandb", "--hub_token", "hf_argsecret_456", "--record_rank_reports", "true",
-            "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    result = check(run_cmd(argv, cwd=tmp_path, env=env))
+    out = tmp_path / "out"
+    # peak 1 TFLOPS per process: far above what a tiny model reaches on CPU, so the MFU alert must fire
+    flags = ["--tiny", "--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "4",
+             "--gradient_accumulation_steps", "2", "--peak_tflops", "1", "--cost_overhead", "1.3",
+             "--report_to", "wandb", "--hub_token", "hf_argsecret_456", "--record_rank_reports", "true",
+             "--output_dir", str(out)]  # fmt: skip
+    result = check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path, env=env))
     assert "W&B: no API key found, logging offline" in result.stdout
+    assert "run summary   completed" in result.stdout and "x overhead 1.3" in result.stdout
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     raw = b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())
     assert b"hf_argsecret_456" not in raw and b"hf_envsecret_123" not in raw
 
     run = read_offline_run(run_dir)
-    trainer_losses = json.loads((tmp_path / "out" / "rank_reports" / "rank0.json").read_text())["losses"]
-    logged = [row["train/loss"] for row in run["history"] if "train/loss" in row]
-    assert logged == pytest.approx(trainer_losses, rel=1e-6)
-    assert [row["train/tokens_per_second"] > 0 for row in run["history"] if "train/loss" in row] == [True] * 6
+    reports = rank_reports(out)
+    logged = [{k.removeprefix("train/"): v for k, v in row.items()} for row in run["history"] if "train/loss" in row]
+    assert [row["loss"] for row in logged] == pytest.approx(reports[0]["losses"], rel=1e-6)
+
+    # Tokens: exactly the non-padding tokens of the rows both ranks trained on, interval by interval
+    # (2 steps x 2 micro-batches x 4 rows = 16 rows per rank per logging interval).
+    rows = tokenized_rows("llama3_fft")
+    length = {hashlib.sha1(json.dumps(ids).encode()).hexdigest(): len(ids) for ids in rows}
+    config = AutoConfig.from_pretrained(out)
+    shape = planner.Shape.of(planner.meta_model(config, "sft"), config)
+    for i, row in enumerate(logged):
+        seconds = row["step_seconds"] * 2
+        tokens = sum(length[h] for r in reports for h in r["rows"][16 * i : 16 * (i + 1)])
+        assert row["tokens_per_second"] * seconds == pytest.approx(tokens, rel=1e-6)
+        assert row["tokens_per_second_per_device"] == pytest.approx(row["tokens_per_second"] / 2)
+        assert row["samples_per_second"] * seconds == pytest.approx(32, rel=1e-6)
+        # MFU = FLOPs per token at the mean row length x tokens/s / (2 devices x 1e12 FLOP/s)
+        flops = planner.training_flops_per_token(shape, tokens / 32)
+        assert row["mfu"] == pytest.approx(flops * row["tokens_per_second"] / 2e12, rel=1e-6)
+        assert 0 <= row["data_wait_share"] < 1 and row["peak_memory_gib"] > 0.1
+        # cost = vCPU-hours x price x overhead; the projection extends this pace to the 6 steps
+        assert row["cost_usd"] == pytest.approx(row["vcpu_hours"] * device_spec("cpu")["on_demand"] * 1.3)
+        assert row["usd_per_million_tokens"] == pytest.approx(row["cost_usd"] / row["num_input_tokens_seen"] * 1e6)
+        assert row["cost_projected_usd"] >= row["cost_usd"]
+    assert sum(length[h] for r in reports for h in r["rows"]) == reports[0]["tokens_seen"]
+
+    summary = {k.removeprefix("summary/"): v for k, v in run["summary"].items() if k.startswith("summary/")}
+    on_disk = json.loads((out / "run_summary.json").read_text())["summary"]
+    assert summary == pytest.approx(on_disk) and summary["tokens"] == reports[0]["tokens_seen"]
+    assert summary["status"] == "completed" and summary["strategy"] == "MULTI_CPU, none (replicated, DDP)"
+    assert summary["cost_usd"] >= logged[-1]["cost_usd"] and summary["train_loss"] > 0
+    assert [a["title"] for a in run["alerts"]] == ["toolkit health: mfu"]  # once, not per log line
     assert run["config"]["toolkit"]["recipe"] == "llama3_fft"
-    assert run["config"]["strategy"]["distributed_type"] == "NO"
-    assert run["config"]["parameters"]["trainable"] > 0
+    assert run["config"]["strategy"]["distributed_type"] == "MULTI_CPU"
+    assert run["config"]["pricing"]["overhead"] == 1.3
     assert run["config"]["memory_plan"]["device"]["parameters"] == 4 * run["config"]["parameters"]["total"]
-    assert set(run["tags"]) >= {"llama3_fft", "NO", "world-1", "cpu"}
+    assert set(run["tags"]) >= {"llama3_fft", "MULTI_CPU", "world-2", "cpu"}
 
 
 def test_redact_argv():
@@ -116,3 +153,20 @@ def test_unknown_gpu_type_fails_before_loading(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "Unknown GPU type 'B300'. Known: RTX-3090" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_health_warnings_are_one_line_each_and_skip_the_warm_up(capsys):
+    from toolkit.health import Health
+
+    health = Health(expected_mfu=0.4, is_main=True)
+    slow = {"mfu": 0.05, "data_wait_share": 0.5}
+    health.check(slow, memory_fraction=0.5)  # first interval: start-up, not judged
+    assert capsys.readouterr().err == ""
+    for _ in range(3):
+        health.check(slow, memory_fraction=0.97)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and set(health.raised) == {"mfu", "data", "memory"}
+    assert any("50% of the step is spent waiting for data" in line for line in lines)
+    assert any("MFU 5.0%, below half of the 40%" in line for line in lines)
+    health.check({"mfu": 0.3, "data_wait_share": 0.1}, memory_fraction=0.5)  # healthy: nothing more
+    assert capsys.readouterr().err == ""

@@ -1,8 +1,8 @@
-"""`python -m toolkit plan|check ...`: the toolkit's commands."""
+"""`python -m toolkit plan|check|report ...`: the toolkit's commands."""
 
 import sys
 
-COMMANDS = {"plan": "toolkit.planner", "check": "toolkit.launch_check"}
+COMMANDS = {"plan": "toolkit.planner", "check": "toolkit.launch_check", "report": "toolkit.report"}
 
 
 def main() -> int:

@@ -70,6 +70,20 @@ class RunArguments:
     gpu_type: str | None = field(default=None, metadata={"help": "Price-table entry; detected when not given."})
     hourly_usd: float | None = field(default=None, metadata={"help": "Price per device-hour, overrides the table."})
     pricing: str = field(default="on_demand", metadata={"help": "on_demand or spot."})
+    cost_overhead: float = field(
+        default=1.0, metadata={"help": "Multiplies every dollar figure (e.g. 1.3 for failed runs and tuning)."}
+    )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "Dense peak TFLOPS per device for MFU; from the price table when not given (GPUs)."},
+    )
+    budget_usd: float | None = field(
+        default=None,
+        metadata={"help": "Stop cleanly, with a checkpoint, before the run's cost (resumes included) passes this."},
+    )
+    force_budget: bool = field(
+        default=False, metadata={"help": "Start even when the planned cost of the whole run exceeds --budget_usd."}
+    )
     lr_reference_batch_size: int | None = field(
         default=None,
         metadata={"help": "Linear LR scaling: lr *= global_batch / this (Goyal et al. 2017), with warmup."},
@@ -214,6 +228,11 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError(f"task must be 'classification' or 'sft', got '{data.task}'.")
     if run.pricing not in ("on_demand", "spot"):
         raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{run.pricing}'.")
+    for name in ("budget_usd", "hourly_usd", "peak_tflops"):
+        if getattr(run, name) is not None and getattr(run, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(run, name)}.")
+    if run.cost_overhead < 1:
+        raise ConfigError(f"cost_overhead multiplies the cost and is at least 1, got {run.cost_overhead}.")
     if run.resume and training.resume_from_checkpoint:
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:

@@ -1,4 +1,4 @@
-"""Cost: what a run costs, from the dated price table in `hardware.yaml`.
+"""Cost: what a run costs, from the dated price table in `hardware.yaml`, and the budget guard.
 
 cost_usd = wall_seconds / 3600 x billed units x price per unit-hour x overhead
 where the billed units are the GPUs of the job (one per process), or on CPU the vCPUs of every node.
@@ -46,6 +46,13 @@ def detect_device() -> str:
     return gpu  # not in the table: priced only with --hourly_usd
 
 
+def peak_tflops(device: str, precision: str) -> float | None:
+    """Dense datasheet peak of one device for MFU (fp32, or bf16/fp16 tensor cores); None where the table has
+    none (CPUs, GPUs not in the table)."""
+    spec = price_table()["devices"].get(device) or {}
+    return (spec.get("peak_tflops") or {}).get(precision)
+
+
 def check_device_name(device: str | None, hourly_usd: float | None) -> None:
     """A GPU type given by name must be in the table, unless its price is given too."""
     if device is not None and hourly_usd is None:
@@ -87,12 +94,33 @@ class CostModel:
             return None
         return self.unit_hours(seconds) * self.usd_per_unit_hour * self.overhead
 
-    def summary(self, seconds: float) -> str:
-        hours = self.unit_hours(seconds)
+    def summary(self, seconds: float, before: dict[str, float] | None = None) -> str:
+        """The cost line printed at the end; `before`: what earlier segments of a resumed run spent."""
+        hours = self.unit_hours(seconds) + (before or {}).get("unit_hours", 0.0)
         if self.usd_per_unit_hour is None:
             return f"cost: {hours:.4f} {self.unit}-hours on {self.device} (not in the price table: pass --hourly_usd)"
+        usd = self.usd(seconds) + (before or {}).get("usd", 0.0)
+        resumed = f", ${before['usd']:.4g} of it before resuming" if before and before.get("usd") else ""
+        overhead = f" x overhead {self.overhead:g}" if self.overhead != 1 else ""
         return (
-            f"cost: ${self.usd(seconds):.4g} = {hours:.4g} {self.unit}-hours x ${self.usd_per_unit_hour}/"
-            f"{self.unit}-hour ({self.device}, {self.pricing.replace('_', '-')}, prices of "
-            f"{price_table()['prices_date']})"
+            f"cost: ${usd:.4g} = {hours:.4g} {self.unit}-hours x ${self.usd_per_unit_hour}/{self.unit}-hour{overhead} "
+            f"({self.device}, {self.pricing.replace('_', '-')}, prices of {price_table()['prices_date']}{resumed})"
         )
+
+
+class Budget:
+    """`--budget_usd`: one warning at 80%; a stop (the caller checkpoints) when the next step would pass it."""
+
+    WARN_AT = 0.8
+
+    def __init__(self, usd: float):
+        self.usd = usd
+        self.warned = False
+
+    def check(self, spent: float, step_usd: float) -> tuple[bool, str | None]:
+        """(stop now?, a warning to print once) for `spent` so far and a step costing `step_usd`."""
+        warning = None
+        if not self.warned and spent >= self.WARN_AT * self.usd:
+            self.warned = True
+            warning = f"budget: ${spent:.4g} spent, {100 * spent / self.usd:.0f}% of --budget_usd {self.usd:g}"
+        return spent + step_usd > self.usd, warning

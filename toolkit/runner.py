@@ -6,6 +6,7 @@ before any weights are loaded.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,9 @@ from .models import (
     save_merged,
 )
 from .sources import SourceUnavailable
-from .stopping import DIVERGED, PREEMPTED, Diverged, Preempted
+from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
 from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
-from .trainer import RecipeTrainer
+from .trainer import OverBudget, RecipeTrainer
 from .wandb_run import finish_run, redact_argv
 
 USER_ERRORS = (
@@ -41,6 +42,7 @@ USER_ERRORS = (
     DataError,
     StrategyMismatch,
     UnknownHardware,
+    OverBudget,
 )
 
 
@@ -106,22 +108,35 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         result = trainer.train(resume_from_checkpoint=resume)
         stop = trainer.safe_stop
         if stop.diverged_at is not None:
-            finish_run()
             kept = [c for c in checkpoints.complete_checkpoints(training.output_dir)
                     if int(c.name.split("-")[1]) < stop.diverged_at]  # fmt: skip
-            raise Diverged(
+            message = (
                 f"the loss is not finite at step {stop.diverged_at} (learning rate {training.learning_rate:.3g}); "
                 f"training stopped without saving over the earlier checkpoints (newest: "
                 f"{kept[-1] if kept else 'none'}). Likely causes: a learning rate too high (lower --learning_rate, "
                 "add --warmup_steps), fp16 overflow (use --bf16 true instead of --fp16), or a batch without a "
                 "single label token."
             )
+            trainer.health.warn("nonfinite", f"loss not finite at step {stop.diverged_at}: run stopped")
+            trainer.end_of_run("diverged", {})
+            finish_run()
+            raise Diverged(message)
         if stop.preempted_at is not None:
             if trainer.is_world_process_zero():
                 print(f"preempted at step {stop.preempted_at}: {training.output_dir}/checkpoint-"
                       f"{stop.preempted_at} written; continue with --resume auto", flush=True)  # fmt: skip
+            trainer.end_of_run("preempted", {})
             finish_run()
             raise Preempted(stop.preempted_at)
+        if stop.budget_at is not None:
+            trainer.end_of_run("budget", {})
+            finish_run()
+            raise BudgetSpent(
+                f"budget reached: ${trainer.tracker.usd():.4g} spent of --budget_usd {args.run.budget_usd:g} "
+                f"(the next step would pass it); stopped after step {stop.budget_at} of {trainer.state.max_steps} "
+                f"with {training.output_dir}/checkpoint-{stop.budget_at} written. To finish, raise --budget_usd and "
+                "add --resume auto: the cost so far is carried over."
+            )
         metrics = finish(trainer, args, data, result)
     finally:
         trainer.safe_stop.uninstall()
@@ -142,6 +157,7 @@ def finish(trainer: RecipeTrainer, args, data, result) -> dict[str, float]:
         print(f"saved to {training.output_dir}")
         if args.model.use_lora and args.model.merge_lora:
             print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
+    trainer.end_of_run("completed", metrics)
     finish_run()
     return metrics
 
@@ -158,6 +174,10 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(DIVERGED)
+    except BudgetSpent as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(BUDGET_SPENT)
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process

@@ -1,16 +1,20 @@
 """`RecipeTrainer`: the `transformers.Trainer` every recipe runs on.
 
-On top of the Trainer it: refuses a launch whose strategy silently degraded, prints a run header, adds live
-throughput and cost to every log line, logs the resolved config to W&B, prints the cost at the end, and, on
-request, writes per-rank reports (rows trained on, weight digest) for checking distributed runs.
+On top of the Trainer it: refuses a launch whose strategy silently degraded or whose planned cost exceeds the
+budget, prints a run header with the memory and cost plan, adds live throughput, MFU, memory and cost to every
+log line (and OUTPUT/run_log.jsonl), warns on poor health, stops cleanly at the budget, logs the resolved config
+and an end-of-run summary to W&B and OUTPUT/run_summary.json, and, on request, writes per-rank reports (rows
+trained on, weight digest) for checking distributed runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +23,13 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpoints, planner
-from .arguments import Arguments
-from .cost import CostModel
+from .arguments import Arguments, ConfigError
+from .cost import Budget, CostModel, peak_tflops
+from .health import Health
 from .models import ParameterCounts, local_tensor, nbytes
 from .stopping import SafeStop
 from .strategy import check_strategy, describe, num_machines
-from .tracking import RunTracker
+from .tracking import SPENT_FILE, RunTracker, TimedIterator, memory_fraction
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
 
 
@@ -36,6 +41,10 @@ def global_batch_size(training) -> int:
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
     """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
     return base_lr * global_batch / reference_batch
+
+
+class OverBudget(ValueError):
+    """The run's planned cost is above --budget_usd: refused before training."""
 
 
 class GradientBytes(TrainerCallback):
@@ -86,11 +95,23 @@ class RecipeTrainer(Trainer):
             device=run.gpu_type,
             hourly_usd=run.hourly_usd,
             pricing=run.pricing,
+            overhead=run.cost_overhead,
         )
-        self.tracker = RunTracker(self.cost, self.accelerator.num_processes)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        meta = planner.meta_model(base.config, arguments.data.task, planner.lora_settings(arguments.model))
+        self.shape = planner.Shape.of(meta, base.config)
+        self.layout = planner.Layout.from_accelerator(self.accelerator)
+        peak = run.peak_tflops or peak_tflops(self.cost.device, self.precision())
+        self.tracker = RunTracker(self.cost, self.accelerator.num_processes,
+                                  lambda seq: planner.training_flops_per_token(self.shape, seq),
+                                  peak * 1e12 if peak else None)  # fmt: skip
+        self.health = Health(planner.assumed_mfu(self.layout), self.is_world_process_zero())
         self.memory_plan = self.plan_memory()
+        self.cost_plan = self.plan_cost()
+        self.budget = self.check_budget()
         self._staging = False
-        self.safe_stop = SafeStop()  # preemption signals and a non-finite loss (stopping.py)
+        # preemption signals, a non-finite loss and the budget (stopping.py)
+        self.safe_stop = SafeStop(over_budget=self.over_budget)
         self.add_callback(self.safe_stop)
         self._rows_seen: list[str] | None = [] if run.record_rank_reports else None
         self._gradient_bytes = GradientBytes()
@@ -109,16 +130,74 @@ class RecipeTrainer(Trainer):
                 print(notice)
             self.add_callback(WandbRunConfig(self.run_config()))
 
+    def precision(self) -> str:
+        """The arithmetic the matmuls run in, for the datasheet peak: fp32, bf16 or fp16."""
+        dtype = next(self.model.parameters()).dtype
+        if self.args.fp16 or dtype == torch.float16:
+            return "fp16"
+        return "bf16" if self.args.bf16 or dtype == torch.bfloat16 else "fp32"
+
     def plan_memory(self) -> planner.Memory:
         """What toolkit.planner predicts each device of this run holds (the same formulas as `toolkit plan`)."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        config, task = base.config, self.recipe.data.task
-        shape = planner.Shape.of(planner.meta_model(config, task, planner.lora_settings(self.recipe.model)), config)
         dtype = next(self.model.parameters()).dtype
-        layout = planner.Layout.from_accelerator(self.accelerator)
         per_node = self.accelerator.num_processes // self.strategy["num_machines"]
         work = planner.workload_for(self.recipe, dtype, on_gpu=torch.cuda.is_available())
-        return planner.plan_memory(shape, layout, work, per_node, self.strategy["num_machines"])
+        return planner.plan_memory(self.shape, self.layout, work, per_node, self.strategy["num_machines"])
+
+    def planned_steps(self) -> int:
+        """Optimizer steps the Trainer will take (as it counts them: last micro-batches kept)."""
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        batches = math.ceil(len(self.train_dataset) / (self.args.per_device_train_batch_size * self.args.world_size))
+        return math.ceil(math.ceil(batches / self.args.gradient_accumulation_steps) * self.args.num_train_epochs)
+
+    def plan_cost(self) -> dict[str, float] | None:
+        """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the
+        strategy's assumed MFU x devices x peak). None without a datasheet peak (CPU: pass --peak_tflops)."""
+        if not self.tracker.peak_flops or self.cost.usd_per_unit_hour is None:
+            return None
+        lengths = [len(row) for row in self.train_dataset["input_ids"]]
+        mean_length = sum(lengths) / len(lengths)
+        steps = self.planned_steps()
+        tokens = steps * global_batch_size(self.args) * mean_length
+        mfu = planner.assumed_mfu(self.layout)
+        seconds = (
+            tokens
+            * self.tracker.flops_per_token(mean_length)
+            / (mfu * self.accelerator.num_processes * self.tracker.peak_flops)
+        )
+        usd = self.cost.usd(seconds)
+        return {"steps": steps, "tokens": tokens, "mfu": mfu, "seconds": seconds, "usd": usd, "step_usd": usd / steps}
+
+    def check_budget(self) -> Budget | None:
+        """--budget_usd: refused at once when one step, or (unless --force_budget) the whole plan, costs more."""
+        run, plan = self.recipe.run, self.cost_plan
+        if run.budget_usd is None:
+            return None
+        if self.cost.usd_per_unit_hour is None:
+            raise ConfigError(f"--budget_usd needs a price: '{self.cost.device}' is not in the price table "
+                              "(toolkit/hardware.yaml); pass --hourly_usd.")  # fmt: skip
+        if plan and plan["step_usd"] > run.budget_usd:
+            raise OverBudget(f"--budget_usd {run.budget_usd:g} is below the cost of one optimizer step "
+                             f"(${plan['step_usd']:.3g} planned on {self.cost.device}): raise the budget, or lower "
+                             "the batch size.")  # fmt: skip
+        if plan and plan["usd"] > run.budget_usd and not run.force_budget:
+            raise OverBudget(
+                f"the planned cost of this run, ${plan['usd']:.3g} for {plan['steps']} steps at an assumed "
+                f"{100 * plan['mfu']:.0f}% MFU on {self.cost.device}, is above --budget_usd {run.budget_usd:g}: raise "
+                "the budget, lower --max_steps or --num_train_epochs, or pass --force_budget true to train until the "
+                "budget is spent (it stops with a checkpoint)."
+            )
+        return Budget(run.budget_usd)
+
+    def over_budget(self, state) -> bool:
+        """At each step end, on every rank: would the next step take the run past --budget_usd?"""
+        if self.budget is None:
+            return False
+        stop, warning = self.budget.check(self.tracker.usd(), self.tracker.step_usd(state))
+        if warning:
+            self.health.warn("budget", warning)
+        return stop
 
     def run_config(self) -> dict[str, Any]:
         return {
@@ -132,12 +211,17 @@ class RecipeTrainer(Trainer):
                 "host_per_node": self.memory_plan.host_per_node,
                 "device_total": self.memory_plan.device_total,
             },  # fmt: skip
+            "cost_plan": self.cost_plan,
             "pricing": {
                 "device": self.cost.device,
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 "usd_per_unit_hour": self.cost.usd_per_unit_hour,
                 "unit": self.cost.unit,
                 "units": self.cost.units,
                 "pricing": self.cost.pricing,
+                "overhead": self.cost.overhead,
+                "peak_tflops_per_device": self.tracker.peak_flops / 1e12 if self.tracker.peak_flops else None,
+                "budget_usd": self.recipe.run.budget_usd,
             },
         }
 
@@ -162,9 +246,20 @@ class RecipeTrainer(Trainer):
             + ", ".join(f"{k} {planner.human_bytes(v)}" for k, v in self.memory_plan.device.items() if v),
             f"pricing       {self.cost.device}: "
             + (
-                f"${self.cost.usd_per_unit_hour}/{self.cost.unit}-hour x {self.cost.units} ({self.cost.pricing})"
+                f"${self.cost.usd_per_unit_hour}/{self.cost.unit}-hour x {self.cost.units} ({self.cost.pricing}"
+                + (f", overhead x{self.cost.overhead:g}" if self.cost.overhead != 1 else "")
+                + ")"
                 if self.cost.usd_per_unit_hour is not None
                 else "unknown (pass --hourly_usd)"
+            )
+            + (f", budget ${self.recipe.run.budget_usd:g}" if self.recipe.run.budget_usd else ""),
+            "cost plan     "
+            + (
+                f"${self.cost_plan['usd']:.3g} for {self.cost_plan['steps']} steps "
+                f"({self.cost_plan['seconds'] / 3600:.3g} h at an assumed {100 * self.cost_plan['mfu']:.0f}% MFU of "
+                f"{self.tracker.peak_flops / 1e12:g} TFLOPS per device)"
+                if self.cost_plan
+                else f"no estimate: no datasheet peak for {self.cost.device} (pass --peak_tflops for MFU and a plan)"
             ),
         ]
         rule = "-" * 78
@@ -177,10 +272,10 @@ class RecipeTrainer(Trainer):
             warning = planner.not_fitting_warning(self.memory_plan.device_total, available)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+        self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
         self.tracker.start(self.state)
         output = super().train(*args, **kwargs)
-        if self.is_world_process_zero():
-            print(self.cost.summary(self.tracker.elapsed), flush=True)
+        self.tracker.end_training()
         if self._rows_seen is not None:
             self.write_rank_report()
         return output
@@ -207,6 +302,7 @@ class RecipeTrainer(Trainer):
             self._staging = False
         self.accelerator.wait_for_everyone()  # every rank's shards are on disk
         if self.args.should_save:
+            (staged / SPENT_FILE).write_text(json.dumps(self.tracker.spent()))  # resumed runs add to it
             checkpoints.publish(staged, self.args.output_dir, self.owner())
             # By step, among complete checkpoints only: the newest complete one is never deleted.
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
@@ -222,8 +318,50 @@ class RecipeTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update(self.tracker.metrics(self.state, training="loss" in logs))
+        training = "loss" in logs
+        logs.update(self.tracker.metrics(self.state, training))
+        if training:
+            self.health.check(logs, memory_fraction())
         super().log(logs, start_time)
+        if self.args.should_save:  # the run's own log, read by `toolkit report`
+            with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
+                f.write(json.dumps(self.state.log_history[-1]) + "\n")
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
+
+    def end_of_run(self, status: str, metrics: dict[str, float]) -> dict[str, Any]:
+        """Printed, written to OUTPUT/run_summary.json and to the W&B run's summary (rank 0)."""
+        summary = self.tracker.summary(self.state)
+        s = self.strategy
+        summary.update(
+            status=status,
+            recipe=self.recipe.recipe_name,
+            strategy=f"{s['distributed_type']}, {s['sharding']}",
+            processes=s["num_processes"],
+            device=self.cost.device,
+            pricing=self.cost.pricing,
+            **{k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
+        )
+        if not self.is_world_process_zero():
+            return summary
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:
+            summary["wandb_run_id"] = wandb.run.id
+        mfu = f"{100 * summary['mean_mfu']:.2f}%" if summary.get("mean_mfu") is not None else "n/a (no peak)"
+        losses = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in summary.items() if k.endswith("_loss"))
+        print(
+            f"run summary   {status} after {time.strftime('%H:%M:%S', time.gmtime(summary['wall_seconds']))}, "
+            f"{summary['steps']} steps, {summary['tokens']:,} tokens ({summary.get('tokens_per_second', 0):,.0f}/s), "
+            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
+            flush=True,
+        )
+        print(self.cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
+        path = Path(self.args.output_dir) / "run_summary.json"
+        path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
+        if wandb is not None and wandb.run is not None:
+            wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
+        return summary
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._rows_seen is not None:  # costs a device sync: only when asked for
@@ -231,6 +369,7 @@ class RecipeTrainer(Trainer):
             for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True):
                 row = [t for t, k in zip(ids, keep, strict=True) if k]
                 self._rows_seen.append(hashlib.sha1(json.dumps(row).encode()).hexdigest())
+        self.tracker.count_batch(len(inputs["input_ids"]))  # host metadata: no device sync
         loss = super().training_step(model, inputs, num_items_in_batch)
         # One host sync per micro-batch, the one the Trainer's own NaN filter would make (turned off in
         # toolkit_defaults: it hides a NaN loss behind the running mean).

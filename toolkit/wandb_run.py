@@ -115,11 +115,11 @@ def _records(data: bytes):
 
 
 def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
-    """history rows, final summary and config of an offline run folder (wandb/offline-run-*)."""
+    """History rows, final summary, config, tags and alerts of an offline run folder (wandb/offline-run-*)."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = Path(run_dir).glob("*.wandb")
-    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "tags": []}
+    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "tags": [], "alerts": []}
     for raw in _records(path.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
@@ -134,6 +134,8 @@ def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
         elif which == "config":
             for item in record.config.update:
                 out["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif which == "alert":
+            out["alerts"].append({"title": record.alert.title, "text": record.alert.text})
         elif which == "run":
             out["tags"] = list(record.run.tags)
             out["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
