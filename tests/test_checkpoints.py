@@ -4,10 +4,14 @@ a folder holding checkpoints it would mix with or rotate away."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import sys
 
 import pytest
 import torch
 from bert import RECIPE as BERT
+from conftest import ROOT, run_cmd
 from llama3_fft import RECIPE as LLAMA
 
 from toolkit import run, train
@@ -35,23 +39,29 @@ def test_checkpoints_are_published_whole_and_rotated_by_step(tmp_path):
         assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
 
 
-def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, monkeypatch, capsys):
-    """The process dies while writing checkpoint-4 (weights written, optimizer not): --resume auto ignores the
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, capsys):
+    """kill -9 while checkpoint-4 is being written (weights on disk, optimizer not): --resume auto ignores the
     half-written folder, continues from checkpoint-2, and ends with the uninterrupted run's weights."""
     reference = train(BERT, [*EVERY_2, "--output_dir", str(tmp_path / "reference")], "bert").trainer
 
     out = tmp_path / "run"
-    save_optimizer = RecipeTrainer._save_optimizer_and_scheduler
-
-    def dies_at_step_4(self, output_dir):
-        if self.state.global_step == 4:
-            raise KeyboardInterrupt("killed during the save")  # what kill -9 leaves: a partial folder
-        save_optimizer(self, output_dir)
-
-    monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(BERT, [*EVERY_2, "--output_dir", str(out)], "bert")
-    monkeypatch.undo()
+    script = tmp_path / "killed_mid_save.py"  # the recipe, with a SIGKILL of itself in the middle of the save
+    script.write_text(f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT / "recipes")!r})
+from toolkit.trainer import RecipeTrainer
+save = RecipeTrainer._save_optimizer_and_scheduler
+def killed(self, output_dir):
+    if self.state.global_step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    save(self, output_dir)
+RecipeTrainer._save_optimizer_and_scheduler = killed
+from bert import RECIPE
+from toolkit import run
+run(RECIPE, sys.argv[1:], name="bert")
+""")
+    result = run_cmd([sys.executable, str(script), *EVERY_2, "--output_dir", str(out)], cwd=tmp_path)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
     assert (out / STAGING / "checkpoint-4" / "model.safetensors").is_file()  # the partial one, set aside
 
@@ -153,3 +163,26 @@ def test_nan_loss_stops_without_saving_over_good_checkpoints(tmp_path, monkeypat
     assert "lower --learning_rate" in err and "fp16 overflow" in err
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("engine", "world", "batch", "message"),
+    [
+        ("FSDP", 2, 16, "was written under DEEPSPEED and this launch runs FSDP"),
+        ("DEEPSPEED", 2, 8, "global batch of 16; this launch has 8"),
+        ("DEEPSPEED", 1, 16, "python -m deepspeed.checkpoint.ds_to_universal --input_folder"),
+    ],
+    ids=["other-engine", "other-batch", "zero-other-world"],
+)
+def test_resume_refusals_name_the_fix(tmp_path, engine, world, batch, message):
+    """A ZeRO checkpoint of 2 processes, global batch 16: what cannot be resumed is refused before loading."""
+    from toolkit.arguments import ConfigError
+    from toolkit.checkpoints import check_resumable
+
+    checkpoint = tmp_path / "checkpoint-16"
+    checkpoint.mkdir()
+    (checkpoint / OWNER).write_text(json.dumps({"recipe": "llama3_fft", "model": "m", "engine": "DEEPSPEED",
+                                                "world_size": 2, "global_batch_size": 16}))  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_resumable(checkpoint, engine, world, batch, accumulation=1)
+    assert check_resumable(checkpoint, "DEEPSPEED", 2, 16, accumulation=1) == ""  # the same launch resumes

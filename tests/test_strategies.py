@@ -124,6 +124,7 @@ def test_strategy(config, recipe, reference, tmp_path):
     check_run(config, recipe, out, result, reference)
     if recipe == "llama3_fft":
         UNINTERRUPTED[config] = rank_reports(out)
+        RUN_DIRS[config] = out
     if recipe == "llama3_lora":
         check_merged(out)
     if recipe == "llama3_fft" and config in RESUMED:
@@ -213,6 +214,37 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
         assert after["learning_rates"] == full["learning_rates"]  # the schedule continued
         assert after["losses"] == full["losses"]  # bit-identical: history restored, then the same steps
         assert after["weights_sha256"] == full["weights_sha256"]
+
+
+# Resume on another process count: the Trainer's format (DDP) and FSDP's (torch.distributed.checkpoint
+# reshards) continue the same run on 1 process with the same global batch; ZeRO refuses before loading (see
+# test_checkpoints.py), naming DeepSpeed's conversion command.
+RUN_DIRS: dict[str, Path] = {}  # config -> output folder of its llama3_fft matrix run (checkpoint-16 inside)
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_resume_on_one_process_from_two(config, reference, tmp_path):
+    out = RUN_DIRS.get(config)
+    if out is None:
+        out = tmp_path / "full"
+        check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, out), cwd=tmp_path))
+    full = rank_reports(out)
+    resumed = tmp_path / "resumed"
+    flags = [*run_flags("llama3_fft", 1, resumed), "--resume", str(out / f"checkpoint-{RESUME_STEP}")]
+    if config == "ddp":  # one process: a plain run of the script
+        result = check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *flags], cwd=tmp_path))
+    else:
+        result = check(launch(config, "llama3_fft", *flags, cwd=tmp_path, num_processes=1))
+    assert "resuming a 2-process checkpoint on 1 process(es), same global batch 32" in result.stdout
+    (one,) = rank_reports(resumed)
+    assert one["losses"][:RESUME_STEP] == full[0]["losses"][:RESUME_STEP]  # history restored
+    assert one["losses"] == pytest.approx(full[0]["losses"], rel=2e-3, abs=1e-4)  # then the same run, 1 process
+    assert one["learning_rates"] == full[0]["learning_rates"]
+    second_half = {row for r in full for row in r["rows"][len(r["rows"]) // 2 :]}
+    assert len(one["rows"]) == len(second_half) and set(one["rows"]) == second_half  # no repeat, no skip
+    ref_weights = reference("llama3_fft")[1]
+    for name, value in exported_weights(resumed, "llama3_fft").items():
+        torch.testing.assert_close(value.float(), ref_weights[name].float(), rtol=1e-3, atol=2e-4, msg=name)
 
 
 def run_flags(recipe: str, processes: int, out) -> list[str]:

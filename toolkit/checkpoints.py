@@ -77,6 +77,46 @@ def resume_point(resume: str | None, output_dir: str | Path) -> tuple[str | None
     return resume, f"resuming from {resume}"
 
 
+def engine_of(distributed_type: str) -> str:
+    """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
+    return distributed_type if distributed_type in ("DEEPSPEED", "FSDP") else "replicated"
+
+
+def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int) -> str:
+    """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
+    schedule; returns a note when the process count changes (supported: the Trainer's and FSDP's formats)."""
+    path = Path(checkpoint) / OWNER
+    if not path.is_file():
+        return ""  # not written by the toolkit: nothing recorded to compare
+    then = json.loads(path.read_text())
+    if "engine" not in then:
+        return ""
+    if then["engine"] != engine:
+        raise ConfigError(f"{checkpoint} was written under {then['engine']} and this launch runs {engine}: the "
+                          "formats differ. Resume with a config of the same kind.")  # fmt: skip
+    if then["global_batch_size"] != global_batch:
+        per_device, rest = divmod(then["global_batch_size"], world_size * accumulation)
+        fix = f"--per_device_train_batch_size {per_device}" if per_device and not rest else "a matching batch"
+        raise ConfigError(f"{checkpoint} was trained with a global batch of {then['global_batch_size']}; this launch "
+                          f"has {global_batch}, which would change the data order and the schedule it resumes. "
+                          f"Pass {fix} (or change --gradient_accumulation_steps) to continue the same "
+                          "run.")  # fmt: skip
+    if then["world_size"] == world_size:
+        return ""
+    if engine == "DEEPSPEED":
+        step = Path(checkpoint).name.split("-")[-1]
+        raise ConfigError(f"{checkpoint} holds ZeRO partitions for {then['world_size']} processes and this launch "
+                          f"has {world_size}; DeepSpeed cannot repartition them on load. Resume on "
+                          f"{then['world_size']} processes, or convert it to DeepSpeed's universal format: "
+                          f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {checkpoint}/global_step"
+                          f"{step} --output_folder {checkpoint}/global_step{step}_universal` and set "
+                          '"checkpoint": {"load_universal": true} in the DeepSpeed JSON.')  # fmt: skip
+    return (
+        f"resuming a {then['world_size']}-process checkpoint on {world_size} process(es), same global batch "
+        f"{global_batch}"
+    )
+
+
 def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> None:
     """Refuse, before any weights load, to train into a folder whose checkpoints a new run would mix with or
     rotate away: another recipe's or model's, or this one's when not resuming."""

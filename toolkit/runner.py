@@ -32,8 +32,8 @@ from .models import (
 )
 from .sources import SourceUnavailable
 from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
-from .strategy import StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
-from .trainer import OverBudget, RecipeTrainer
+from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
+from .trainer import OverBudget, RecipeTrainer, global_batch_size
 from .wandb_run import finish_run, redact_argv
 
 USER_ERRORS = (
@@ -76,6 +76,12 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
     checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
     check_processes(training.world_size)  # creating the process group happens on first access of the device
+    if resume:
+        requested = Requested.from_env()
+        engine = "DEEPSPEED" if requested.deepspeed else "FSDP" if requested.fsdp else "replicated"
+        note = checkpoints.check_resumable(resume, engine, training.world_size, global_batch_size(training),
+                                           training.gradient_accumulation_steps)  # fmt: skip
+        resume_note = f"{resume_note} ({note})" if note else resume_note
     set_seed(training.seed)
 
     check_sequence_length(load_config(args.model), args.data.max_seq_length)

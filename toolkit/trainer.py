@@ -282,7 +282,13 @@ class RecipeTrainer(Trainer):
 
     def owner(self) -> dict[str, str]:
         """What a checkpoint of this run records about it (checkpoints.check_output_dir compares it)."""
-        return {"recipe": self.recipe.recipe_name, "model": self.recipe.model.model_name_or_path}
+        return {
+            "recipe": self.recipe.recipe_name,
+            "model": self.recipe.model.model_name_or_path,
+            "engine": checkpoints.engine_of(self.accelerator.distributed_type.value),
+            "world_size": self.accelerator.num_processes,
+            "global_batch_size": global_batch_size(self.args),
+        }
 
     def _get_output_dir(self, trial) -> str:
         if self._staging:  # while a checkpoint is written: into the staging folder (see checkpoints.py)
