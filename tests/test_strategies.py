@@ -61,23 +61,29 @@ MATRIX = [(c, r) for c in STRATEGIES if c != "fsdp_hybrid" for r in RECIPES if O
 RESUME_STEP = 16
 PREEMPTED = ["ddp", "zero3", "fsdp2"]
 RESUMED = [c for c in STRATEGIES if c not in ONE_RECIPE and c not in PREEMPTED]
+# Unpacked: one conversation per row, so steps and rows are the same for every recipe (packing, the SFT default,
+# has its own launch: test_packed_run_matches_one_process).
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",
-             "--report_to", "none")  # fmt: skip
+             "--report_to", "none", "--packing", "false")  # fmt: skip
 
 
-def tokenized_rows(recipe: str) -> list[list[int]]:
-    """Every tokenized training row, computed here independently of the runs."""
+def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
+    """Every tokenized training example (unpacked), computed here independently of the runs."""
     task = RECIPES[recipe][0]
     model_name = "google-bert/bert-base-cased" if recipe == "bert" else "meta-llama/Meta-Llama-3-8B"
     tokenizer = tiny.tiny_tokenizer(model_name, task)
-    defaults = tiny.tiny_training_defaults(task, model_name)
+    defaults = {**tiny.tiny_training_defaults(task, model_name), **overrides}
     values = {k: v for k, v in defaults.items() if k in DataArguments.__dataclass_fields__}
     args = DataArguments(task=task, **values)
     return prepare(load_raw(args), tokenizer, args, lambda desc: contextlib.nullcontext()).train["input_ids"]
 
 
+def row_hash(ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()
+
+
 def row_hashes(rows) -> set[str]:
-    return {hashlib.sha1(json.dumps(ids).encode()).hexdigest() for ids in rows}
+    return set(map(row_hash, rows))
 
 
 def recipe_flags(recipe: str) -> list[str]:
@@ -244,6 +250,36 @@ def test_resume_on_one_process_from_two(config, reference, tmp_path):
     assert len(one["rows"]) == len(second_half) and set(one["rows"]) == second_half  # no repeat, no skip
     ref_weights = reference("llama3_fft")[1]
     for name, value in exported_weights(resumed, "llama3_fft").items():
+        torch.testing.assert_close(value.float(), ref_weights[name].float(), rtol=1e-3, atol=2e-4, msg=name)
+
+
+def test_packed_run_matches_one_process(tmp_path):
+    """Packing (the SFT default) under DDP: 2 processes x 8 packed rows per micro-batch equal 1 process x 16:
+    every conversation trained on once, its tokens counted exactly, the same losses and weights."""
+    runs = {}
+    for processes in (1, 2):
+        out = tmp_path / f"world-{processes}"
+        # drop_last: the packed row count is not a multiple of the global batch, and accelerate would even out
+        # the ranks' last batch by repeating rows, which one process does not do
+        flags = [*ONE_EPOCH[:-2], "--gradient_accumulation_steps", "2", "--output_dir", str(out),
+                 "--max_seq_length", "256", "--dataloader_drop_last", "true",
+                 "--per_device_train_batch_size", str(16 // processes)]  # fmt: skip
+        if processes == 1:
+            check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *flags], cwd=tmp_path))
+        else:
+            check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path))
+        runs[processes] = (rank_reports(out), exported_weights(out, "llama3_fft"))
+    rows = tokenized_rows("llama3_fft", max_seq_length=256)
+    (reference,), ref_weights = runs[1]
+    reports, weights = runs[2]
+    assert len(reference["losses"]) <= len(rows) // 32 // 3  # rows of 256 hold 3 or more conversations
+    seen = [set(r["rows"]) for r in reports]
+    assert not (seen[0] & seen[1]) and seen[0] | seen[1] == set(reference["rows"])  # the same conversations
+    length = {h: len(ids) for h, ids in zip(map(row_hash, rows), rows, strict=True)}
+    assert len(reference["rows"]) > 0.9 * len(rows) and set(reference["rows"]) <= length.keys()
+    assert all(r["tokens_seen"] == sum(length[h] for h in reference["rows"]) for r in [*reports, reference])
+    assert reports[0]["losses"] == pytest.approx(reference["losses"], rel=2e-3, abs=1e-4)
+    for name, value in weights.items():
         torch.testing.assert_close(value.float(), ref_weights[name].float(), rtol=1e-3, atol=2e-4, msg=name)
 
 

@@ -78,7 +78,7 @@ def test_live_metrics_in_the_log_and_the_offline_wandb_run(tmp_path):
     out = tmp_path / "out"
     # peak 1 TFLOPS per process: far above what a tiny model reaches on CPU, so the MFU alert must fire
     flags = ["--tiny", "--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "4",
-             "--gradient_accumulation_steps", "2", "--peak_tflops", "1", "--cost_overhead", "1.3",
+             "--gradient_accumulation_steps", "2", "--peak_tflops", "1", "--cost_overhead", "1.3", "--packing", "false",
              "--report_to", "wandb", "--hub_token", "hf_argsecret_456", "--record_rank_reports", "true",
              "--output_dir", str(out)]  # fmt: skip
     result = check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path, env=env))

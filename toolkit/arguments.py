@@ -59,6 +59,13 @@ class DataArguments:
     messages_column: str = field(default="messages", metadata={"help": "sft: list of {role, content} messages."})
     chat_template: str | None = field(default=None, metadata={"help": "sft: a named template (llama3) or Jinja."})
     max_seq_length: int = 512
+    packing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "sft: several conversations per row up to max_seq_length, attention kept inside each. "
+            "Default: on where the model's attention supports it."
+        },  # fmt: skip
+    )
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     text_encoding: str = field(default="utf-8", metadata={"help": "Encoding of .txt files in a class folder."})

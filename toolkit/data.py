@@ -13,10 +13,10 @@ from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .arguments import DataArguments
+from .packing import IGNORE_INDEX, FlatteningCollator, pack
 from .sources import check_hub_dataset, resolve
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-IGNORE_INDEX = -100  # label of tokens that carry no loss
 
 # Llama 3's chat format (https://www.llama.com/docs/model-cards-and-prompt-formats/meta-llama-3/). The base
 # Meta-Llama-3-8B tokenizer has these special tokens but ships no template.
@@ -180,7 +180,8 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dic
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
-def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first):
+def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
+                packing: bool = False):  # fmt: skip
     apply_chat_template_setting(tokenizer, args.chat_template)
     for split in ds.values():
         require_columns(split, [args.messages_column], "--messages_column")
@@ -194,13 +195,18 @@ def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataA
         tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
     if len(tokenized["train"]) == 0:
         raise DataError(f"No training conversation has an assistant token within max_seq_length={args.max_seq_length}.")
+    if packing:  # several conversations per row, one flattened row per micro-batch (packing.py)
+        with main_process_first(desc="packing"):
+            tokenized = {split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()}
+        return PreparedData(tokenized["train"], tokenized.get("eval"), FlatteningCollator(), label_names=None)
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, label_names=None)
 
 
-def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first):
+def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
+            packing: bool = False):  # fmt: skip
     if len(ds["train"]) == 0:
         raise DataError(f"The training split of '{args.dataset_name}' is empty.")
     if args.task == "classification":
         return prepare_classification(ds, tokenizer, args, main_process_first)
-    return prepare_sft(ds, tokenizer, args, main_process_first)
+    return prepare_sft(ds, tokenizer, args, main_process_first, packing)

@@ -30,6 +30,7 @@ from .models import (
     load_tokenizer,
     save_merged,
 )
+from .packing import use_packing
 from .sources import SourceUnavailable
 from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
 from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
@@ -84,9 +85,15 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         resume_note = f"{resume_note} ({note})" if note else resume_note
     set_seed(training.seed)
 
-    check_sequence_length(load_config(args.model), args.data.max_seq_length)
+    config = load_config(args.model)
+    check_sequence_length(config, args.data.max_seq_length)
+    packing = use_packing(args.data.task, args.data.packing, config)
+    if packing:
+        # A packed micro-batch is one flattened row without padding or attention mask; the Trainer's
+        # "non_padding" count would then drop every token equal to the pad token (often the EOS).
+        training.include_num_input_tokens_seen = "all"
     tokenizer = load_tokenizer(args.model)
-    data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first)
+    data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
     if args.model.use_lora:

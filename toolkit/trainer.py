@@ -27,6 +27,7 @@ from .arguments import Arguments, ConfigError
 from .cost import Budget, CostModel, peak_tflops
 from .health import Health
 from .models import ParameterCounts, local_tensor, nbytes
+from .packing import SEQUENCES
 from .stopping import SafeStop
 from .strategy import check_strategy, describe, num_machines
 from .tracking import SPENT_FILE, RunTracker, TimedIterator, memory_fraction
@@ -41,6 +42,18 @@ def global_batch_size(training) -> int:
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
     """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
     return base_lr * global_batch / reference_batch
+
+
+def sequences_of(inputs: dict[str, torch.Tensor]) -> list[list[int]]:
+    """The token ids of each example in a batch: rows without their padding, or the conversations of a packed
+    row (split where position_ids restart)."""
+    if "attention_mask" not in inputs and "position_ids" in inputs:
+        ids, positions = inputs["input_ids"].flatten().tolist(), inputs["position_ids"].flatten().tolist()
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        return [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
+    return [[t for t, k in zip(ids, keep, strict=True) if k]
+            for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True)]  # fmt: skip
 
 
 class OverBudget(ValueError):
@@ -370,18 +383,21 @@ class RecipeTrainer(Trainer):
         return summary
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        # Rows of the micro-batch: conversations when packed (counted by the collator, on the host), else rows.
+        sequences = inputs.pop(SEQUENCES, None) or len(inputs["input_ids"])
         if self._rows_seen is not None:  # costs a device sync: only when asked for
-            mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
-            for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True):
-                row = [t for t, k in zip(ids, keep, strict=True) if k]
-                self._rows_seen.append(hashlib.sha1(json.dumps(row).encode()).hexdigest())
-        self.tracker.count_batch(len(inputs["input_ids"]))  # host metadata: no device sync
+            self._rows_seen += [hashlib.sha1(json.dumps(row).encode()).hexdigest() for row in sequences_of(inputs)]
+        self.tracker.count_batch(sequences)
         loss = super().training_step(model, inputs, num_items_in_batch)
         # One host sync per micro-batch, the one the Trainer's own NaN filter would make (turned off in
         # toolkit_defaults: it hides a NaN loss behind the running mean).
         if not self.safe_stop.nonfinite_at and not torch.isfinite(loss).item():
             self.safe_stop.nonfinite_at = self.state.global_step + 1
         return loss
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        inputs.pop(SEQUENCES, None)
+        return super().prediction_step(model, inputs, *args, **kwargs)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""

@@ -1,0 +1,86 @@
+"""Packing: rows filled best-fit-decreasing, and no token attends or is trained across a conversation boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from toolkit import tiny
+from toolkit.packing import IGNORE_INDEX, FlatteningCollator, best_fit_decreasing, pack, supports_packing
+
+
+def test_best_fit_decreasing_fills_rows_tightly():
+    lengths = [6, 5, 4, 3, 2, 2, 1, 1]  # 24 tokens: 3 rows of 8 is the optimum, and BFD finds it
+    bins = best_fit_decreasing(lengths, capacity=8)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every item once
+    assert [sum(lengths[i] for i in b) for b in bins] == [8, 8, 8]
+    assert best_fit_decreasing([8, 8, 1], 8) == [[0], [1], [2]]
+
+
+def conversations(n: int, vocab: int) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [], "labels": []}
+    for length in torch.randint(5, 30, (n,), generator=g).tolist():
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        rows["input_ids"].append(ids)
+        rows["labels"].append([IGNORE_INDEX] * (length // 2) + ids[length // 2 :])  # "assistant" second half
+    return Dataset.from_dict(rows)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = AutoConfig.from_pretrained(tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B", "sft"))
+    torch.manual_seed(0)
+    return config
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention):
+    assert supports_packing(llama)
+    model = AutoModelForCausalLM.from_config(llama, attn_implementation=attention, dtype=torch.float32).eval()
+    data = conversations(12, llama.vocab_size)
+    packed = pack(data, max_seq_length=64)
+    assert len(packed) < len(data) and all(len(row) <= 64 for row in packed["input_ids"])
+    batch = FlatteningCollator()([packed[i] for i in range(len(packed))])
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1 and batch["use_cache"] is False
+
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+        loss_sum, targets = 0.0, 0
+        for start, end in zip(starts, starts[1:], strict=False):
+            ids = batch["input_ids"][:, start:end]
+            labels = torch.tensor([data["labels"][data["input_ids"].index(ids[0].tolist())]])
+            alone = model(input_ids=ids, labels=labels)
+            torch.testing.assert_close(logits[start:end], alone.logits[0], rtol=1e-4, atol=1e-5)
+            assert batch["labels"][0, start] == IGNORE_INDEX  # nothing trained to predict the next conversation
+            n = int(labels[0, 1:].ne(IGNORE_INDEX).sum())
+            loss_sum, targets = loss_sum + alone.loss.item() * n, targets + n
+        packed_loss = model(**batch).loss.item()
+    assert len(starts) - 1 == len(data)  # every conversation found, once
+    assert packed_loss == pytest.approx(loss_sum / targets, rel=1e-4)  # the same targets, the same loss
+
+
+def find(data: Dataset, ids: torch.Tensor) -> int:
+    return data["input_ids"].index(ids[0].tolist())
+
+
+def test_packing_only_where_it_is_correct(llama):
+    from transformers import PretrainedConfig
+
+    from toolkit.arguments import ConfigError
+    from toolkit.packing import use_packing
+
+    class RemoteCodeConfig(PretrainedConfig):  # a model with its own code: its masks are unknown
+        model_type = "my_remote_model"
+
+    assert use_packing("sft", None, llama) is True  # the default for SFT where the model supports it
+    assert use_packing("sft", False, llama) is False
+    assert use_packing("sft", None, RemoteCodeConfig()) is False
+    with pytest.raises(ConfigError, match="conversations would see each other: pass --packing false"):
+        use_packing("sft", True, RemoteCodeConfig())
+    with pytest.raises(ConfigError, match="applies to sft recipes"):
+        use_packing("classification", True, llama)
+    assert use_packing("classification", None, llama) is False
