@@ -8,7 +8,14 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit import tiny
-from toolkit.packing import IGNORE_INDEX, FlatteningCollator, best_fit_decreasing, pack, supports_packing
+from toolkit.packing import (
+    IGNORE_INDEX,
+    SEQUENCES,
+    PackedCollator,
+    best_fit_decreasing,
+    pack,
+    supports_packing,
+)
 
 
 def test_best_fit_decreasing_fills_rows_tightly():
@@ -36,35 +43,38 @@ def llama():
     return config
 
 
+@pytest.mark.parametrize("flatten", [False, True], ids=["rows", "flattened"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention):
+def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, flatten):
     assert supports_packing(llama)
     model = AutoModelForCausalLM.from_config(llama, attn_implementation=attention, dtype=torch.float32).eval()
     data = conversations(12, llama.vocab_size)
     packed = pack(data, max_seq_length=64)
     assert len(packed) < len(data) and all(len(row) <= 64 for row in packed["input_ids"])
-    batch = FlatteningCollator()([packed[i] for i in range(len(packed))])
-    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1 and batch["use_cache"] is False
+    batch = PackedCollator(pad_token_id=0, flatten=flatten)([packed[i] for i in range(len(packed))])
+    assert batch[SEQUENCES] == len(data) and batch["use_cache"] is False
+    assert batch["input_ids"].shape[0] == (1 if flatten else len(packed))
+    mask = batch.pop("attention_mask")  # for counting tokens only: RecipeTrainer keeps it from the model
+    assert int(mask.sum()) == sum(map(len, data["input_ids"]))
+    del batch[SEQUENCES]
 
     with torch.no_grad():
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
-        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-        loss_sum, targets = 0.0, 0
-        for start, end in zip(starts, starts[1:], strict=False):
-            ids = batch["input_ids"][:, start:end]
-            labels = torch.tensor([data["labels"][data["input_ids"].index(ids[0].tolist())]])
-            alone = model(input_ids=ids, labels=labels)
-            torch.testing.assert_close(logits[start:end], alone.logits[0], rtol=1e-4, atol=1e-5)
-            assert batch["labels"][0, start] == IGNORE_INDEX  # nothing trained to predict the next conversation
-            n = int(labels[0, 1:].ne(IGNORE_INDEX).sum())
-            loss_sum, targets = loss_sum + alone.loss.item() * n, targets + n
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        loss_sum, targets, found = 0.0, 0, 0
+        for r in range(len(logits)):
+            real = int(mask[r].sum())
+            starts = (batch["position_ids"][r, :real] == 0).nonzero().flatten().tolist() + [real]
+            for start, end in zip(starts, starts[1:], strict=False):
+                ids = batch["input_ids"][r : r + 1, start:end]
+                labels = torch.tensor([data["labels"][data["input_ids"].index(ids[0].tolist())]])
+                alone = model(input_ids=ids, labels=labels)
+                torch.testing.assert_close(logits[r, start:end], alone.logits[0], rtol=1e-4, atol=1e-5)
+                assert batch["labels"][r, start] == IGNORE_INDEX  # nothing trained to predict the next conversation
+                n = int(labels[0, 1:].ne(IGNORE_INDEX).sum())
+                loss_sum, targets, found = loss_sum + alone.loss.item() * n, targets + n, found + 1
         packed_loss = model(**batch).loss.item()
-    assert len(starts) - 1 == len(data)  # every conversation found, once
+    assert found == len(data)  # every conversation, once
     assert packed_loss == pytest.approx(loss_sum / targets, rel=1e-4)  # the same targets, the same loss
-
-
-def find(data: Dataset, ids: torch.Tensor) -> int:
-    return data["input_ids"].index(ids[0].tolist())
 
 
 def test_packing_only_where_it_is_correct(llama):

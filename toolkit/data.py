@@ -13,7 +13,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .arguments import DataArguments
-from .packing import IGNORE_INDEX, FlatteningCollator, pack
+from .packing import IGNORE_INDEX, PackedCollator, pack
 from .sources import check_hub_dataset, resolve
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -195,10 +195,11 @@ def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataA
         tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
     if len(tokenized["train"]) == 0:
         raise DataError(f"No training conversation has an assistant token within max_seq_length={args.max_seq_length}.")
-    if packing:  # several conversations per row, one flattened row per micro-batch (packing.py)
+    if packing:  # several conversations per row (packing.py)
         with main_process_first(desc="packing"):
             tokenized = {split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()}
-        return PreparedData(tokenized["train"], tokenized.get("eval"), FlatteningCollator(), label_names=None)
+        collator = PackedCollator(tokenizer.pad_token_id)
+        return PreparedData(tokenized["train"], tokenized.get("eval"), collator, label_names=None)
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, label_names=None)
 

@@ -100,19 +100,36 @@ def use_packing(task: str, requested: bool | None, config) -> bool:
 
 
 @dataclass
-class FlatteningCollator:
-    """A micro-batch of packed rows as one row: concatenated ids, labels and position_ids, no attention mask.
+class PackedCollator:
+    """Packed rows into a batch: position_ids restart at each conversation, no attention mask reaches the model.
 
-    `use_cache=False` travels with every batch: transformers detects packed position_ids only when no KV cache
-    is passed, and Llama-family models create one whenever `config.use_cache` is on (the default, in training
-    too), which silently lets conversations attend to each other. Setting it per batch leaves the saved
-    config (and later generation) untouched."""
+    sdpa and eager attention: the rows stay rows, padded to the longest (a row's padding is one more block of
+    its own, label-free), and transformers builds a block-diagonal causal mask per row from the restarts.
+    Flash attention (`flatten`): its varlen path reads the boundaries only from a single flattened row, so the
+    micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
+    why the other kernels keep rows.
+
+    `attention_mask` marks real tokens for the Trainer's token count only: RecipeTrainer withholds it from the
+    model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
+    transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
+    whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
+    to each other; per batch, the saved config (and later generation) stays untouched."""
+
+    pad_token_id: int
+    flatten: bool = False
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        batch: dict[str, Any] = {
-            key: torch.tensor([[v for f in features for v in f[key]]], dtype=torch.long)
-            for key in ("input_ids", "labels", "position_ids")
-        }
-        batch["use_cache"] = False
-        batch[SEQUENCES] = sum(p == 0 for f in features for p in f["position_ids"])
-        return batch
+        keys = ("input_ids", "labels", "position_ids")
+        rows = [{k: [v for f in features for v in f[k]] for k in keys}] if self.flatten else features
+        width = max(len(row["input_ids"]) for row in rows)
+        batch: dict[str, list] = {k: [] for k in (*keys, "attention_mask")}
+        for row in rows:
+            pad = width - len(row["input_ids"])
+            batch["input_ids"].append([*row["input_ids"], *[self.pad_token_id] * pad])
+            batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
+            batch["position_ids"].append([*row["position_ids"], *range(pad)])
+            batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+        out: dict[str, Any] = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out["use_cache"] = False
+        out[SEQUENCES] = sum(p == 0 for f in features for p in f["position_ids"])
+        return out

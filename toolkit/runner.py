@@ -34,6 +34,7 @@ from .packing import use_packing
 from .sources import SourceUnavailable
 from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
 from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
+from .tracking import host_bytes
 from .trainer import OverBudget, RecipeTrainer, global_batch_size
 from .wandb_run import finish_run, redact_argv
 
@@ -88,17 +89,16 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     config = load_config(args.model)
     check_sequence_length(config, args.data.max_seq_length)
     packing = use_packing(args.data.task, args.data.packing, config)
-    if packing:
-        # A packed micro-batch is one flattened row without padding or attention mask; the Trainer's
-        # "non_padding" count would then drop every token equal to the pad token (often the EOS).
-        training.include_num_input_tokens_seen = "all"
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
+    host_before_load = host_bytes()
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
+    if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
+        data.collator.flatten = "flash" in str(model.config._attn_implementation)
     allocate_placeholders(model)  # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
     set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
@@ -114,6 +114,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         arguments=args,
         param_counts=counts,
         loaded_param_bytes=loaded_bytes,
+        host_before_load=host_before_load,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

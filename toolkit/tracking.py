@@ -36,10 +36,20 @@ GIB = 2**30
 SPENT_FILE = "toolkit_cost.json"  # in every checkpoint: what the run had cost when it was written
 
 
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
+def peak_host_bytes() -> int:
+    """This process's peak resident set so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def host_bytes() -> int:
+    """This process's resident set now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_memory_bytes() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_host_bytes()
 
 
 def memory_fraction() -> float:

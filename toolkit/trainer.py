@@ -30,7 +30,7 @@ from .models import ParameterCounts, local_tensor, nbytes
 from .packing import SEQUENCES
 from .stopping import SafeStop
 from .strategy import check_strategy, describe, num_machines
-from .tracking import SPENT_FILE, RunTracker, TimedIterator, memory_fraction
+from .tracking import SPENT_FILE, RunTracker, TimedIterator, memory_fraction, peak_host_bytes
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
 
 
@@ -44,20 +44,36 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int
     return base_lr * global_batch / reference_batch
 
 
-def sequences_of(inputs: dict[str, torch.Tensor]) -> list[list[int]]:
-    """The token ids of each example in a batch: rows without their padding, or the conversations of a packed
-    row (split where position_ids restart)."""
-    if "attention_mask" not in inputs and "position_ids" in inputs:
-        ids, positions = inputs["input_ids"].flatten().tolist(), inputs["position_ids"].flatten().tolist()
-        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
-        return [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
-    mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
-    return [[t for t, k in zip(ids, keep, strict=True) if k]
-            for ids, keep in zip(inputs["input_ids"].tolist(), mask.tolist(), strict=True)]  # fmt: skip
+def sequences_of(inputs: dict[str, torch.Tensor], packed: bool) -> list[list[int]]:
+    """The token ids of each example in a batch: rows without their padding, and packed rows split into their
+    conversations where position_ids restart."""
+    mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).tolist()
+    out = []
+    for r, ids in enumerate(inputs["input_ids"].tolist()):
+        real = [i for i, keep in enumerate(mask[r]) if keep]
+        if not packed:
+            out.append([ids[i] for i in real])
+            continue
+        positions = inputs["position_ids"][r].tolist()
+        starts = [i for i in real if positions[i] == 0] + [len(real)]
+        out += [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    return out
 
 
 class OverBudget(ValueError):
     """The run's planned cost is above --budget_usd: refused before training."""
+
+
+class LoadFootprint(TrainerCallback):
+    """Peak host RAM that loading the model took, up to training: read when the Trainer has wrapped, placed and
+    (FSDP, ZeRO-3) sharded it, before the first step allocates optimizer state."""
+
+    def __init__(self, trainer: RecipeTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.host_before_load is not None:
+            self.trainer.load_host_bytes = max(0, peak_host_bytes() - self.trainer.host_before_load)
 
 
 class GradientBytes(TrainerCallback):
@@ -80,6 +96,7 @@ class RecipeTrainer(Trainer):
         arguments: Arguments,
         param_counts: ParameterCounts,
         loaded_param_bytes: int | None = None,
+        host_before_load: int | None = None,
         **kwargs,
     ):
         training = kwargs["args"]
@@ -100,6 +117,8 @@ class RecipeTrainer(Trainer):
         self.recipe = arguments
         self.param_counts = param_counts
         self.loaded_param_bytes = loaded_param_bytes
+        self.host_before_load = host_before_load
+        self.load_host_bytes: int | None = None  # host RAM that loading, placing and sharding the model took
         self.strategy = describe(self.accelerator)
         run = arguments.run
         self.cost = CostModel.for_job(
@@ -130,6 +149,7 @@ class RecipeTrainer(Trainer):
         self._gradient_bytes = GradientBytes()
         if run.record_rank_reports:
             self.add_callback(self._gradient_bytes)
+            self.add_callback(LoadFootprint(self))
         if "wandb" in self.args.report_to:
             tags = [
                 arguments.recipe_name,
@@ -383,12 +403,20 @@ class RecipeTrainer(Trainer):
         return summary
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        # Rows of the micro-batch: conversations when packed (counted by the collator, on the host), else rows.
-        sequences = inputs.pop(SEQUENCES, None) or len(inputs["input_ids"])
+        # Examples in the micro-batch: conversations when packed (counted by the collator, on the host), else rows.
+        packed = SEQUENCES in inputs
+        self.tracker.count_batch(inputs.pop(SEQUENCES) if packed else len(inputs["input_ids"]))
         if self._rows_seen is not None:  # costs a device sync: only when asked for
-            self._rows_seen += [hashlib.sha1(json.dumps(row).encode()).hexdigest() for row in sequences_of(inputs)]
-        self.tracker.count_batch(sequences)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+            self._rows_seen += [hashlib.sha1(json.dumps(row).encode()).hexdigest()
+                                for row in sequences_of(inputs, packed)]  # fmt: skip
+        if packed:  # the mask is for the Trainer's token count, after this step; the model must not see it
+            mask = inputs.pop("attention_mask")
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            inputs["attention_mask"] = mask
+            return self.check_finite(loss)
+        return self.check_finite(super().training_step(model, inputs, num_items_in_batch))
+
+    def check_finite(self, loss: torch.Tensor) -> torch.Tensor:
         # One host sync per micro-batch, the one the Trainer's own NaN filter would make (turned off in
         # toolkit_defaults: it hides a NaN loss behind the running mean).
         if not self.safe_stop.nonfinite_at and not torch.isfinite(loss).item():
@@ -396,7 +424,8 @@ class RecipeTrainer(Trainer):
         return loss
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        inputs.pop(SEQUENCES, None)
+        if inputs.pop(SEQUENCES, None) is not None:  # packed: see training_step
+            inputs.pop("attention_mask", None)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def held_bytes(self) -> dict[str, int]:
@@ -428,6 +457,7 @@ class RecipeTrainer(Trainer):
             **self.held_bytes(),
             "gradient_bytes": self._gradient_bytes.most,
             "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
+            "load_host_bytes": self.load_host_bytes,  # peak host RAM added by loading, up to the first step
             "memory_plan": {"device": self.memory_plan.device, "host_per_node": self.memory_plan.host_per_node},
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
             "learning_rates": [e["learning_rate"] for e in self.state.log_history if "loss" in e],
