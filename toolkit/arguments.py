@@ -128,6 +128,8 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         "ddp_find_unused_parameters": False,
         # The Trainer replaces a NaN/inf loss by the running mean in its logs; the toolkit stops the run instead.
         "logging_nan_inf_filter": False,
+        # Micro-batches of similar lengths pad less: grouped per global batch (length_grouping.py).
+        "train_sampling_strategy": "group_by_length",
     }
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.

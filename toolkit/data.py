@@ -13,6 +13,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .arguments import DataArguments
+from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
 from .sources import check_hub_dataset, resolve
 
@@ -130,6 +131,7 @@ def prepare_classification(
         out = tokenizer(*[batch[c] for c in text_columns], truncation=True, max_length=args.max_seq_length)
         labels = batch[args.label_column]
         out["labels"] = labels if is_class_label else [index[str(v)] for v in labels]
+        out[LENGTH] = [len(x) for x in out["input_ids"]]  # for length-grouped batching
         return out
 
     with main_process_first(desc="tokenizing"):
@@ -187,7 +189,8 @@ def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataA
         require_columns(split, [args.messages_column], "--messages_column")
 
     def tokenize(row):
-        return tokenize_conversation(tokenizer, row[args.messages_column], args.max_seq_length)
+        out = tokenize_conversation(tokenizer, row[args.messages_column], args.max_seq_length)
+        return {**out, LENGTH: len(out["input_ids"])}  # for length-grouped batching
 
     with main_process_first(desc="tokenizing"):
         tokenized = ds.map(tokenize, remove_columns=ds["train"].column_names, desc="Tokenizing")

@@ -5,8 +5,8 @@ up to `max_seq_length`. A packed row carries `position_ids` that restart at 0 fo
 attention mask: transformers' masking utilities (`create_causal_mask`, used by the Llama-family models) then
 build a block-diagonal causal mask from the restarts, and flash-attention kernels use them as varlen
 boundaries, so no token attends across conversations. The first label of each conversation is ignored, so no
-token is trained to predict the next conversation's start. The collator flattens a micro-batch into one row:
-no padding at all.
+token is trained to predict the next conversation's start. `PackedCollator` keeps rows for sdpa and eager
+attention and flattens the micro-batch into one row for flash attention (see there).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+
+from .length_grouping import LENGTH
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss
 SEQUENCES = "num_sequences"  # batch key: conversations in a flattened micro-batch (popped before the model)
@@ -52,7 +54,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack(dataset: Dataset, max_seq_length: int) -> Dataset:
-    """Tokenized conversations (input_ids, labels) -> packed rows (input_ids, labels, position_ids)."""
+    """Tokenized conversations (input_ids, labels) -> packed rows (input_ids, labels, position_ids, length)."""
     ids, labels = dataset["input_ids"], dataset["labels"]
     rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
     for members in best_fit_decreasing([len(x) for x in ids], max_seq_length):
@@ -64,6 +66,7 @@ def pack(dataset: Dataset, max_seq_length: int) -> Dataset:
         rows["input_ids"].append(row_ids)
         rows["labels"].append(row_labels)
         rows["position_ids"].append(positions)
+    rows[LENGTH] = [len(x) for x in rows["input_ids"]]
     return Dataset.from_dict(rows)
 
 

@@ -26,6 +26,7 @@ from . import checkpoints, planner
 from .arguments import Arguments, ConfigError
 from .cost import Budget, CostModel, peak_tflops
 from .health import Health
+from .length_grouping import LENGTH, GlobalLengthGroupedSampler
 from .models import ParameterCounts, local_tensor, nbytes
 from .packing import SEQUENCES
 from .stopping import SafeStop
@@ -119,6 +120,7 @@ class RecipeTrainer(Trainer):
         self.loaded_param_bytes = loaded_param_bytes
         self.host_before_load = host_before_load
         self.load_host_bytes: int | None = None  # host RAM that loading, placing and sharding the model took
+        self._length_sampler: GlobalLengthGroupedSampler | None = None
         self.strategy = describe(self.accelerator)
         run = arguments.run
         self.cost = CostModel.for_job(
@@ -365,6 +367,22 @@ class RecipeTrainer(Trainer):
         if self.args.should_save:  # the run's own log, read by `toolkit report`
             with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
                 f.write(json.dumps(self.state.log_history[-1]) + "\n")
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset  # with its length column: the one passed here has had it removed
+        if self.args.train_sampling_strategy == "group_by_length" and LENGTH in getattr(dataset, "column_names", ()):
+            self._length_sampler = GlobalLengthGroupedSampler(
+                dataset[LENGTH], global_batch_size(self.args), self.args.data_seed or self.args.seed
+            )
+            return self._length_sampler
+        return super()._get_train_sampler(train_dataset)
+
+    def _run_epoch(self, *args, epoch, **kwargs):
+        # A resumed epoch's loader is wrapped by accelerate's skip_first_batches, through which the Trainer's
+        # set_epoch no longer reaches the sampler: set it here, before the epoch's order is drawn.
+        if self._length_sampler is not None:
+            self._length_sampler.set_epoch(epoch)
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
