@@ -170,3 +170,61 @@ def test_health_warnings_are_one_line_each_and_skip_the_warm_up(capsys):
     assert any("MFU 5.0%, below half of the 40%" in line for line in lines)
     health.check({"mfu": 0.3, "data_wait_share": 0.1}, memory_fraction=0.5)  # healthy: nothing more
     assert capsys.readouterr().err == ""
+
+
+def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path, monkeypatch):
+    """On a GPU every tensor read on the host (item, bool, int, float, tolist) waits for the device. RecipeTrainer,
+    with all its tracking, health checks and the budget guard, reads no more of them per optimizer step than a
+    plain transformers.Trainer with its defaults on the same model and data (it replaces the Trainer's NaN filter,
+    two reads, with its own, one)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+    from toolkit import tiny
+    from toolkit.trainer import RecipeTrainer
+
+    reads = [0]
+
+    def counting(original):
+        def counted(self, *args, **kwargs):
+            reads[0] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+
+    class ReadsPerStep(TrainerCallback):  # between the ends of steps 2 and 7: no log or save step in between
+        def __init__(self):
+            self.marks = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (2, 7):
+                self.marks.append(reads[0])
+
+        def value(self) -> float:
+            return (self.marks[1] - self.marks[0]) / 5
+
+    recipe_counter, plain_counter = ReadsPerStep(), ReadsPerStep()
+    init = RecipeTrainer.__init__
+
+    def init_with_counter(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.add_callback(recipe_counter)
+
+    monkeypatch.setattr(RecipeTrainer, "__init__", init_with_counter)
+    flags = ["--tiny", "--report_to", "none", "--max_steps", "8", "--logging_steps", "1000",
+             "--train_sampling_strategy", "random", "--output_dir", str(tmp_path / "recipe")]  # fmt: skip
+    recipe = train(BERT, flags, "bert").trainer
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny.tiny_checkpoint("google-bert/bert-base-cased", "classification"), num_labels=2
+    )
+    plain_args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=8, max_steps=8,
+                                   logging_steps=1000, report_to="none", use_cpu=True, save_strategy="no",
+                                   include_num_input_tokens_seen="non_padding")  # fmt: skip
+    Trainer(model=model, args=plain_args, train_dataset=recipe.train_dataset, data_collator=recipe.data_collator,
+            callbacks=[plain_counter]).train()  # fmt: skip
+    assert plain_counter.value() > 0  # the counter sees the Trainer's own reads
+    assert recipe_counter.value() <= plain_counter.value(), (recipe_counter.value(), plain_counter.value())

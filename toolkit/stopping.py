@@ -67,9 +67,11 @@ class SafeStop(TrainerCallback):
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def agreed(self, over_budget: bool) -> tuple[int, int, bool]:
+        """The flags of every rank, combined (the tensor lives on the host: reading it waits on no device)."""
+        if self.group is None:
+            return self.received, self.nonfinite_at, over_budget
         flags = torch.tensor([self.received, self.nonfinite_at, int(over_budget)], dtype=torch.int64)
-        if self.group is not None:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return int(flags[0]), int(flags[1]), bool(flags[2])
 
     def on_step_end(self, args, state, control, **kwargs):
