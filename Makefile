@@ -14,7 +14,7 @@ NODES  ?= 1             # plan: nodes
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo finetune plan report test test-fast lint format clean
+.PHONY: install demo finetune plan report bench test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -42,6 +42,11 @@ plan:
 # Runs side by side: charts (loss vs step and vs dollars, tokens/s, MFU, memory, cost) and a page, offline.
 report:
 	$(BIN)/python -m toolkit report $(RUNS) --output $(strip $(REPORT))
+
+# Throughput of the plain Trainer, RecipeTrainer, packing and TRL on the same job; RAM-efficient loading.
+bench:
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/ram_loading.py
 
 test:
 	$(BIN)/python -m pytest -q --durations=10

@@ -35,7 +35,7 @@ from .packing import use_packing
 from .sources import SourceUnavailable
 from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
 from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
-from .tracking import host_bytes
+from .tracking import host_bytes, peak_host_bytes
 from .trainer import OverBudget, RecipeTrainer, global_batch_size
 from .wandb_run import finish_run, redact_argv
 
@@ -95,6 +95,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     host_before_load = host_bytes()
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
+    loaded_host_bytes = max(0, peak_host_bytes() - host_before_load)  # peak host RAM from_pretrained added
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
@@ -116,6 +117,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         param_counts=counts,
         loaded_param_bytes=loaded_bytes,
         host_before_load=host_before_load,
+        loaded_host_bytes=loaded_host_bytes,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

@@ -98,6 +98,7 @@ class RecipeTrainer(Trainer):
         param_counts: ParameterCounts,
         loaded_param_bytes: int | None = None,
         host_before_load: int | None = None,
+        loaded_host_bytes: int | None = None,
         **kwargs,
     ):
         training = kwargs["args"]
@@ -119,6 +120,7 @@ class RecipeTrainer(Trainer):
         self.param_counts = param_counts
         self.loaded_param_bytes = loaded_param_bytes
         self.host_before_load = host_before_load
+        self.loaded_host_bytes = loaded_host_bytes  # host RAM that from_pretrained took (peak)
         self.load_host_bytes: int | None = None  # host RAM that loading, placing and sharding the model took
         self._length_sampler: GlobalLengthGroupedSampler | None = None
         self.strategy = describe(self.accelerator)
@@ -475,7 +477,8 @@ class RecipeTrainer(Trainer):
             **self.held_bytes(),
             "gradient_bytes": self._gradient_bytes.most,
             "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
-            "load_host_bytes": self.load_host_bytes,  # peak host RAM added by loading, up to the first step
+            "loaded_host_bytes": self.loaded_host_bytes,  # peak host RAM added by from_pretrained
+            "load_host_bytes": self.load_host_bytes,  # the same through placing and sharding, up to the first step
             "memory_plan": {"device": self.memory_plan.device, "host_per_node": self.memory_plan.host_per_node},
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
             "learning_rates": [e["learning_rate"] for e in self.state.log_history if "loss" in e],
