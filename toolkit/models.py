@@ -66,20 +66,23 @@ def receives_weights_from_rank0() -> bool:
     return ram_efficient and os.environ.get("RANK", "0") != "0"
 
 
-def allocate_placeholders(model: torch.nn.Module) -> None:
+def allocate_placeholders(model: torch.nn.Module, mixed_precision: bool) -> None:
     """Give meta-device parameters uninitialised CPU storage: never read from disk, never written, so the
     operating system commits no RAM for them; FSDP moves them back to meta before it shards.
 
     Needed because accelerate's FSDP2 preparation re-points the optimizer at the sharded parameters by
     `data_ptr()`, which is 0 for every meta tensor: they all collide into one, and that rank silently updates
     almost none of its shard (its optimizer held 8 bytes of state instead of half the model's).
+    Under mixed precision accelerate first upcasts trainable parameters to fp32 master weights: placeholders
+    made in fp32 skip that copy, which would write (and commit) a whole fp32 model on every receiving rank.
     """
     replaced: dict[int, torch.nn.Parameter] = {}  # a tied weight keeps one placeholder
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.device.type == "meta":
                 if id(param) not in replaced:
-                    storage = torch.empty_like(param, device="cpu")
+                    master = mixed_precision and param.requires_grad and param.is_floating_point()
+                    storage = torch.empty_like(param, device="cpu", dtype=torch.float32 if master else None)
                     replaced[id(param)] = torch.nn.Parameter(storage, requires_grad=param.requires_grad)
                 module._parameters[name] = replaced[id(param)]
 

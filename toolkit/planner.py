@@ -373,15 +373,16 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     elif layout.ddp:
         mem.device["gathered_buffers"] = int(states["gradients"])  # DDP's gradient buckets: a second copy
     # Loading: every rank reads the whole checkpoint into host RAM, except under RAM-efficient loading (rank 0
-    # alone; the others build on the meta device) and ZeRO-3 (each rank keeps only its partition).
-    weight = 2 if work.precision == "bf16" else 4  # the dtype the weights load in
+    # alone; the others build on the meta device) and ZeRO-3 (each rank keeps only its partition). A copy is
+    # the parameters as they sit on the host before sharding: under FSDP mixed precision accelerate upcasts the
+    # trainable ones to fp32 there, so a bf16 checkpoint takes twice its size (measured: bench/ram_loading.py).
     if layout.ram_efficient_loading:
         copies = 1
     elif layout.engine == "deepspeed" and layout.shard_params:
         copies = gpus_per_node / world
     else:
         copies = gpus_per_node
-    mem.host_loading = int(copies * weight * shape.total)
+    mem.host_loading = int(copies * states["parameters"])
     mem.device["activations"] = activation_bytes(shape, work)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, work) if work.activation_checkpointing else 0
     mem.device["logits"] = logits_bytes(shape, work)

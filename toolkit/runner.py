@@ -17,7 +17,7 @@ import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
-from . import checkpoints, fsdp_cpu, tiny
+from . import checkpoints, fsdp_cpu, fsdp_loading, tiny
 from .arguments import ConfigError, parse
 from .cost import UnknownHardware, check_device_name
 from .data import DataError, load_raw, prepare
@@ -35,7 +35,7 @@ from .packing import use_packing
 from .sources import SourceUnavailable
 from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
 from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
-from .tracking import host_bytes, peak_host_bytes
+from .tracking import HostMemoryPeak
 from .trainer import OverBudget, RecipeTrainer, global_batch_size
 from .wandb_run import finish_run, redact_argv
 
@@ -70,6 +70,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     name = name or Path(sys.argv[0]).stem
     resolve_config_paths()
     fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
+    fsdp_loading.enable()  # RAM-efficient FSDP loading frees rank 0's full weights as it sends them
     args = parse(recipe, name, argv, tiny_defaults=tiny_layer)
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
@@ -92,16 +93,17 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
-    host_before_load = host_bytes()
+    load_memory = HostMemoryPeak() if args.run.record_rank_reports else None  # stopped at the first step
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
-    loaded_host_bytes = max(0, peak_host_bytes() - host_before_load)  # peak host RAM from_pretrained added
+    loaded_host = load_memory.current() if load_memory else None  # what from_pretrained alone took
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
         data.collator.flatten = "flash" in str(model.config._attn_implementation)
-    allocate_placeholders(model)  # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
+    # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
+    allocate_placeholders(model, mixed_precision=training.bf16 or training.fp16)
     set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
 
@@ -116,8 +118,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         arguments=args,
         param_counts=counts,
         loaded_param_bytes=loaded_bytes,
-        host_before_load=host_before_load,
-        loaded_host_bytes=loaded_host_bytes,
+        load_memory=load_memory,
+        loaded_host=loaded_host,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

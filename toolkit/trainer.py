@@ -31,7 +31,7 @@ from .models import ParameterCounts, local_tensor, nbytes
 from .packing import SEQUENCES
 from .stopping import SafeStop
 from .strategy import check_strategy, describe, num_machines
-from .tracking import SPENT_FILE, RunTracker, TimedIterator, memory_fraction, peak_host_bytes
+from .tracking import SPENT_FILE, HostMemoryPeak, RunTracker, TimedIterator, memory_fraction
 from .wandb_run import WandbRunConfig, configure_env, launch_environment
 
 
@@ -73,8 +73,8 @@ class LoadFootprint(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.trainer.host_before_load is not None:
-            self.trainer.load_host_bytes = max(0, peak_host_bytes() - self.trainer.host_before_load)
+        if self.trainer.load_memory is not None:
+            self.trainer.load_host = self.trainer.load_memory.stop()
 
 
 class GradientBytes(TrainerCallback):
@@ -97,8 +97,8 @@ class RecipeTrainer(Trainer):
         arguments: Arguments,
         param_counts: ParameterCounts,
         loaded_param_bytes: int | None = None,
-        host_before_load: int | None = None,
-        loaded_host_bytes: int | None = None,
+        load_memory: HostMemoryPeak | None = None,
+        loaded_host: dict[str, int] | None = None,
         **kwargs,
     ):
         training = kwargs["args"]
@@ -119,9 +119,9 @@ class RecipeTrainer(Trainer):
         self.recipe = arguments
         self.param_counts = param_counts
         self.loaded_param_bytes = loaded_param_bytes
-        self.host_before_load = host_before_load
-        self.loaded_host_bytes = loaded_host_bytes  # host RAM that from_pretrained took (peak)
-        self.load_host_bytes: int | None = None  # host RAM that loading, placing and sharding the model took
+        self.load_memory = load_memory  # sampling host RAM since loading began, until the first step
+        self.loaded_host = loaded_host  # peak host RAM that from_pretrained took (anonymous, file-backed)
+        self.load_host: dict[str, int] | None = None  # the same through placing and sharding, up to the first step
         self._length_sampler: GlobalLengthGroupedSampler | None = None
         self.strategy = describe(self.accelerator)
         run = arguments.run
@@ -477,8 +477,8 @@ class RecipeTrainer(Trainer):
             **self.held_bytes(),
             "gradient_bytes": self._gradient_bytes.most,
             "loaded_param_bytes": self.loaded_param_bytes,  # held right after from_pretrained, before sharding
-            "loaded_host_bytes": self.loaded_host_bytes,  # peak host RAM added by from_pretrained
-            "load_host_bytes": self.load_host_bytes,  # the same through placing and sharding, up to the first step
+            "loaded_host": self.loaded_host,  # peak host RAM (PSS) added by from_pretrained: anon and file-backed
+            "load_host": self.load_host,  # the same through placing and sharding, up to the first step
             "memory_plan": {"device": self.memory_plan.device, "host_per_node": self.memory_plan.host_per_node},
             "losses": [e["loss"] for e in self.state.log_history if "loss" in e],
             "learning_rates": [e["learning_rate"] for e in self.state.log_history if "loss" in e],
