@@ -270,9 +270,10 @@ def bf16_checkpoint(tmp_path_factory) -> Path:
 
 def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     """fsdp2.yaml (RAM-efficient loading) on a bf16 checkpoint trained in bf16 mixed precision, whose fp32 master
-    weights accelerate makes on the host: from loading to the first step, the ranks together never hold much more
-    than one fp32 copy of anonymous memory. Without the toolkit's two fixes they held about three: rank 0 kept its
-    full copy until every shard was sent (fsdp_loading.py), rank 1 upcast its placeholders (allocate_placeholders)."""
+    weights accelerate makes on rank 0: from loading to the first step, the ranks together hold about one fp32
+    copy of anonymous memory. Measured here: rank 0 1.01, rank 1 0.53, both at once 1.21. With accelerate's own
+    loading: 1.72, 1.91 and 3.62 (rank 0 kept its full copy to the end, rank 1 upcast its placeholders and
+    received every full tensor before its shard); see fsdp_loading.py and models.allocate_placeholders."""
     out = tmp_path / "out"
     check(launch("fsdp2", "llama3_fft", "--tiny", "--model_name_or_path", str(bf16_checkpoint), "--dtype",
                  "bfloat16", "--bf16", "true", "--max_steps", "1", "--report_to", "none", "--packing", "false",
@@ -282,11 +283,9 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     assert copy == 4 * sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
     rank0, rank1 = (r["load_host"]["anon"] / copy for r in reports)
     together = tracking.peak_over_ranks([r["load_host"]["series"] for r in reports], 1) / copy
-    # Measured here: 1.01-1.03, 0.83-0.87, 1.47-1.52 (without the fixes: 1.72, 1.91, 3.62). Above the ideal
-    # (1.0, 0.5, 1.0): what the CPU allocator keeps of the per-tensor broadcast buffers (on a GPU, device memory).
     assert 0.9 <= rank0 <= 1.2, rank0  # its fp32 copy, freed tensor by tensor as the shards go out
-    assert rank1 <= 1.1, rank1  # its shard (half a copy) and broadcast buffers, no upcast placeholders
-    assert together <= 1.8, together
+    assert 0.45 <= rank1 <= 0.7, rank1  # its shard: half a copy
+    assert together <= 1.35, together
 
 
 def test_packed_run_matches_one_process(tmp_path):
