@@ -79,6 +79,6 @@ def rank_reports(output_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_cache():
-    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per machine, not once per test."""
+    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per installation, not once per test."""
     cache = Path.home() / ".cache" / "finetune-recipes" / "torch_extensions"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache))
