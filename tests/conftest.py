@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,9 +45,18 @@ def free_port() -> int:
 
 
 def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a command; in `env`, a value of None removes that variable."""
+    """Run a command; in `env`, a value of None removes that variable. On a timeout the whole process tree is
+    killed (the launcher's ranks and their compilers too: left running, they would slow every later test)."""
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def launch(
@@ -79,6 +89,7 @@ def rank_reports(output_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_cache():
-    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per installation, not once per test."""
-    cache = Path.home() / ".cache" / "finetune-recipes" / "torch_extensions"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache))
+    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per virtual environment, not once per test.
+    In the environment's own folder: another environment's build would be redone anyway (its source paths
+    differ), and what a killed build leaves in another environment's folder cannot reach this one."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

@@ -17,7 +17,7 @@ import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
-from . import checkpoints, fsdp_cpu, fsdp_loading, tiny
+from . import checkpoints, fsdp_cpu, fsdp_loading, op_builds, tiny
 from .arguments import ConfigError, parse
 from .cost import UnknownHardware, check_device_name
 from .data import DataError, load_raw, prepare
@@ -69,6 +69,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     Preempted when a signal stopped training (its checkpoint written)."""
     name = name or Path(sys.argv[0]).stem
     resolve_config_paths()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        op_builds.clear_stale_locks()  # before DeepSpeed builds its first op (shm comm, at process-group set-up)
     fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
     fsdp_loading.enable()  # RAM-efficient FSDP loading frees rank 0's full weights as it sends them
     args = parse(recipe, name, argv, tiny_defaults=tiny_layer)

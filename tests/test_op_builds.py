@@ -1,0 +1,52 @@
+"""A lock left by a killed op build is removed; a lock a live build holds, or one on a shared disk, is not."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit import op_builds
+
+HOLD = """
+import sys, time
+from torch.utils.file_baton import FileBaton
+assert FileBaton(sys.argv[1]).try_acquire()  # what torch's JIT build does first
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_of_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    builder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline() == "held\n"
+        assert op_builds.clear_stale_locks(tmp_path) == []
+        assert lock.exists()
+    finally:
+        builder.send_signal(signal.SIGKILL)  # killed mid-build: the file stays, nobody holds it
+        builder.wait()
+    assert lock.exists()
+    assert op_builds.clear_stale_locks(tmp_path) == [lock]
+    assert not lock.exists()
+    assert "removed" in capsys.readouterr().err
+    assert op_builds.clear_stale_locks(tmp_path) == []
+
+
+def test_lock_on_a_shared_file_system_is_only_reported(tmp_path, capsys, monkeypatch):
+    """Another machine may be building into a shared folder: its lock is open there, not here."""
+    lock = tmp_path / "py311_cu124" / "cpu_adam" / "lock"  # torch's default layout: <root>/<python_accel>/<op>
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setattr(op_builds, "filesystem_type", lambda path: "nfs4")
+    assert op_builds.clear_stale_locks(tmp_path) == []
+    assert lock.exists()
+    assert f"`rm {lock}`" in capsys.readouterr().err
+
+
+def test_filesystem_type_reads_the_mount_table(tmp_path):
+    assert op_builds.filesystem_type(tmp_path / "missing") != ""
+    assert op_builds.filesystem_type(Path("/proc/self")) == "proc"
