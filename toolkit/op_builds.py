@@ -55,7 +55,7 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def warn(message: str) -> None:
+def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -74,7 +74,7 @@ def clear_stale_locks(root: Path | None = None) -> list[Path]:
         if lock.resolve() in held:
             continue  # a build is running on this machine
         if filesystem_type(lock) in SHARED_FILESYSTEMS:
-            warn(
+            _warn(
                 f"{lock}: a build lock that no process on this machine holds. If no other machine is building "
                 f"this op now, remove it (`rm {lock}`), or this run waits for it forever."
             )
@@ -83,7 +83,7 @@ def clear_stale_locks(root: Path | None = None) -> list[Path]:
             lock.unlink()
         except FileNotFoundError:
             continue  # another process removed it first
-        warn(
+        _warn(
             f"removed {lock}, left by a killed build of the {lock.parent.name} op (this run would have waited "
             "for it forever); the op is built again when first used."
         )
