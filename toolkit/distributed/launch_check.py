@@ -1,0 +1,168 @@
+"""`python -m toolkit check CONFIG [RECIPE]`: a strategy file checked before `accelerate launch` starts.
+
+accelerate and DeepSpeed read their files inside the launched processes: a typo surfaces as a traceback from
+every rank, some only after the weights are loaded (DeepSpeed's config at `deepspeed.initialize`), some never
+(an unknown key under `fsdp_config` is dropped, an FSDP file with a `deepspeed_config` section trains without
+DeepSpeed). Every check here takes well under a second; `make finetune` runs them first.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+from .arguments import ConfigError
+from .strategy import PROJECT_ROOT
+
+SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
+
+
+def suggest(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def known_keys() -> tuple[set[str], set[str]]:
+    """Top-level keys of accelerate's config file, and the launch flags its sections may set."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    flags = {action.dest for action in launch_command_parser()._actions}
+    return set(ClusterConfig.__dataclass_fields__), flags
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        known = ", ".join(p.name for p in sorted((PROJECT_ROOT / "accelerate_configs").glob("*.yaml")))
+        raise ConfigError(f"Config file not found: {path}. The strategy files are in accelerate_configs/: {known}.")
+    try:
+        values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must be a mapping of accelerate settings, got {type(values).__name__}.")
+    return values
+
+
+def deepspeed_file(config: dict, path: Path) -> Path:
+    name = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not name:
+        raise ConfigError(f"{path}: distributed_type DEEPSPEED needs deepspeed_config.deepspeed_config_file "
+                          "(a JSON in ds_configs/).")  # fmt: skip
+    for candidate in (Path(name), PROJECT_ROOT / name):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{path}: deepspeed_config_file '{name}' not found from {Path.cwd()} nor {PROJECT_ROOT}.")
+
+
+def check_deepspeed_json(json_path: Path) -> dict:
+    """DeepSpeed's own config classes, with the "auto" values filled the way the Trainer fills them."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    try:
+        values = json.loads(json_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{json_path} is not valid JSON: {error}") from None
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    hf = HfTrainerDeepSpeedConfig(values)
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, use_cpu=True)
+    try:
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=64)), 100)
+        DeepSpeedConfig(hf.config)
+    except Exception as error:  # pydantic's ValidationError, DeepSpeed's own asserts and ValueErrors
+        message = str(error).split("\n    For further information")[0]
+        raise ConfigError(f"DeepSpeed rejects {json_path}: {message}") from None
+    return values
+
+
+def check_offload_builds(json_path: Path, zero: dict) -> None:
+    """ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's C++ Adam, compiled on first use."""
+    if (zero.get("offload_optimizer") or {}).get("device") not in ("cpu", "nvme"):
+        return
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    if not CPUAdamBuilder().is_compatible(verbose=False):
+        raise ConfigError(f"{json_path} offloads the optimizer, but DeepSpeed's CPU Adam cannot be built here "
+                          "(it needs a C++ compiler and the Python headers: `apt install build-essential "
+                          "python3-dev`). Or use a config without offload: ds_configs/zero3.json.")  # fmt: skip
+
+
+def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
+    """A layer class to wrap that the recipe's model does not have fails deep inside accelerate's prepare."""
+    wrap = (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap")
+    if not wrap:
+        return  # the toolkit takes the model's own repeated layer class
+    from .planner import meta_model, model_config, recipe_values
+
+    values = recipe_values(recipe)
+    model = meta_model(model_config(values["model_name_or_path"]), values.get("task", "sft"))
+    classes = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in str(wrap).split(",") if c.strip() not in classes]
+    if missing:
+        layers = sorted({type(m[0]).__name__ for m in model.modules() if hasattr(m, "__len__") and len(m) > 1
+                         and type(m).__name__ == "ModuleList"})  # fmt: skip
+        raise ConfigError(f"{path}: fsdp_transformer_layer_cls_to_wrap names {missing}, which "
+                          f"{values['model_name_or_path']} does not have; its layers are {layers}. Set it to null "
+                          "to let the toolkit take the model's layer class.")  # fmt: skip
+
+
+def check(config_file: str | Path, recipe: str | None = None) -> str:
+    """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
+    path = Path(config_file)
+    if recipe is not None and not (PROJECT_ROOT / "recipes" / f"{recipe}.py").is_file():
+        known = ", ".join(p.stem for p in sorted((PROJECT_ROOT / "recipes").glob("*.py")))
+        raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {known}.")
+    config = read_yaml(path)
+    top, flags = known_keys()
+    for key in config:
+        if key not in top:
+            raise ConfigError(f"Unknown key '{key}' in {path}.{suggest(key, top)}")
+    for section in SECTIONS:
+        for key in config.get(section) or {}:
+            if key not in flags:
+                raise ConfigError(f"Unknown key '{key}' under {section} in {path}.{suggest(key, flags)}")
+    kind = config.get("distributed_type")
+    from accelerate.utils import DistributedType
+
+    if kind not in {t.value for t in DistributedType}:
+        raise ConfigError(f"{path}: distributed_type '{kind}' is not one of accelerate's: NO, MULTI_GPU, "
+                          "MULTI_CPU, FSDP, DEEPSPEED, ...")  # fmt: skip
+    if kind == "FSDP" and config.get("deepspeed_config"):
+        raise ConfigError(f"{path} is an FSDP config with a deepspeed_config section: one engine per run, and "
+                          "accelerate would silently ignore DeepSpeed's. Remove the section, or use a ZeRO config "
+                          "(accelerate_configs/zero3.yaml).")  # fmt: skip
+    if kind == "DEEPSPEED" and config.get("fsdp_config"):
+        raise ConfigError(f"{path} is a DeepSpeed config with an fsdp_config section: one engine per run. Remove "
+                          "the section, or use an FSDP config (accelerate_configs/fsdp2.yaml).")  # fmt: skip
+    summary = f"{path.name}: {kind}"
+    if kind == "DEEPSPEED":
+        json_path = deepspeed_file(config, path)
+        zero = check_deepspeed_json(json_path).get("zero_optimization", {})
+        check_offload_builds(json_path, zero)
+        summary += f", ZeRO-{zero.get('stage', 0)} ({json_path.name})"
+    if recipe is not None:
+        check_wrap_class(config, path, recipe)
+        summary += f", recipe {recipe}"
+    return summary + ": ok"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit check", description=__doc__.splitlines()[0])
+    parser.add_argument("config_file", help="an accelerate config, e.g. accelerate_configs/zero3.yaml")
+    parser.add_argument("recipe", nargs="?", help="a recipe name: also checks the pair")
+    args = parser.parse_args(argv)
+    try:
+        print(check(args.config_file, args.recipe))
+    except ConfigError as error:
+        print(f"error: {error}", flush=True, file=__import__("sys").stderr)
+        return 2
+    return 0

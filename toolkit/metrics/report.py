@@ -1,0 +1,198 @@
+"""`python -m toolkit report RUN [RUN ...]`: runs side by side (e.g. one recipe under DDP, FSDP and ZeRO-3).
+
+Each RUN is a run's output folder (its `run_log.jsonl` and `run_summary.json`, written by every run) or a W&B
+offline run folder (`wandb/offline-run-*`). Writes, offline, PNG charts (loss against steps and against
+dollars; tokens/s, MFU, peak memory and cost per run) and a page in Markdown and HTML whose table is the runs'
+own summaries. With `--wandb_project` and a W&B account, the same charts go to a W&B Report too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COLUMNS = {  # summary key -> (table heading, format)
+    "strategy": ("strategy", "{}"),
+    "processes": ("processes", "{}"),
+    "steps": ("steps", "{}"),
+    "tokens": ("tokens", "{:,}"),
+    "training_seconds": ("training s", "{:.1f}"),
+    "tokens_per_second": ("tokens/s", "{:,.0f}"),
+    "mean_mfu": ("MFU", "{:.2%}"),
+    "peak_memory_gib": ("peak memory GiB", "{:.2f}"),
+    "unit_hours": ("device-hours", "{:.4g}"),
+    "cost_usd": ("cost $", "{:.4g}"),
+    "train_loss": ("train loss", "{:.4f}"),
+    "eval_loss": ("eval loss", "{:.4f}"),
+}
+
+
+@dataclass
+class Run:
+    name: str
+    history: list[dict[str, Any]]  # training log lines, one per logging step (last one kept per step)
+    summary: dict[str, Any]
+
+
+class ReportError(ValueError):
+    pass
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if (path / "run_summary.json").is_file():
+        summary = json.loads((path / "run_summary.json").read_text())["summary"]
+        lines = [json.loads(line) for line in (path / "run_log.jsonl").read_text().splitlines() if line.strip()]
+        name = path.name
+    elif list(path.glob("*.wandb")):
+        from .wandb_run import read_offline_run
+
+        run = read_offline_run(path)
+        summary = {k.removeprefix("summary/"): v for k, v in run["summary"].items() if k.startswith("summary/")}
+        lines = [{k.removeprefix("train/"): v for k, v in row.items()} for row in run["history"]]
+        for line in lines:
+            line["step"] = line.get("global_step")
+        summary.setdefault("wandb_run_id", path.name.rsplit("-", 1)[-1])
+        name = f"{summary.get('recipe', 'run')}-{summary['wandb_run_id']}"
+    else:
+        raise ReportError(f"{path} is neither a run's output folder (run_summary.json) nor a W&B offline run "
+                          "(*.wandb): pass the --output_dir of a finished run.")  # fmt: skip
+    if not summary:
+        raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
+    by_step = {line["step"]: line for line in lines if "loss" in line}  # a resumed run repeats steps: last wins
+    return Run(name, [by_step[s] for s in sorted(by_step)], summary)
+
+
+def unique_names(runs: list[Run]) -> None:
+    """Output folders are often all called `out`: name a run by its strategy then, and number what is left."""
+    if len({r.name for r in runs}) < len(runs):
+        for r in runs:
+            r.name = f"{r.summary.get('recipe', r.name)} {r.summary.get('strategy', '')}".strip()
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name} ({seen[r.name]})"
+
+
+def charts(runs: list[Run], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, (by_step, by_cost) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, run in enumerate(runs):
+        style = {"label": run.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}  # equal curves stay visible
+        steps = [line["step"] for line in run.history]
+        by_step.plot(steps, [line["loss"] for line in run.history], **style)
+        priced = [line for line in run.history if "cost_usd" in line]
+        by_cost.plot([line["cost_usd"] for line in priced], [line["loss"] for line in priced], **style)
+    by_step.set(xlabel="optimizer step", ylabel="training loss", title="Loss vs step")
+    by_cost.set(xlabel="cost so far (USD)", ylabel="training loss", title="Loss vs dollars")
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(folder / "loss.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    bars = [("tokens_per_second", "tokens/s"), ("mean_mfu", "mean MFU"), ("peak_memory_gib", "peak memory (GiB)"),
+            ("cost_usd", "cost (USD)")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(bars), figsize=(4 * len(bars), 3.6))
+    names = [run.name for run in runs]
+    for ax, (key, label) in zip(axes, bars, strict=True):
+        ax.bar(range(len(runs)), [run.summary.get(key) or 0 for run in runs], color=[f"C{i}" for i in range(len(runs))])
+        ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(label)
+    fig.tight_layout()
+    paths.append(folder / "efficiency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    keys = [k for k in COLUMNS if any(run.summary.get(k) is not None for run in runs)]
+    rows = []
+    for run in runs:
+        cells = [run.name]
+        for key in keys:
+            value = run.summary.get(key)
+            cells.append("-" if value is None else COLUMNS[key][1].format(value))
+        rows.append(cells)
+    return ["run", *(COLUMNS[k][0] for k in keys)], rows
+
+
+def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, Path]:
+    head, rows = table(runs)
+    md = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    md += ["", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
+    (folder / "report.md").write_text("\n".join(md))
+    cells = lambda row, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>Run comparison</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:4px 10px;border-bottom:1px solid #ddd;"
+        "text-align:right}td:first-child{text-align:left}</style><h1>Run comparison</h1><table>"
+        f"<tr>{cells(head, 'th')}</tr>" + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows) + "</table>"
+        + "".join(f"<p><img src='{p.name}' alt='{p.stem}'></p>" for p in pngs)
+    )  # fmt: skip
+    (folder / "index.html").write_text(page)
+    return folder / "report.md", folder / "index.html"
+
+
+def publish_to_wandb(runs: list[Run], project: str, entity: str | None) -> str:
+    """The same comparison as a W&B Report (wandb-workspaces' reports API): needs an account and network."""
+    import wandb_workspaces.reports.v2 as wr
+
+    keys = ["train/loss", "train/tokens_per_second", "train/mfu", "train/cost_usd"]
+    ids = [run.summary["wandb_run_id"] for run in runs if run.summary.get("wandb_run_id")]
+    report = wr.Report(
+        project=project,
+        entity=entity,
+        title="Run comparison",
+        description=", ".join(run.name for run in runs),
+        blocks=[
+            wr.PanelGrid(
+                runsets=[wr.Runset(project=project, entity=entity, filters=f"ID in {ids!r}" if ids else "")],
+                panels=[wr.LinePlot(x="train/global_step", y=[key], title=key) for key in keys]
+                + [wr.LinePlot(x="train/cost_usd", y=["train/loss"], title="loss vs dollars")],
+            )
+        ],  # fmt: skip
+    )
+    report.save()
+    return report.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toolkit report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run output folders or W&B offline run folders")
+    parser.add_argument("--output", default="reports/latest", help="folder for the charts and pages")
+    parser.add_argument("--wandb_project", help="also publish a W&B Report in this project (needs an account)")
+    parser.add_argument("--wandb_entity")
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(path) for path in args.runs]
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    unique_names(runs)
+    folder = Path(args.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    pngs = charts(runs, folder)
+    md, page = write_pages(runs, pngs, folder)
+    print(md.read_text())
+    print(f"written: {page}, {md}, " + ", ".join(str(p) for p in pngs))
+    if args.wandb_project:
+        print(f"W&B report: {publish_to_wandb(runs, args.wandb_project, args.wandb_entity)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

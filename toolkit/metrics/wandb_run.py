@@ -1,0 +1,142 @@
+"""Weights & Biases: run naming, the resolved config, offline mode without an account, and reading back what
+wandb wrote offline (for tests and for reports built without a network).
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import re
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+SECRET = re.compile(r"token|api_key|apikey|secret|password", re.IGNORECASE)
+
+
+def redact(value: Any) -> Any:
+    """Mask every value whose key looks like a credential, at any depth."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if SECRET.search(str(k)) and v else redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    return value
+
+
+def redact_argv(argv: list[str]) -> None:
+    """Mask credential flags' values in place: wandb records sys.argv in every run's metadata."""
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if flag.startswith("-") and SECRET.search(flag):
+            if eq:
+                argv[i] = f"{flag}=<redacted>"
+            elif i + 1 < len(argv):
+                argv[i + 1] = "<redacted>"
+
+
+def finish_run() -> None:
+    """Flush and close the W&B run, so the process does not exit with it half-written."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+
+
+def has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def configure_env(project: str, group: str, tags: list[str]) -> str | None:
+    """Set what WandbCallback's `wandb.init` reads; go offline when there is no account. Returns a notice."""
+    os.environ.setdefault("WANDB_PROJECT", project)
+    os.environ.setdefault("WANDB_RUN_GROUP", group)
+    os.environ.setdefault("WANDB_TAGS", ",".join(tags))
+    if "WANDB_MODE" not in os.environ and not has_api_key():
+        os.environ["WANDB_MODE"] = "offline"
+        return "W&B: no API key found, logging offline to ./wandb (upload later with `wandb sync wandb/offline-run-*`)."
+    return None
+
+
+def launch_environment() -> dict[str, str]:
+    """What `accelerate launch` passed to this process: its view of the accelerate config."""
+    prefixes = ("ACCELERATE_", "FSDP_", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return redact({k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)})
+
+
+class WandbRunConfig(TrainerCallback):
+    """Logs the whole resolved configuration once, after WandbCallback has started the run (rank 0 only)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = redact(config)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import wandb
+
+        if state.is_world_process_zero and wandb.run is not None:
+            wandb.config.update(self.config, allow_val_change=True)
+
+
+# ------------------------------------------------------------------------------ reading an offline run
+# A .wandb file: a 7-byte header (":W&B", uint16 magic, uint8 version), then 32 KiB blocks of LevelDB-log
+# records (<crc u32><length u16><type u8> + data; FULL=1, FIRST=2, MIDDLE=3, LAST=4), each a protobuf Record.
+
+BLOCK = 32 * 1024
+HEADER = 7
+
+
+def _records(data: bytes):
+    pos, pending = HEADER, b""
+    while pos + HEADER <= len(data):
+        left_in_block = BLOCK - pos % BLOCK
+        if left_in_block < HEADER:  # block trailer: padding
+            pos += left_in_block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind == 1:
+            yield chunk
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            yield pending + chunk
+        else:  # zero padding at the end of the file
+            break
+
+
+def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
+    """History rows, final summary, config, tags and alerts of an offline run folder (wandb/offline-run-*)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_dir).glob("*.wandb")
+    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "tags": [], "alerts": []}
+    for raw in _records(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        which = record.WhichOneof("record_type")
+        if which == "history":
+            out["history"].append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+        elif which == "summary":
+            for item in record.summary.update:
+                out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif which == "config":
+            for item in record.config.update:
+                out["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif which == "alert":
+            out["alerts"].append({"title": record.alert.title, "text": record.alert.text})
+        elif which == "run":
+            out["tags"] = list(record.run.tags)
+            out["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+    return out

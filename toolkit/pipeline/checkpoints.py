@@ -1,0 +1,137 @@
+"""Checkpoint folders that are either complete or absent, `--resume auto`, and an output folder's owner.
+
+The Trainer writes `checkpoint-N` in place: a process killed mid-save (a spot preemption, `kill -9`, a full
+disk) leaves a folder that looks like the newest checkpoint and cannot be resumed from. Here every rank writes
+into `OUTPUT/.staging/checkpoint-N`; once all ranks are done, rank 0 flushes it to disk and renames it into
+place (one atomic `rename` on the same file system). So any `OUTPUT/checkpoint-N` is complete, `--resume auto`
+can take the newest, and rotation (`save_total_limit`) only ever counts complete ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .arguments import ConfigError
+
+STAGING = ".staging"
+OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """`checkpoint-N` folders of OUTPUT, oldest first (staged ones are not there until complete)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and CHECKPOINT.match(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT.match(p.name).group(1)))
+
+
+def staging_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / STAGING
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file and folder under root to disk: a rename must not publish data still in page cache."""
+    for path in sorted(root.rglob("*"), reverse=True) + [root]:
+        flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish(staged: Path, output_dir: str | Path, owner: dict) -> Path:
+    """Rank 0, after every rank finished writing `staged`: record the owner, flush, rename into OUTPUT."""
+    (staged / OWNER).write_text(json.dumps(owner, indent=2))
+    fsync_tree(staged)
+    target = Path(output_dir) / staged.name
+    if target.exists():  # the same step saved again (a run resumed from before it): the new one wins
+        shutil.rmtree(target)
+    os.replace(staged, target)
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+    return target
+
+
+def resume_point(resume: str | None, output_dir: str | Path) -> tuple[str | None, str]:
+    """What to resume from, and a line saying so. `auto`: the newest complete checkpoint in OUTPUT, or none."""
+    if not resume:
+        return None, ""
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        if not found:
+            return None, f"resume auto: no complete checkpoint in {output_dir}, starting fresh"
+        return str(found[-1]), f"resume auto: continuing from {found[-1]}"
+    if not (Path(resume) / "trainer_state.json").is_file():
+        raise ConfigError(f"Cannot resume from '{resume}': not a complete checkpoint folder (no trainer_state.json). "
+                          "Pass --resume auto to take the newest complete one in the output folder.")  # fmt: skip
+    return resume, f"resuming from {resume}"
+
+
+def engine_of(distributed_type: str) -> str:
+    """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
+    return distributed_type if distributed_type in ("DEEPSPEED", "FSDP") else "replicated"
+
+
+def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int) -> str:
+    """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
+    schedule; returns a note when the process count changes (supported: the Trainer's and FSDP's formats)."""
+    path = Path(checkpoint) / OWNER
+    if not path.is_file():
+        return ""  # not written by the toolkit: nothing recorded to compare
+    then = json.loads(path.read_text())
+    if "engine" not in then:
+        return ""
+    if then["engine"] != engine:
+        raise ConfigError(f"{checkpoint} was written under {then['engine']} and this launch runs {engine}: the "
+                          "formats differ. Resume with a config of the same kind.")  # fmt: skip
+    if then["global_batch_size"] != global_batch:
+        per_device, rest = divmod(then["global_batch_size"], world_size * accumulation)
+        fix = f"--per_device_train_batch_size {per_device}" if per_device and not rest else "a matching batch"
+        raise ConfigError(f"{checkpoint} was trained with a global batch of {then['global_batch_size']}; this launch "
+                          f"has {global_batch}, which would change the data order and the schedule it resumes. "
+                          f"Pass {fix} (or change --gradient_accumulation_steps) to continue the same "
+                          "run.")  # fmt: skip
+    if then["world_size"] == world_size:
+        return ""
+    if engine == "DEEPSPEED":
+        step = Path(checkpoint).name.split("-")[-1]
+        raise ConfigError(f"{checkpoint} holds ZeRO partitions for {then['world_size']} processes and this launch "
+                          f"has {world_size}; DeepSpeed cannot repartition them on load. Resume on "
+                          f"{then['world_size']} processes, or convert it to DeepSpeed's universal format: "
+                          f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {checkpoint}/global_step"
+                          f"{step} --output_folder {checkpoint}/global_step{step}_universal` and set "
+                          '"checkpoint": {"load_universal": true} in the DeepSpeed JSON.')  # fmt: skip
+    return (
+        f"resuming a {then['world_size']}-process checkpoint on {world_size} process(es), same global batch "
+        f"{global_batch}"
+    )
+
+
+def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> None:
+    """Refuse, before any weights load, to train into a folder whose checkpoints a new run would mix with or
+    rotate away: another recipe's or model's, or this one's when not resuming."""
+    found = complete_checkpoints(output_dir)
+    if not found:
+        return
+    newest = found[-1]
+    recorded = json.loads((newest / OWNER).read_text()) if (newest / OWNER).is_file() else {}
+    mismatch = {k: v for k, v in recorded.items() if k in owner and owner[k] != v}
+    if mismatch:
+        held = ", ".join(f"{k} {v}" for k, v in recorded.items())
+        raise ConfigError(f"{output_dir} holds checkpoints of another run ({held}); this is "
+                          f"{', '.join(f'{k} {v}' for k, v in owner.items())}. Pass another --output_dir, or move "
+                          "those checkpoints away.")  # fmt: skip
+    if not resuming:
+        raise ConfigError(f"{output_dir} already holds checkpoints of this recipe (newest: {newest.name}); training "
+                          "again from the start would mix with them and rotate them away. Pass --resume auto to "
+                          "continue, or another --output_dir to start over.")  # fmt: skip

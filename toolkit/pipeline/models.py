@@ -1,0 +1,197 @@
+"""Model loading: Hub id or local folder (tiny mode is a local folder too), dtype, attention, LoRA."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from .arguments import ConfigError, ModelArguments
+from .sources import check_hub_model, resolve
+from .strategy import env_flag
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter or state tensor that this rank stores."""
+    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the partition lives beside an empty placeholder
+        return t.ds_tensor
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank really holds for `t`: its shard where sharded, nothing for a meta-device placeholder."""
+    local = local_tensor(t)
+    return 0 if local.device.type == "meta" else local.numel() * local.element_size()
+
+
+@dataclass
+class ParameterCounts:
+    total: int
+    trainable: int
+    held_bytes: int  # parameter bytes this rank holds: 0 on ranks > 0 under RAM-efficient loading
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ParameterCounts:
+        # parameters() yields a tied weight once, so tied embeddings are not counted twice
+        params = list(model.parameters())
+        numel = [getattr(p, "ds_numel", p.numel()) for p in params]  # ZeRO-3 partitions at load: ds_numel is whole
+        return cls(
+            total=sum(numel),
+            trainable=sum(n for n, p in zip(numel, params, strict=True) if p.requires_grad),
+            held_bytes=sum(nbytes(p) for p in params),
+        )
+
+
+def model_class(task: str):
+    return AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+
+
+def receives_weights_from_rank0() -> bool:
+    """FSDP with RAM-efficient loading on a rank other than 0: this rank starts empty and receives its shard."""
+    ram_efficient = env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    return ram_efficient and os.environ.get("RANK", "0") != "0"
+
+
+def allocate_placeholders(model: torch.nn.Module, mixed_precision: bool) -> None:
+    """Give meta-device parameters uninitialised CPU storage: never read from disk, never written, so the
+    operating system commits no RAM for them; FSDP moves them back to meta before it shards.
+
+    Needed because accelerate's FSDP2 preparation re-points the optimizer at the sharded parameters by
+    `data_ptr()`, which is 0 for every meta tensor: they all collide into one, and that rank silently updates
+    almost none of its shard (its optimizer held 8 bytes of state instead of half the model's).
+    Under mixed precision accelerate first upcasts trainable parameters to fp32 master weights: placeholders
+    made in fp32 skip that copy, which would write (and commit) a whole fp32 model on every receiving rank.
+    """
+    replaced: dict[int, torch.nn.Parameter] = {}  # a tied weight keeps one placeholder
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                if id(param) not in replaced:
+                    master = mixed_precision and param.requires_grad and param.is_floating_point()
+                    storage = torch.empty_like(param, device="cpu", dtype=torch.float32 if master else None)
+                    replaced[id(param)] = torch.nn.Parameter(storage, requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]
+
+
+def checkpoint_dtype(dtype: str, config) -> torch.dtype:
+    """The dtype from_pretrained would give the weights: the requested one, or for "auto" the checkpoint's."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    stored = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, stored) if isinstance(stored, str) else stored
+
+
+def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = resolve(args.model_name_or_path)
+    check_hub_model(name)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+
+
+def load_config(args: ModelArguments) -> PretrainedConfig:
+    """The model's config alone (a few KB): checked before the tokenizer, the data and the weights load."""
+    name = resolve(args.model_name_or_path)
+    check_hub_model(name)
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ConfigError(
+            f"'{args.model_name_or_path}' runs its own model code from its repository (auto_map in its config). "
+            "Read that code, then pass --trust_remote_code true to allow it."
+        ) from None
+
+
+def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and max_seq_length > limit:
+        raise ConfigError(
+            f"max_seq_length {max_seq_length} is above the model's {limit} positions (max_position_embeddings): "
+            f"pass --max_seq_length {limit} or less."
+        )
+
+
+def load_model(
+    args: ModelArguments,
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    label_names: list[str] | None,
+) -> PreTrainedModel:
+    if args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got '{args.dtype}'.")
+    kwargs = {}
+    if label_names is not None:
+        kwargs = dict(
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+        )
+    name = resolve(args.model_name_or_path)
+    check_hub_model(name)
+    common = dict(attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
+    if receives_weights_from_rank0():
+        # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
+        # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters
+        # on the meta device instead (buffers stay real: FSDP does not broadcast non-persistent ones); when FSDP
+        # shards the model, accelerate hands each rank its part of rank 0's weights. The runner gives the
+        # parameters placeholders (allocate_placeholders) once LoRA, if any, is added.
+        config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **kwargs)
+        with init_empty_weights(include_buffers=False):
+            model = model_class(task).from_config(config, dtype=checkpoint_dtype(args.dtype, config), **common)
+    else:
+        model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
+    return model
+
+
+def add_lora(model: PreTrainedModel, args: ModelArguments, task: str):
+    """Wrap the model with a LoRA adapter; the adapter records `model.name_or_path` as its base."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets = args.lora_target_modules
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        # "all-linear": peft finds every linear layer of this architecture except the output head
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
+    )
+    return get_peft_model(model, config)
+
+
+def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
+    """Merge a saved LoRA adapter into its base weights: a standalone model in ADAPTER_DIR/merged.
+
+    Works from the consolidated adapter on disk, so it is the same for every strategy (the adapter was gathered
+    from its shards when saved). Loads one full copy of the base model in host RAM.
+    """
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # This runs on rank 0 alone, after training. Under a ZeRO-3 run, from_pretrained would still partition the
+    # model across ranks: collectives only this rank joins, a hang. This is the run's last step, so drop it.
+    unset_hf_deepspeed_config()
+    loader = AutoPeftModelForSequenceClassification if task == "classification" else AutoPeftModelForCausalLM
+    model = loader.from_pretrained(adapter_dir, dtype=DTYPES[dtype])  # the precision the base trained in
+    merged = model.merge_and_unload()  # W + (alpha / r) * B @ A, adapters removed
+    target = Path(adapter_dir) / "merged"
+    merged.save_pretrained(target)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(target)
+    return target

@@ -1,0 +1,138 @@
+"""Sequence packing for SFT: several conversations per row, attention kept inside each one.
+
+Rows are filled best-fit-decreasing (longest conversation first, each into the open row it fills most tightly)
+up to `max_seq_length`. A packed row carries `position_ids` that restart at 0 for every conversation and no
+attention mask: transformers' masking utilities (`create_causal_mask`, used by the Llama-family models) then
+build a block-diagonal causal mask from the restarts, and flash-attention kernels use them as varlen
+boundaries, so no token attends across conversations. The first label of each conversation is ignored, so no
+token is trained to predict the next conversation's start. `PackedCollator` keeps rows for sdpa and eager
+attention and flattens the micro-batch into one row for flash attention (see there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+from .length_grouping import LENGTH
+
+IGNORE_INDEX = -100  # label of tokens that carry no loss
+SEQUENCES = "num_sequences"  # batch key: conversations in a flattened micro-batch (popped before the model)
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of at most `capacity`, best fit decreasing (each item into the open
+    bin with the least room that still fits it). Free room takes at most `capacity` distinct values, so a sorted
+    list of them keeps each placement at a binary search."""
+    bins: list[list[int]] = []
+    rooms: list[int] = []  # distinct free room among open bins, sorted
+    bins_with_room: dict[int, list[int]] = defaultdict(list)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        need = lengths[i]
+        k = bisect.bisect_left(rooms, need)
+        if k < len(rooms):
+            room = rooms[k]
+            b = bins_with_room[room].pop()
+            if not bins_with_room[room]:
+                rooms.pop(k)
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        room -= need
+        if room > 0:
+            if not bins_with_room[room]:
+                bisect.insort(rooms, room)
+            bins_with_room[room].append(b)
+    return bins
+
+
+def pack(dataset: Dataset, max_seq_length: int) -> Dataset:
+    """Tokenized conversations (input_ids, labels) -> packed rows (input_ids, labels, position_ids, length)."""
+    ids, labels = dataset["input_ids"], dataset["labels"]
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in best_fit_decreasing([len(x) for x in ids], max_seq_length):
+        row_ids, row_labels, positions = [], [], []
+        for i in members:
+            row_ids += ids[i]
+            row_labels += [IGNORE_INDEX, *labels[i][1:]]
+            positions += range(len(ids[i]))
+        rows["input_ids"].append(row_ids)
+        rows["labels"].append(row_labels)
+        rows["position_ids"].append(positions)
+    rows[LENGTH] = [len(x) for x in rows["input_ids"]]
+    return Dataset.from_dict(rows)
+
+
+def supports_packing(config) -> bool:
+    """Whether the causal-LM class for this config honours packed position_ids: its modeling module builds masks
+    with transformers' `create_causal_mask` (which detects the restarts) and its forward takes position_ids.
+    Known from the config alone, before any weights load; models with their own code (auto_map) are not packed."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    module = sys.modules.get(cls.__module__)
+    return hasattr(module, "create_causal_mask") and "position_ids" in inspect.signature(cls.forward).parameters
+
+
+def use_packing(task: str, requested: bool | None, config) -> bool:
+    """--packing: on by default for SFT where the model supports it; asked for where it cannot work, an error."""
+    from .arguments import ConfigError
+
+    if task != "sft":
+        if requested:
+            raise ConfigError("--packing applies to sft recipes (a classification row is one example): drop it.")
+        return False
+    supported = supports_packing(config)
+    if requested and not supported:
+        raise ConfigError(f"--packing true: the {config.model_type} model's attention does not honour packed "
+                          "position_ids (not built on transformers' create_causal_mask), so conversations would "
+                          "see each other: pass --packing false.")  # fmt: skip
+    return supported if requested is None else requested
+
+
+@dataclass
+class PackedCollator:
+    """Packed rows into a batch: position_ids restart at each conversation, no attention mask reaches the model.
+
+    sdpa and eager attention: the rows stay rows, padded to the longest (a row's padding is one more block of
+    its own, label-free), and transformers builds a block-diagonal causal mask per row from the restarts.
+    Flash attention (`flatten`): its varlen path reads the boundaries only from a single flattened row, so the
+    micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
+    why the other kernels keep rows.
+
+    `attention_mask` marks real tokens for the Trainer's token count only: RecipeTrainer withholds it from the
+    model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
+    transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
+    whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
+    to each other; per batch, the saved config (and later generation) stays untouched."""
+
+    pad_token_id: int
+    flatten: bool = False
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        keys = ("input_ids", "labels", "position_ids")
+        rows = [{k: [v for f in features for v in f[k]] for k in keys}] if self.flatten else features
+        width = max(len(row["input_ids"]) for row in rows)
+        batch: dict[str, list] = {k: [] for k in (*keys, "attention_mask")}
+        for row in rows:
+            pad = width - len(row["input_ids"])
+            batch["input_ids"].append([*row["input_ids"], *[self.pad_token_id] * pad])
+            batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
+            batch["position_ids"].append([*row["position_ids"], *range(pad)])
+            batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+        out: dict[str, Any] = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out["use_cache"] = False
+        out[SEQUENCES] = sum(p == 0 for f in features for p in f["position_ids"])
+        return out

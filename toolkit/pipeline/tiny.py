@@ -1,0 +1,278 @@
+"""Tiny mode: a recipe's own architecture at toy size, random init, with a local tokenizer and local data.
+
+Lets any recipe x any accelerate config launch on a CPU in seconds, offline. The architecture comes from the
+recipe model's real `config.json`, stored in `toolkit/hub_configs/` (public hyper-parameters), with only the
+sizes scaled down; the data is small, deterministic and learnable, so a test can see the loss go down.
+
+The tiny model is a checkpoint folder created once (seeded, content-addressed in the cache) and then loaded
+like any local model, so every strategy goes through its real loading path (ZeRO-3 partitioned loading,
+FSDP's RAM-efficient loading) and every run starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+from .arguments import ConfigError
+from .sources import resolve
+
+HUB_CONFIGS = Path(__file__).parent / "hub_configs"
+
+# Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
+TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+# Dropout off: its random masks differ between 1 and N processes, and tests compare those runs number for number.
+NO_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "classifier_dropout")
+
+# Training settings that make a tiny run take seconds; command-line flags still win.
+TINY_TRAINING = {
+    "max_steps": 20,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 8,
+    "learning_rate": 2e-3,  # a toy model with random weights learns at rates a pretrained one never would
+    "gradient_accumulation_steps": 1,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "max_seq_length": 64,
+    "eval_fraction": 0.0,
+    "eval_split": None,
+    "max_train_samples": None,
+    "activation_checkpointing": False,
+    "dtype": "float32",  # fp32 on any device: tiny runs are compared number for number in tests
+    "bf16": False,
+    "fp16": False,
+    "attn_implementation": None,
+    "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
+}
+
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|finetune_right_pad_id|>",
+]
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "finetune-recipes"))
+    return root / "tiny"
+
+
+def hub_config_path(model_name: str) -> Path:
+    return HUB_CONFIGS / (model_name.replace("/", "--") + ".json")
+
+
+def stored_config(model_name: str) -> PretrainedConfig:
+    """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
+    local = Path(resolve(model_name)) / "config.json"
+    if local.is_file():
+        return AutoConfig.from_pretrained(local.parent)
+    path = hub_config_path(model_name)
+    if not path.is_file():
+        known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*.json"))
+        raise ConfigError(
+            f"No stored config for '{model_name}' in {HUB_CONFIGS}; tiny mode knows {known}. "
+            "Add the model's config.json there (named <org>--<name>.json) to use --tiny with it."
+        )
+    values = json.loads(path.read_text())
+    values.pop("_source", None)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    config = stored_config(model_name)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    for key, value in TINY_SIZES.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    for key in NO_DROPOUT:
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
+        config.num_key_value_heads = max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads)
+    if getattr(config, "head_dim", None):
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.vocab_size = len(tokenizer)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token_id = getattr(tokenizer, name)
+        if hasattr(config, name) or token_id is not None:
+            setattr(config, name, token_id)
+    return config
+
+
+def is_encoder(model_name: str) -> bool:
+    return stored_config(model_name).model_type in ("bert", "roberta", "distilbert", "deberta", "deberta-v2")
+
+
+def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
+    """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
+    values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
+    values["dataset_name"] = str(write_tiny_dataset(task))
+    values["dataset_config"] = None
+    values["train_split"] = "train"
+    if task == "classification":
+        values.update(text_columns="text", label_column="label")
+    else:
+        values.update(messages_column="messages", chat_template="llama3")
+    return values
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+POSITIVE = ["great", "wonderful", "superb", "lovely", "brilliant", "delightful", "charming", "excellent"]
+NEGATIVE = ["awful", "dreadful", "boring", "terrible", "clumsy", "tedious", "bland", "poor"]
+NOUNS = ["film", "story", "cast", "script", "ending", "score", "pacing", "camera work", "dialogue", "plot"]
+FILLER = ["the", "really", "quite", "was", "felt", "overall", "honestly", "a bit", "in places", "truly"]
+
+
+def classification_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+    """Sentences whose label is the sentiment of their adjectives: learnable in a few steps, of varied length."""
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n:
+        label = rng.randrange(2)
+        adjectives = [rng.choice(POSITIVE if label else NEGATIVE) for _ in range(rng.randint(2, 6))]
+        words = [rng.choice(FILLER) for _ in range(rng.randint(0, 6))] + [rng.choice(NOUNS), *adjectives]
+        rng.shuffle(words)
+        text = " ".join(words)
+        if text not in seen:  # unique rows, so a test can tell which rank saw which
+            seen.add(text)
+            rows.append({"text": text, "label": label})
+    return rows
+
+
+def chat_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+    """Arithmetic conversations of one to three turns, some with a system prompt."""
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n:
+        messages = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": "You are a helpful calculator."})
+        for _ in range(rng.randint(1, 3)):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            messages.append({"role": "user", "content": f"What is {a} plus {b}?"})
+            messages.append({"role": "assistant", "content": f"{a} plus {b} is {a + b}."})
+        key = json.dumps(messages)
+        if key not in seen:
+            seen.add(key)
+            rows.append({"messages": messages})
+    return rows
+
+
+def write_tiny_dataset(task: str) -> Path:
+    rows = classification_rows() if task == "classification" else chat_rows()
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path = cache_dir() / f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.jsonl"
+    if not path.exists():  # content-addressed: concurrent ranks write the same bytes
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+
+
+def train_tokenizer(encoder: bool, texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A WordPiece (BERT-style) or byte-level BPE (Llama-3-style) tokenizer trained in a second on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if encoder:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        tok.train_from_iterator(
+            texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS)
+        )
+        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]", model_max_length=512,
+        )  # fmt: skip
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=LLAMA3_SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>",
+        model_max_length=8192,
+    )
+
+
+def tiny_checkpoint(model_name: str, task: str) -> Path:
+    """A save_pretrained folder (config, random weights, tokenizer) of the recipe's architecture at toy size."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    tokenizer = tiny_tokenizer(model_name, task)
+    data = write_tiny_dataset(task)
+    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}"  # data.stem: task-hash
+    if (path / "config.json").exists():
+        return path
+    config = tiny_config(model_name, tokenizer)
+    if task == "classification":
+        labels = sorted({str(r["label"]) for r in classification_rows()})
+        config.num_labels, config.id2label = len(labels), dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = cls.from_config(config)
+    _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return path
+
+
+def _save_atomically(path: Path, save) -> None:
+    """Write into a temporary folder, then rename: concurrent ranks never see half a folder."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    save(tmp)
+    try:
+        tmp.replace(path)
+    except OSError:  # another rank got there first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
+    """Trained once on the tiny data and cached; every rank then loads the same files."""
+    encoder = is_encoder(model_name)
+    kind = "wordpiece" if encoder else "bpe"
+    data = write_tiny_dataset(task)  # content-addressed: new data, new tokenizer
+    path = cache_dir() / f"tokenizer-{kind}-{data.stem}"
+    if not (path / "tokenizer.json").exists():
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        texts = (
+            [r["text"] for r in rows]
+            if task == "classification"
+            else [m["content"] for r in rows for m in r["messages"]]
+        )
+        _save_atomically(path, train_tokenizer(encoder, texts).save_pretrained)
+    return PreTrainedTokenizerFast.from_pretrained(path)
