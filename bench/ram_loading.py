@@ -26,7 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from toolkit.tracking import peak_over_ranks  # noqa: E402
+from toolkit.metrics.memory import peak_over_ranks  # noqa: E402
 
 SETTINGS = {  # name: (checkpoint dtype, training flags)
     "fp32 checkpoint, fp32 training": ("float32", ["--dtype", "float32", "--bf16", "false"]),
@@ -39,7 +39,7 @@ def checkpoint(folder: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from toolkit import tiny
+    from toolkit.pipeline import tiny
 
     if (folder / "model.safetensors").exists():
         return

@@ -23,7 +23,7 @@ if [ "$per_node" -lt 1 ]; then
   exit 2
 fi
 
-# Preemption (toolkit/stopping.py): the launcher forwards SLURM's warning signal (USR1) to the training
+# Preemption (toolkit/pipeline/stopping.py): the launcher forwards SLURM's warning signal (USR1) to the training
 # processes, not just SIGTERM, and gives them time to finish a step and write a checkpoint before killing them.
 export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}

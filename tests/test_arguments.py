@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.arguments import ConfigError, parse
-from toolkit.runner import tiny_layer
+from toolkit.errors import ConfigError
+from toolkit.pipeline.arguments import parse
+from toolkit.pipeline.runner import tiny_layer
 
 RECIPE = dict(
     model_name_or_path="google-bert/bert-base-cased",

@@ -9,7 +9,8 @@ import shutil
 import pytest
 from bert import RECIPE as BERT
 
-from toolkit import run, tiny
+from toolkit import run
+from toolkit.pipeline import tiny
 
 
 def refused(recipe, argv, capsys, tmp_path) -> str:

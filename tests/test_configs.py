@@ -13,8 +13,8 @@ from test_strategies import STRATEGIES
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from toolkit import fsdp_cpu
-from toolkit.strategy import StrategyMismatch, check_hybrid_mesh, resolve_config_paths
+from toolkit.distributed.patches import fsdp_cpu
+from toolkit.distributed.strategy import StrategyMismatch, check_hybrid_mesh, resolve_config_paths
 
 YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 JSONS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -70,7 +70,7 @@ def test_fsdp1_hybrid_on_cpu_names_the_fsdp2_config(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD")
     with pytest.raises(StrategyMismatch, match="FSDP1 HYBRID_SHARD needs GPUs.*accelerate_configs/fsdp_hybrid.yaml"):
-        fsdp_cpu.enable()
+        fsdp_cpu.PATCH.apply()
 
 
 @pytest.mark.parametrize(("per_node", "shard", "refused"), [(2, 2, False), (4, 2, False), (2, 4, True)])

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from toolkit.cost import CostModel, UnknownHardware, device_spec, price_table
+from toolkit.metrics.cost import CostModel, UnknownHardware, device_spec, price_table
 
 
 def test_table_is_dated_and_has_the_published_peaks():
@@ -55,7 +55,7 @@ def bert_run(tmp_path, *flags):
 
 
 def test_budget_stops_with_a_checkpoint_that_resumes_and_carries_the_cost(tmp_path, capsys):
-    from toolkit.stopping import BudgetSpent
+    from toolkit.pipeline.stopping import BudgetSpent
 
     # $72,000 per vCPU-hour, $20 per vCPU-second: $5 is spent within an eighth of a second of training, long
     # before the 40 steps end, however fast this machine
@@ -86,7 +86,8 @@ def test_a_budget_below_the_plan_is_refused_before_training(tmp_path, capsys):
     from test_strategies import tokenized_rows
     from transformers import AutoConfig
 
-    from toolkit import planner, run, tiny
+    from toolkit import planner, run
+    from toolkit.pipeline import tiny
 
     rows = tokenized_rows("bert")
     mean_length = sum(map(len, rows)) / len(rows)
@@ -111,7 +112,7 @@ def test_a_budget_below_the_plan_is_refused_before_training(tmp_path, capsys):
 
 
 def test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pass_it():
-    from toolkit.cost import Budget
+    from toolkit.metrics.cost import Budget
 
     budget = Budget(10.0)
     assert budget.check(7.0, 1.0) == (False, None)

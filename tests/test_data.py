@@ -8,10 +8,10 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from toolkit import tiny
-from toolkit.arguments import DataArguments
-from toolkit.data import IGNORE_INDEX, DataError, load_raw, prepare, tokenize_conversation
-from toolkit.sources import SourceUnavailable, resolve
+from toolkit.pipeline import tiny
+from toolkit.pipeline.arguments import DataArguments
+from toolkit.pipeline.data import IGNORE_INDEX, DataError, load_raw, prepare, tokenize_conversation
+from toolkit.pipeline.sources import SourceUnavailable, resolve
 
 
 def no_lock(desc):
@@ -21,7 +21,7 @@ def no_lock(desc):
 @pytest.fixture(scope="module")
 def llama_tokenizer():
     tok = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
-    from toolkit.data import apply_chat_template_setting
+    from toolkit.pipeline.data import apply_chat_template_setting
 
     apply_chat_template_setting(tok, "llama3")
     return tok

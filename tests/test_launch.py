@@ -42,8 +42,8 @@ def test_collapsed_launch_is_refused(tmp_path):
 def test_fsdp_fallback_to_ddp_is_refused(tmp_path):
     """Without the toolkit's CPU FSDP support, accelerate quietly trains an FSDP config as DDP: refused.
 
-    Also the guard of toolkit/fsdp_cpu.py: the day accelerate shards on CPU by itself, this run trains as FSDP,
-    the test fails, and that module can go.
+    Also the guard of toolkit/distributed/patches/fsdp_cpu.py: the day accelerate shards on CPU by itself, this
+    run trains as FSDP, the test fails, and that module can go.
     """
     result = launch("fsdp2", "bert", "--tiny", "--output_dir", str(tmp_path / "run"), cwd=tmp_path,
                     env={"TOOLKIT_CPU_FSDP": "0"})  # fmt: skip

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from conftest import ROOT
 
-from toolkit.arguments import ConfigError
-from toolkit.launch_check import check
+from toolkit.distributed.launch_check import check
+from toolkit.errors import ConfigError
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))

@@ -16,7 +16,7 @@ from bert import RECIPE
 from conftest import check, launch, rank_reports
 
 from toolkit import train
-from toolkit.length_grouping import GlobalLengthGroupedSampler
+from toolkit.pipeline.length_grouping import GlobalLengthGroupedSampler
 
 
 def chat_lengths(n: int = 4096, seed: int = 0) -> list[int]:

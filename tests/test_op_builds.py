@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit import op_builds
+from toolkit.distributed import op_builds
 
 HOLD = """
 import sys, time

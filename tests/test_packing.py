@@ -7,8 +7,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit import tiny
-from toolkit.packing import (
+from toolkit.pipeline import tiny
+from toolkit.pipeline.packing import (
     IGNORE_INDEX,
     SEQUENCES,
     PackedCollator,
@@ -80,8 +80,8 @@ def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, 
 def test_packing_only_where_it_is_correct(llama):
     from transformers import PretrainedConfig
 
-    from toolkit.arguments import ConfigError
-    from toolkit.packing import use_packing
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline.packing import use_packing
 
     class RemoteCodeConfig(PretrainedConfig):  # a model with its own code: its masks are unknown
         model_type = "my_remote_model"

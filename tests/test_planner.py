@@ -13,10 +13,10 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from toolkit import tiny
-from toolkit.cost import device_spec
+from toolkit.metrics.cost import device_spec
+from toolkit.metrics.memory import GIB
+from toolkit.pipeline import tiny
 from toolkit.planner import (
-    GIB,
     Layout,
     Shape,
     Workload,
@@ -287,7 +287,7 @@ def test_verdicts_reproduce_the_decision_guide(llama):
     ],
 )
 def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
-    from toolkit.planner import main
+    from toolkit.planner.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["llama3_fft", *argv])
@@ -297,7 +297,7 @@ def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
 
 
 def test_plan_unknown_model_names_the_fix(capsys, monkeypatch):
-    from toolkit.planner import main
+    from toolkit.planner.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit):
@@ -307,7 +307,7 @@ def test_plan_unknown_model_names_the_fix(capsys, monkeypatch):
 
 
 def test_plan_when_nothing_fits_says_what_would(capsys):
-    from toolkit.planner import main
+    from toolkit.planner.cli import main
 
     assert main(["llama3_fft", "--gpu", "RTX-3090", "--gpus", "1", "--seq_length", "65536"]) == 0
     out = capsys.readouterr().out
@@ -331,7 +331,7 @@ def test_plan_command_offline(capsys):
     """`python -m toolkit plan` for a recipe: offline (stored config, meta model), table and --json agree."""
     import json
 
-    from toolkit.planner import main
+    from toolkit.planner.cli import main
 
     argv = ["llama3_lora", "--gpu", "RTX-4090", "--gpus", "1"]
     assert main(argv) == 0
@@ -352,7 +352,7 @@ def test_make_plan_prints_fit_time_and_cost_offline(capsys):
 
     from conftest import run_cmd
 
-    from toolkit.planner import main
+    from toolkit.planner.cli import main
 
     make = ["make", "-s", "plan", "MODEL=llama3_fft", "GPU=A100-80GB", "GPUS=8"]
     table = run_cmd(make, cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})

@@ -7,7 +7,8 @@ import json
 import pytest
 from bert import RECIPE as BERT
 
-from toolkit import report, train
+from toolkit import train
+from toolkit.metrics import report
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,11 @@ import torch
 from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
 from safetensors.torch import load_file
 
-from toolkit import planner, tiny, tracking
-from toolkit.arguments import DataArguments
-from toolkit.data import load_raw, prepare
+from toolkit import planner
+from toolkit.metrics import memory
+from toolkit.pipeline import tiny
+from toolkit.pipeline.arguments import DataArguments
+from toolkit.pipeline.data import load_raw, prepare
 
 pytestmark = pytest.mark.launch
 
@@ -129,7 +131,7 @@ def test_strategy(config, recipe, reference, tmp_path):
     stale = None
     if config in ("zero2_offload", "zero3_offload"):
         # The lock a build of CPU Adam killed half-way leaves behind (a timeout, kill -9): without
-        # toolkit/op_builds.py every later ZeRO-Offload run waits on it forever, before step 1.
+        # toolkit/distributed/op_builds.py every later ZeRO-Offload run waits on it forever, before step 1.
         stale = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "cpu_adam" / "lock"
         stale.parent.mkdir(parents=True, exist_ok=True)
         stale.touch()
@@ -292,7 +294,7 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     copy = sum(r["param_bytes"] for r in reports)  # fp32 master weights, the shards summed
     assert copy == 4 * sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
     rank0, rank1 = (r["load_host"]["anon"] / copy for r in reports)
-    together = tracking.peak_over_ranks([r["load_host"]["series"] for r in reports], 1) / copy
+    together = memory.peak_over_ranks([r["load_host"]["series"] for r in reports], 1) / copy
     assert 0.9 <= rank0 <= 1.2, rank0  # its fp32 copy, freed tensor by tensor as the shards go out
     assert 0.45 <= rank1 <= 1.0, rank1  # its shard: half a copy, and no fp32 upcast of its placeholders
     assert together <= 1.6, together

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from toolkit import tiny
-from toolkit.arguments import ConfigError
+from toolkit.errors import ConfigError
+from toolkit.pipeline import tiny
 
 
 def meta_parameters(config) -> int:

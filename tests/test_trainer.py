@@ -12,9 +12,9 @@ from test_strategies import tokenized_rows
 from transformers import AutoConfig
 
 from toolkit import planner, train
-from toolkit.cost import device_spec
-from toolkit.trainer import scaled_learning_rate
-from toolkit.wandb_run import read_offline_run, redact
+from toolkit.metrics.cost import device_spec
+from toolkit.metrics.wandb_run import read_offline_run, redact
+from toolkit.pipeline.arguments import scaled_learning_rate
 
 
 def test_linear_lr_scaling_with_warmup(tmp_path, capsys):
@@ -55,7 +55,8 @@ def test_memory_plan_at_start_equals_what_the_run_holds(tmp_path, capsys):
 
 
 def test_not_fitting_warning_names_the_planner():
-    from toolkit.planner import GIB, not_fitting_warning
+    from toolkit.metrics.memory import GIB
+    from toolkit.planner import not_fitting_warning
 
     assert not_fitting_warning(70 * GIB, 80 * GIB) is None
     assert not_fitting_warning(70 * GIB, 0) is None  # no GPU: nothing to compare with
@@ -129,7 +130,7 @@ def test_live_metrics_in_the_log_and_the_offline_wandb_run(tmp_path):
 
 
 def test_redact_argv():
-    from toolkit.wandb_run import redact_argv
+    from toolkit.metrics.wandb_run import redact_argv
 
     argv = ["x.py", "--hub_token", "hf_a", "--lr", "1", "--wandb_api_key=k", "--learning_rate", "2"]
     redact_argv(argv)
@@ -156,7 +157,7 @@ def test_unknown_gpu_type_fails_before_loading(tmp_path, capsys):
 
 
 def test_health_warnings_are_one_line_each_and_skip_the_warm_up(capsys):
-    from toolkit.health import Health
+    from toolkit.metrics.health import Health
 
     health = Health(expected_mfu=0.4, is_main=True)
     slow = {"mfu": 0.05, "data_wait_share": 0.5}
@@ -180,8 +181,8 @@ def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path
     import torch
     from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
-    from toolkit import tiny
-    from toolkit.trainer import RecipeTrainer
+    from toolkit.pipeline import tiny
+    from toolkit.pipeline.trainer import RecipeTrainer
 
     reads = [0]
 

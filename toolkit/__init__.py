@@ -6,7 +6,7 @@ __all__ = ["run", "train"]
 def __getattr__(name: str):
     # Lazy: `python -m toolkit plan` should not import the Trainer stack.
     if name in __all__:
-        from . import runner
+        from .pipeline import runner
 
         return getattr(runner, name)
     raise AttributeError(f"module 'toolkit' has no attribute '{name}'")

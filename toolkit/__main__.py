@@ -2,7 +2,11 @@
 
 import sys
 
-COMMANDS = {"plan": "toolkit.planner", "check": "toolkit.launch_check", "report": "toolkit.report"}
+COMMANDS = {
+    "plan": "toolkit.planner.cli",
+    "check": "toolkit.distributed.launch_check",
+    "report": "toolkit.metrics.report",
+}
 
 
 def main() -> int:

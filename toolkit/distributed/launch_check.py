@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import yaml
 
-from .arguments import ConfigError
-from .strategy import PROJECT_ROOT
+from ..errors import ConfigError
+from ..project import PROJECT_ROOT, is_recipe, project_path, recipe_names, strategy_files
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
 
@@ -37,7 +37,7 @@ def known_keys() -> tuple[set[str], set[str]]:
 
 def read_yaml(path: Path) -> dict:
     if not path.is_file():
-        known = ", ".join(p.name for p in sorted((PROJECT_ROOT / "accelerate_configs").glob("*.yaml")))
+        known = ", ".join(p.name for p in strategy_files())
         raise ConfigError(f"Config file not found: {path}. The strategy files are in accelerate_configs/: {known}.")
     try:
         values = yaml.safe_load(path.read_text())
@@ -53,9 +53,9 @@ def deepspeed_file(config: dict, path: Path) -> Path:
     if not name:
         raise ConfigError(f"{path}: distributed_type DEEPSPEED needs deepspeed_config.deepspeed_config_file "
                           "(a JSON in ds_configs/).")  # fmt: skip
-    for candidate in (Path(name), PROJECT_ROOT / name):
-        if candidate.is_file():
-            return candidate
+    candidate = project_path(name)
+    if candidate.is_file():
+        return candidate
     raise ConfigError(f"{path}: deepspeed_config_file '{name}' not found from {Path.cwd()} nor {PROJECT_ROOT}.")
 
 
@@ -99,26 +99,26 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
     wrap = (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap")
     if not wrap:
         return  # the toolkit takes the model's own repeated layer class
-    from .planner import meta_model, model_config, recipe_values
+    from ..pipeline.sources import model_config
+    from ..planner.shape import meta_model
+    from ..project import load_recipe
+    from .strategy import layer_class
 
-    values = recipe_values(recipe)
+    values = load_recipe(recipe)
     model = meta_model(model_config(values["model_name_or_path"]), values.get("task", "sft"))
     classes = {type(m).__name__ for m in model.modules()}
     missing = [c for c in str(wrap).split(",") if c.strip() not in classes]
     if missing:
-        layers = sorted({type(m[0]).__name__ for m in model.modules() if hasattr(m, "__len__") and len(m) > 1
-                         and type(m).__name__ == "ModuleList"})  # fmt: skip
         raise ConfigError(f"{path}: fsdp_transformer_layer_cls_to_wrap names {missing}, which "
-                          f"{values['model_name_or_path']} does not have; its layers are {layers}. Set it to null "
-                          "to let the toolkit take the model's layer class.")  # fmt: skip
+                          f"{values['model_name_or_path']} does not have; its layers are ['{layer_class(model)}']. Set "
+                          "it to null to let the toolkit take the model's layer class.")  # fmt: skip
 
 
 def check(config_file: str | Path, recipe: str | None = None) -> str:
     """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
     path = Path(config_file)
-    if recipe is not None and not (PROJECT_ROOT / "recipes" / f"{recipe}.py").is_file():
-        known = ", ".join(p.stem for p in sorted((PROJECT_ROOT / "recipes").glob("*.py")))
-        raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {known}.")
+    if recipe is not None and not is_recipe(recipe):
+        raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     config = read_yaml(path)
     top, flags = known_keys()
     for key in config:

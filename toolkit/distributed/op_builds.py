@@ -13,8 +13,9 @@ another machine may be building, so the toolkit only says which file to remove.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
+
+from ..errors import warn
 
 SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"}
 
@@ -55,10 +56,6 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def clear_stale_locks(root: Path | None = None) -> list[Path]:
     """Removes build locks that no process holds (local disks), warns about them (shared file systems).
 
@@ -74,18 +71,20 @@ def clear_stale_locks(root: Path | None = None) -> list[Path]:
         if lock.resolve() in held:
             continue  # a build is running on this machine
         if filesystem_type(lock) in SHARED_FILESYSTEMS:
-            _warn(
+            warn(
                 f"{lock}: a build lock that no process on this machine holds. If no other machine is building "
-                f"this op now, remove it (`rm {lock}`), or this run waits for it forever."
+                f"this op now, remove it (`rm {lock}`), or this run waits for it forever.",
+                all_ranks=True,  # each node's first process checks its own disk
             )
             continue
         try:
             lock.unlink()
         except FileNotFoundError:
             continue  # another process removed it first
-        _warn(
+        warn(
             f"removed {lock}, left by a killed build of the {lock.parent.name} op (this run would have waited "
-            "for it forever); the op is built again when first used."
+            "for it forever); the op is built again when first used.",
+            all_ranks=True,
         )
         removed.append(lock)
     return removed

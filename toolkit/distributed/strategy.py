@@ -1,54 +1,26 @@
-"""The distributed strategy: what the launch asked for, what is in effect, and a refusal when they differ.
+"""The strategy asked for against the one in effect: a refusal when they differ, before a step is paid for.
 
 accelerate degrades silently in several ways (../shared/cpu-distributed.md): an FSDP config becomes plain DDP
 on CPU, `--cpu --num_processes 2` starts one process, and ranks that never joined a process group each train
 alone on the whole data set. Every one of these costs a full run before anyone notices, so we refuse to start.
-
-What was asked is read from the environment `accelerate launch` and torchrun give the script:
-- WORLD_SIZE: set by torchrun (accelerate's multi-GPU and DeepSpeed launchers use it) to the processes started.
-- MASTER_ADDR without WORLD_SIZE: accelerate's simple launcher sets MASTER_ADDR only when more than one
-  process or machine was asked for, yet starts a single process (`prepare_simple_launcher_cmd_env`).
-- ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED: set from the config's distributed_type.
+What was asked for is read from the environment (launch.py).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from ..errors import ToolkitError
+from ..project import PROJECT_ROOT
+from .launch import Requested, env_flag
 
-class StrategyMismatch(RuntimeError):
+
+class StrategyMismatch(ToolkitError, RuntimeError):
     """The launch does not run the strategy its config asked for."""
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-@dataclass
-class Requested:
-    num_processes: int | None  # None: not known from the environment
-    fsdp: bool
-    deepspeed: bool
-    collapsed_launch: bool  # accelerate's simple launcher was asked for several processes
-
-    @classmethod
-    def from_env(cls) -> Requested:
-        world = os.environ.get("WORLD_SIZE")
-        under_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
-        return cls(
-            num_processes=int(world) if world else None,
-            fsdp=env_flag("ACCELERATE_USE_FSDP"),
-            deepspeed=env_flag("ACCELERATE_USE_DEEPSPEED"),
-            collapsed_launch=under_accelerate and world is None and "MASTER_ADDR" in os.environ,
-        )
-
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def resolve_config_paths() -> None:
@@ -146,47 +118,3 @@ def set_fsdp_wrap_class(model) -> None:
         )
     if not configured:
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = layer_class(model)
-
-
-def num_machines(num_processes: int) -> int:
-    """Nodes in the job: torchrun sets LOCAL_WORLD_SIZE to the processes on this node."""
-    return max(1, num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes)))
-
-
-def describe(accelerator: Accelerator) -> dict[str, str | int]:
-    """The strategy in effect, as printed in the run header and logged to W&B."""
-    state = accelerator.state
-    kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP:
-        plugin = state.fsdp_plugin
-        if plugin.fsdp_version == 2:  # FSDP2 expresses FULL_SHARD / SHARD_GRAD_OP as reshard_after_forward
-            mode = "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
-        else:
-            mode = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
-        mesh = accelerator.parallelism_config
-        if mesh is not None and mesh.dp_replicate_enabled and mesh.dp_shard_enabled:  # FSDP2's HSDP
-            mode = f"HYBRID_SHARD ({mesh.dp_replicate_size} replicas x {mesh.dp_shard_size} shards)"
-        sharding = f"FSDP{plugin.fsdp_version} {mode}"
-        offload = plugin.cpu_offload  # FSDP1: CPUOffload(offload_params); FSDP2: an OffloadPolicy subclass
-        if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":
-            sharding += " offload_params=cpu"
-    elif kind == DistributedType.DEEPSPEED:
-        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        sharding = f"ZeRO-{zero.get('stage', 0)}"
-        for what in ("offload_optimizer", "offload_param"):
-            device = zero.get(what, {}).get("device", "none")
-            if device not in ("none", None):
-                sharding += f" {what}={device}"
-    elif accelerator.num_processes > 1:
-        sharding = "none (replicated, DDP)"
-    else:
-        sharding = "none (single process)"
-    return {
-        "distributed_type": kind.value,
-        "num_processes": accelerator.num_processes,
-        "num_machines": num_machines(accelerator.num_processes),
-        "device": str(accelerator.device.type),
-        "mixed_precision": accelerator.mixed_precision,
-        "sharding": sharding,
-        "backend": str(state.backend) if state.backend else "none",
-    }

@@ -14,11 +14,13 @@ from typing import Any
 
 import yaml
 
+from ..errors import ToolkitError
+
 TABLE = Path(__file__).parent / "hardware.yaml"
 
 
-class UnknownHardware(ValueError):
-    pass
+class UnknownHardware(ToolkitError, ValueError):
+    """A GPU type that is not in the price table."""
 
 
 @cache

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import ToolkitError
+
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
     "processes": ("processes", "{}"),
@@ -39,8 +41,8 @@ class Run:
     summary: dict[str, Any]
 
 
-class ReportError(ValueError):
-    pass
+class ReportError(ToolkitError, ValueError):
+    """Something given to `toolkit report` that is not a finished run."""
 
 
 def load_run(path: str | Path) -> Run:

@@ -16,117 +16,24 @@ Every rank computes the same figures; rank 0's are logged. Over each logging int
                       resumed run spent (stored in each checkpoint); also the projected total at this pace and
                       dollars per million tokens.
 Nothing here waits on the device: the token count is the Trainer's own gather, the rest is host clocks.
+`Tracked` is the trainer part that feeds a RunTracker and writes the end-of-run summary.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import resource
-import threading
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import TrainerState
 
 from .cost import CostModel
+from .memory import GIB, memory_fraction, peak_memory_bytes
 
-GIB = 2**30
 SPENT_FILE = "toolkit_cost.json"  # in every checkpoint: what the run had cost when it was written
-
-
-def peak_host_bytes() -> int:
-    """This process's peak resident set so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-class HostMemoryPeak:
-    """Peak host RAM of this process above a starting point, sampled every few milliseconds by a thread, split
-    into anonymous memory (what the process allocated: tensors, copies) and file-backed pages (a memory-mapped
-    checkpoint: page cache, shared between ranks that map the same file and reclaimable by the kernel). RSS lumps
-    the two together and counts shared pages in every rank; PSS (proportional set size) splits each shared page
-    between the processes mapping it, so PSS summed over ranks is the physical memory they use together.
-    Linux only (/proc/self/smaps_rollup); elsewhere the peaks stay None. `series` keeps (unix time, anon, file)
-    at every change of a MiB or more, so peaks summed over ranks at the same moment can be computed afterwards."""
-
-    FIELDS = ("Pss_Anon", "Pss_File")
-
-    def __init__(self, interval_s: float = 0.005):
-        self.peaks: dict[str, int] | None = None
-        self.series: list[tuple[float, int, int]] = []
-        self._stop = threading.Event()
-        self._base = self._read()
-        if self._base is None:
-            return
-        self.peaks = dict.fromkeys(self.FIELDS, 0)
-        self._thread = threading.Thread(target=self._sample, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def _read(cls) -> dict[str, int] | None:
-        try:
-            text = Path("/proc/self/smaps_rollup").read_text()
-        except OSError:
-            return None
-        found = dict(re.findall(r"^(\w+):\s+(\d+) kB", text, flags=re.MULTILINE))
-        return {field: int(found.get(field, 0)) * 1024 for field in cls.FIELDS}
-
-    def _sample(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self._update()
-
-    def _update(self) -> None:
-        now = self._read()
-        if now is None:
-            return
-        added = [now[field] - self._base[field] for field in self.FIELDS]
-        for field, value in zip(self.FIELDS, added, strict=True):
-            self.peaks[field] = max(self.peaks[field], value)
-        if not self.series or max(abs(a - b) for a, b in zip(added, self.series[-1][1:], strict=True)) >= 2**20:
-            self.series.append((time.time(), *added))
-
-    def current(self) -> dict[str, int] | None:
-        """The peaks so far above the start, in bytes: {"anon": ..., "file": ...}."""
-        if self.peaks is None:
-            return None
-        self._update()
-        return {"anon": self.peaks["Pss_Anon"], "file": self.peaks["Pss_File"]}
-
-    def stop(self) -> dict[str, Any] | None:
-        """Stop sampling; the peaks above the start, and the series."""
-        if self.peaks is None:
-            return None
-        self._stop.set()
-        self._thread.join()
-        return {**self.current(), "series": self.series}
-
-
-def peak_over_ranks(series: list[list[tuple[float, int, int]]], field: int) -> int:
-    """The most that several processes held at one moment, from their HostMemoryPeak series (field 1: anonymous,
-    2: file-backed); each process holds its last sample until the next."""
-    events = sorted((point[0], rank, point[field]) for rank, points in enumerate(series) for point in points)
-    held = [0] * len(series)
-    most = 0
-    for _, rank, value in events:
-        held[rank] = value
-        most = max(most, sum(held))
-    return most
-
-
-def peak_memory_bytes() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_host_bytes()
-
-
-def memory_fraction() -> float:
-    """How full the device is: reserved / total on a GPU, the host's RAM in use on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_reserved() / torch.cuda.get_device_properties(0).total_memory
-    import psutil
-
-    return psutil.virtual_memory().percent / 100
 
 
 def mfu(flops_per_token: float, tokens_per_second: float, devices: int, peak_flops: float) -> float:
@@ -267,3 +174,71 @@ class TimedIterator:
             return next(self.iterator)
         finally:
             self.tracker.count_data_wait(time.perf_counter() - start)
+
+
+class Tracked:
+    """Trainer part: live metrics on every log line (and OUTPUT/run_log.jsonl), health checks, the data wait, the
+    cost so far in every checkpoint, and the end-of-run summary. Needs `self.tracker` (RunTracker), `self.health`
+    (Health), `self.plan` (RunPlan) and `self.recipe` (Arguments), set by the trainer's set-up."""
+
+    def train(self, *args, **kwargs):
+        self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
+        self.tracker.start(self.state)
+        output = super().train(*args, **kwargs)
+        self.tracker.end_training()
+        return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        from ..pipeline.packing import examples_in
+
+        self.tracker.count_batch(examples_in(inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
+
+    def checkpoint_files(self) -> dict[str, str]:
+        return {**super().checkpoint_files(), SPENT_FILE: json.dumps(self.tracker.spent())}  # resumes add to it
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        training = "loss" in logs
+        logs.update(self.tracker.metrics(self.state, training))
+        if training:
+            self.health.check(logs, memory_fraction())
+        super().log(logs, start_time)
+        if self.args.should_save:  # the run's own log, read by `toolkit report`
+            with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
+                f.write(json.dumps(self.state.log_history[-1]) + "\n")
+
+    def end_of_run(self, status: str, metrics: dict[str, float]) -> dict[str, Any]:
+        """Printed, written to OUTPUT/run_summary.json and to the W&B run's summary (rank 0)."""
+        summary = self.tracker.summary(self.state)
+        strategy, cost = self.plan.strategy, self.plan.cost
+        summary.update(
+            status=status,
+            recipe=self.recipe.recipe_name,
+            strategy=f"{strategy['distributed_type']}, {strategy['sharding']}",
+            processes=strategy["num_processes"],
+            device=cost.device,
+            pricing=cost.pricing,
+            **{k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
+        )
+        if not self.is_world_process_zero():
+            return summary
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:
+            summary["wandb_run_id"] = wandb.run.id
+        mfu = f"{100 * summary['mean_mfu']:.2f}%" if summary.get("mean_mfu") is not None else "n/a (no peak)"
+        losses = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in summary.items() if k.endswith("_loss"))
+        print(
+            f"run summary   {status} after {time.strftime('%H:%M:%S', time.gmtime(summary['wall_seconds']))}, "
+            f"{summary['steps']} steps, {summary['tokens']:,} tokens ({summary.get('tokens_per_second', 0):,.0f}/s), "
+            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
+            flush=True,
+        )
+        print(cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
+        path = Path(self.args.output_dir) / "run_summary.json"
+        path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
+        if wandb is not None and wandb.run is not None:
+            wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
+        return summary

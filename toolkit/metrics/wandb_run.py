@@ -84,6 +84,16 @@ class WandbRunConfig(TrainerCallback):
             wandb.config.update(self.config, allow_val_change=True)
 
 
+def run_callback(run, recipe_name: str, tags: list[str], config: dict[str, Any], is_main: bool) -> WandbRunConfig:
+    """Point WandbCallback's `wandb.init` at this run (project, group = recipe, tags plus --wandb_tags; offline
+    without an account) and return the callback that logs its resolved `config`. `run`: the RunArguments."""
+    tags = [*tags, *(t.strip() for t in (run.wandb_tags or "").split(",") if t.strip())]
+    notice = configure_env(run.wandb_project, run.wandb_group or recipe_name, tags)
+    if notice and is_main:
+        print(notice)
+    return WandbRunConfig(config)
+
+
 # ------------------------------------------------------------------------------ reading an offline run
 # A .wandb file: a 7-byte header (":W&B", uint16 magic, uint8 version), then 32 KiB blocks of LevelDB-log
 # records (<crc u32><length u16><type u8> + data; FULL=1, FIRST=2, MIDDLE=3, LAST=4), each a protobuf Record.

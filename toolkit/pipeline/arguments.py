@@ -19,9 +19,8 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-
-class ConfigError(ValueError):
-    """Bad recipe, override or config: raised before any weights are loaded."""
+from ..distributed.launch import has_accelerator
+from ..errors import ConfigError
 
 
 @dataclass
@@ -42,6 +41,15 @@ class ModelArguments:
         default=False,
         metadata={"help": "LoRA: also save base + adapter merged into one standalone model in OUTPUT_DIR/merged."},
     )
+
+    def lora_settings(self) -> dict[str, Any] | None:
+        """The peft LoraConfig arguments that decide the adapter's shape (dropout aside), or None without LoRA."""
+        if not self.use_lora:
+            return None
+        targets = self.lora_target_modules  # "all-linear": peft finds every linear layer but the output head
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",")]
+        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "target_modules": targets}
 
 
 @dataclass
@@ -137,12 +145,6 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
     return defaults
 
 
-def has_accelerator() -> bool:
-    import torch
-
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-
-
 def known_fields() -> set[str]:
     return {f.name for cls in ARGUMENT_CLASSES for f in fields(cls) if f.init} | {"config"}
 
@@ -172,6 +174,27 @@ def load_overrides(path: str) -> dict[str, Any]:
         raise ConfigError(f"Config file {path} must be a mapping of setting: value, got {type(values).__name__}.")
     check_keys(values, path)
     return values
+
+
+def global_batch_size(training: TrainingArguments) -> int:
+    """Samples per optimizer step over the whole job."""
+    return training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+
+
+def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:
+    """Linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr grows with the batch."""
+    return base_lr * global_batch / reference_batch
+
+
+def scale_learning_rate(training: TrainingArguments, reference_batch: int | None) -> float:
+    """--lr_reference_batch_size: scale the learning rate to this job's global batch, in place, with a warmup;
+    returns the recipe's own learning rate. Before the Trainer copies lr into DeepSpeed's "auto" values."""
+    base = training.learning_rate
+    if reference_batch:
+        training.learning_rate = scaled_learning_rate(base, global_batch_size(training), reference_batch)
+        if not training.warmup_steps:  # a large scaled lr needs a gradual start
+            training.warmup_steps = 0.05
+    return base
 
 
 @dataclass

@@ -4,7 +4,8 @@ The Trainer writes `checkpoint-N` in place: a process killed mid-save (a spot pr
 disk) leaves a folder that looks like the newest checkpoint and cannot be resumed from. Here every rank writes
 into `OUTPUT/.staging/checkpoint-N`; once all ranks are done, rank 0 flushes it to disk and renames it into
 place (one atomic `rename` on the same file system). So any `OUTPUT/checkpoint-N` is complete, `--resume auto`
-can take the newest, and rotation (`save_total_limit`) only ever counts complete ones.
+can take the newest, and rotation (`save_total_limit`) only ever counts complete ones. `StagedCheckpoints` is
+the trainer part that writes them, and makes the final save one consolidated Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
-from .arguments import ConfigError
+from ..errors import ConfigError
+from .arguments import global_batch_size
 
 STAGING = ".staging"
 OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
@@ -135,3 +137,61 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
         raise ConfigError(f"{output_dir} already holds checkpoints of this recipe (newest: {newest.name}); training "
                           "again from the start would mix with them and rotate them away. Pass --resume auto to "
                           "continue, or another --output_dir to start over.")  # fmt: skip
+
+
+class StagedCheckpoints:
+    """Trainer part: checkpoints staged by every rank and published whole by rank 0, rotated among complete ones,
+    each with its owner (`checkpoint_owner`) and whatever `checkpoint_files` adds; a consolidated final save.
+    Needs `self.recipe` (the run's Arguments)."""
+
+    _staging = False
+
+    def checkpoint_owner(self) -> dict:
+        """What a checkpoint of this run records about it (check_output_dir and check_resumable compare it)."""
+        return {
+            "recipe": self.recipe.recipe_name,
+            "model": self.recipe.model.model_name_or_path,
+            "engine": engine_of(self.accelerator.distributed_type.value),
+            "world_size": self.accelerator.num_processes,
+            "global_batch_size": global_batch_size(self.args),
+        }
+
+    def checkpoint_files(self) -> dict[str, str]:
+        """Extra files (name: text) written into each checkpoint by rank 0; other parts add theirs."""
+        return {}
+
+    def _get_output_dir(self, trial) -> str:
+        if self._staging:  # while a checkpoint is written: into the staging folder
+            return str(staging_dir(self.args.output_dir))
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written by every rank into OUTPUT/.staging, then published whole by rank 0."""
+        from transformers.trainer_utils import rotate_checkpoints
+
+        staged = staging_dir(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save and staged.exists():
+            shutil.rmtree(staged)  # left by a save that was killed half-way
+        self.accelerator.wait_for_everyone()
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = False
+        self.accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if self.args.should_save:
+            for name, text in self.checkpoint_files().items():
+                (staged / name).write_text(text)
+            publish(staged, self.args.output_dir, self.checkpoint_owner())
+            # By step, among complete checkpoints only: the newest complete one is never deleted.
+            rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
+        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
+        if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type) and not _internal_call:
+            # The Trainer writes no weights at all here; gather the shards into one state dict on rank 0.
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+            return
+        super().save_model(output_dir, _internal_call)

@@ -12,6 +12,7 @@ from typing import Any
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
+from ..errors import ToolkitError
 from .arguments import DataArguments
 from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
@@ -31,7 +32,7 @@ CHAT_TEMPLATES = {
 }
 
 
-class DataError(ValueError):
+class DataError(ToolkitError, ValueError):
     """A data set that does not fit the recipe: missing columns, no rows left, ..."""
 
 

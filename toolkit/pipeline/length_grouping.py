@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from .arguments import global_batch_size
+
 LENGTH = "length"  # dataset column: tokens in the row (removed by the Trainer before the collator)
 
 
@@ -35,3 +37,25 @@ class GlobalLengthGroupedSampler(LengthGroupedSampler):
         # An int tuple's hash is the same in every process, and (0, 1) and (1, 0) differ (seed + epoch would not).
         self.generator = torch.Generator().manual_seed(hash((self.seed, self.epoch)) % 2**63)
         return super().__iter__()
+
+
+class LengthGroupedSampling:
+    """Trainer part: `group_by_length` draws from a GlobalLengthGroupedSampler over the dataset's length column."""
+
+    _length_sampler: GlobalLengthGroupedSampler | None = None
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset  # with its length column: the one passed here has had it removed
+        if self.args.train_sampling_strategy == "group_by_length" and LENGTH in getattr(dataset, "column_names", ()):
+            self._length_sampler = GlobalLengthGroupedSampler(
+                dataset[LENGTH], global_batch_size(self.args), self.args.data_seed or self.args.seed
+            )
+            return self._length_sampler
+        return super()._get_train_sampler(train_dataset)
+
+    def _run_epoch(self, *args, epoch, **kwargs):
+        # A resumed epoch's loader is wrapped by accelerate's skip_first_batches, through which the Trainer's
+        # set_epoch no longer reaches the sampler: set it here, before the epoch's order is drawn.
+        if self._length_sampler is not None:
+            self._length_sampler.set_epoch(epoch)
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)

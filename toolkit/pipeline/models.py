@@ -8,34 +8,16 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .arguments import ConfigError, ModelArguments
+from ..distributed.launch import env_flag
+from ..errors import ConfigError
+from ..metrics.memory import nbytes
+from .arguments import ModelArguments
 from .sources import check_hub_model, resolve
-from .strategy import env_flag
+from .tasks import model_class, peft_model_class, peft_task_type
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter or state tensor that this rank stores."""
-    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the partition lives beside an empty placeholder
-        return t.ds_tensor
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
-
-
-def nbytes(t: torch.Tensor) -> int:
-    """Bytes this rank really holds for `t`: its shard where sharded, nothing for a meta-device placeholder."""
-    local = local_tensor(t)
-    return 0 if local.device.type == "meta" else local.numel() * local.element_size()
 
 
 @dataclass
@@ -54,10 +36,6 @@ class ParameterCounts:
             trainable=sum(n for n, p in zip(numel, params, strict=True) if p.requires_grad),
             held_bytes=sum(nbytes(p) for p in params),
         )
-
-
-def model_class(task: str):
-    return AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
 
 
 def receives_weights_from_rank0() -> bool:
@@ -162,17 +140,9 @@ def load_model(
 
 def add_lora(model: PreTrainedModel, args: ModelArguments, task: str):
     """Wrap the model with a LoRA adapter; the adapter records `model.name_or_path` as its base."""
-    from peft import LoraConfig, TaskType, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
-    targets = args.lora_target_modules
-    config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        # "all-linear": peft finds every linear layer of this architecture except the output head
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
-    )
+    config = LoraConfig(**args.lora_settings(), lora_dropout=args.lora_dropout, task_type=peft_task_type(task))
     return get_peft_model(model, config)
 
 
@@ -182,14 +152,13 @@ def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
     Works from the consolidated adapter on disk, so it is the same for every strategy (the adapter was gathered
     from its shards when saved). Loads one full copy of the base model in host RAM.
     """
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     # This runs on rank 0 alone, after training. Under a ZeRO-3 run, from_pretrained would still partition the
     # model across ranks: collectives only this rank joins, a hang. This is the run's last step, so drop it.
     unset_hf_deepspeed_config()
-    loader = AutoPeftModelForSequenceClassification if task == "classification" else AutoPeftModelForCausalLM
-    model = loader.from_pretrained(adapter_dir, dtype=DTYPES[dtype])  # the precision the base trained in
+    # in the precision the base trained in
+    model = peft_model_class(task).from_pretrained(adapter_dir, dtype=DTYPES[dtype])
     merged = model.merge_and_unload()  # W + (alpha / r) * B @ A, adapters removed
     target = Path(adapter_dir) / "merged"
     merged.save_pretrained(target)

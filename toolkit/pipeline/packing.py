@@ -76,10 +76,10 @@ def supports_packing(config) -> bool:
     Known from the config alone, before any weights load; models with their own code (auto_map) are not packed."""
     import inspect
 
-    from transformers import AutoModelForCausalLM
+    from .tasks import model_class
 
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        cls = model_class("sft")._model_mapping[type(config)]
     except (KeyError, ValueError):
         return False
     module = sys.modules.get(cls.__module__)
@@ -88,7 +88,7 @@ def supports_packing(config) -> bool:
 
 def use_packing(task: str, requested: bool | None, config) -> bool:
     """--packing: on by default for SFT where the model supports it; asked for where it cannot work, an error."""
-    from .arguments import ConfigError
+    from ..errors import ConfigError
 
     if task != "sft":
         if requested:
@@ -112,7 +112,7 @@ class PackedCollator:
     micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
     why the other kernels keep rows.
 
-    `attention_mask` marks real tokens for the Trainer's token count only: RecipeTrainer withholds it from the
+    `attention_mask` marks real tokens for the Trainer's token count only: PackedInputs withholds it from the
     model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
     transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
     whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
@@ -136,3 +136,27 @@ class PackedCollator:
         out["use_cache"] = False
         out[SEQUENCES] = sum(p == 0 for f in features for p in f["position_ids"])
         return out
+
+
+def examples_in(inputs: dict[str, Any]) -> int:
+    """Examples in a micro-batch: conversations when packed (counted by the collator, on the host), else rows."""
+    return inputs[SEQUENCES] if SEQUENCES in inputs else len(inputs["input_ids"])
+
+
+class PackedInputs:
+    """Trainer part: a packed batch reaches the model without the collator's bookkeeping. `num_sequences` is
+    dropped, and `attention_mask` withheld from the model (a mask switches off transformers' packed-sequence
+    detection) but kept in the batch, where the Trainer counts real tokens with it."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs.pop(SEQUENCES, None) is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        mask = inputs.pop("attention_mask")
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        inputs["attention_mask"] = mask
+        return loss
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        if inputs.pop(SEQUENCES, None) is not None:
+            inputs.pop("attention_mask", None)
+        return super().prediction_step(model, inputs, *args, **kwargs)

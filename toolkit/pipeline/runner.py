@@ -17,10 +17,17 @@ import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
-from . import checkpoints, fsdp_cpu, fsdp_loading, op_builds, tiny
-from .arguments import ConfigError, parse
-from .cost import UnknownHardware, check_device_name
-from .data import DataError, load_raw, prepare
+from ..distributed import op_builds, patches
+from ..distributed.launch import Requested, is_local_main_process
+from ..distributed.strategy import check_processes, resolve_config_paths, set_fsdp_wrap_class
+from ..errors import ToolkitError, is_main_process
+from ..metrics.cost import check_device_name
+from ..metrics.memory import HostMemoryPeak
+from ..metrics.rank_reports import LoadRecord
+from ..metrics.wandb_run import finish_run, redact_argv
+from . import checkpoints, tiny
+from .arguments import global_batch_size, parse
+from .data import load_raw, prepare
 from .models import (
     ParameterCounts,
     add_lora,
@@ -32,21 +39,8 @@ from .models import (
     save_merged,
 )
 from .packing import use_packing
-from .sources import SourceUnavailable
-from .stopping import BUDGET_SPENT, DIVERGED, PREEMPTED, BudgetSpent, Diverged, Preempted
-from .strategy import Requested, StrategyMismatch, check_processes, resolve_config_paths, set_fsdp_wrap_class
-from .tracking import HostMemoryPeak
-from .trainer import OverBudget, RecipeTrainer, global_batch_size
-from .wandb_run import finish_run, redact_argv
-
-USER_ERRORS = (
-    ConfigError,
-    SourceUnavailable,
-    DataError,
-    StrategyMismatch,
-    UnknownHardware,
-    OverBudget,
-)
+from .stopping import Stopped
+from .trainer import RecipeTrainer
 
 
 def accuracy(eval_pred) -> dict[str, float]:
@@ -65,14 +59,13 @@ class RunResult:
 
 
 def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
-    """Run a recipe; returns the trainer and the final metrics. Raises the USER_ERRORS on bad input, and
-    Preempted when a signal stopped training (its checkpoint written)."""
+    """Run a recipe; returns the trainer and the final metrics. Raises a ToolkitError on bad input, and a
+    Stopped when training stopped early (preempted, diverged, out of budget; its checkpoints intact)."""
     name = name or Path(sys.argv[0]).stem
     resolve_config_paths()
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    if is_local_main_process():
         op_builds.clear_stale_locks()  # before DeepSpeed builds its first op (shm comm, at process-group set-up)
-    fsdp_cpu.enable()  # an FSDP launch on a machine without GPUs really shards (see the module)
-    fsdp_loading.enable()  # RAM-efficient FSDP loading frees rank 0's full weights as it sends them
+    patches.apply()  # before the Trainer builds its accelerator (distributed/patches)
     args = parse(recipe, name, argv, tiny_defaults=tiny_layer)
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
@@ -83,9 +76,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     if resume:
-        requested = Requested.from_env()
-        engine = "DEEPSPEED" if requested.deepspeed else "FSDP" if requested.fsdp else "replicated"
-        note = checkpoints.check_resumable(resume, engine, training.world_size, global_batch_size(training),
+        note = checkpoints.check_resumable(resume, Requested.from_env().engine, training.world_size,
+                                           global_batch_size(training),
                                            training.gradient_accumulation_steps)  # fmt: skip
         resume_note = f"{resume_note} ({note})" if note else resume_note
     set_seed(training.seed)
@@ -95,10 +87,10 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
-    load_memory = HostMemoryPeak() if args.run.record_rank_reports else None  # stopped at the first step
+    load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
-    loaded_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
-    loaded_host = load_memory.current() if load_memory else None  # what from_pretrained alone took
+    load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
+    load.host = load.memory.current() if load.memory else None  # what from_pretrained alone took
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
@@ -119,45 +111,13 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         compute_metrics=accuracy if args.data.task == "classification" else None,
         arguments=args,
         param_counts=counts,
-        loaded_param_bytes=loaded_bytes,
-        load_memory=load_memory,
-        loaded_host=loaded_host,
+        load=load,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)
     try:
         result = trainer.train(resume_from_checkpoint=resume)
-        stop = trainer.safe_stop
-        if stop.diverged_at is not None:
-            kept = [c for c in checkpoints.complete_checkpoints(training.output_dir)
-                    if int(c.name.split("-")[1]) < stop.diverged_at]  # fmt: skip
-            message = (
-                f"the loss is not finite at step {stop.diverged_at} (learning rate {training.learning_rate:.3g}); "
-                f"training stopped without saving over the earlier checkpoints (newest: "
-                f"{kept[-1] if kept else 'none'}). Likely causes: a learning rate too high (lower --learning_rate, "
-                "add --warmup_steps), fp16 overflow (use --bf16 true instead of --fp16), or a batch without a "
-                "single label token."
-            )
-            trainer.health.warn("nonfinite", f"loss not finite at step {stop.diverged_at}: run stopped")
-            trainer.end_of_run("diverged", {})
-            finish_run()
-            raise Diverged(message)
-        if stop.preempted_at is not None:
-            if trainer.is_world_process_zero():
-                print(f"preempted at step {stop.preempted_at}: {training.output_dir}/checkpoint-"
-                      f"{stop.preempted_at} written; continue with --resume auto", flush=True)  # fmt: skip
-            trainer.end_of_run("preempted", {})
-            finish_run()
-            raise Preempted(stop.preempted_at)
-        if stop.budget_at is not None:
-            trainer.end_of_run("budget", {})
-            finish_run()
-            raise BudgetSpent(
-                f"budget reached: ${trainer.tracker.usd():.4g} spent of --budget_usd {args.run.budget_usd:g} "
-                f"(the next step would pass it); stopped after step {stop.budget_at} of {trainer.state.max_steps} "
-                f"with {training.output_dir}/checkpoint-{stop.budget_at} written. To finish, raise --budget_usd and "
-                "add --resume auto: the cost so far is carried over."
-            )
+        trainer.raise_if_stopped()
         metrics = finish(trainer, args, data, result)
     finally:
         trainer.safe_stop.uninstall()
@@ -184,22 +144,18 @@ def finish(trainer: RecipeTrainer, args, data, result) -> dict[str, float]:
 
 
 def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:
-    """Entry point of a recipe script: clear one-paragraph errors for bad input, clean distributed exit."""
+    """Entry point of a recipe script: one line for bad input or an early stop, its exit code, a clean
+    distributed exit."""
     code, distributed = 0, False
     try:
         train(recipe, argv, name)
-    except USER_ERRORS as e:
+    except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
-    except Preempted:
-        code = PREEMPTED
-    except Diverged as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = DIVERGED
-    except BudgetSpent as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"stopped: {e}", file=sys.stderr, flush=True)
-        code = BUDGET_SPENT
+        code = e.exit_code
+    except Stopped as e:
+        if e.label and (is_main_process() or not e.main_only):
+            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process

@@ -1,4 +1,5 @@
-"""Where a model or data set comes from: a local path, a file shipped inside an installed package, or the Hub.
+"""Where a model or data set comes from: a local path, a file shipped inside an installed package, or the Hub;
+and, offline, the copies of the recipes' models' `config.json` and their data sets' sizes kept in the repo.
 
 The Hub check runs before anything is downloaded, so an offline machine fails in about a second with the ways
 forward, instead of after half a minute of retries.
@@ -7,14 +8,18 @@ forward, instead of after half a minute of retries.
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..errors import ConfigError, ToolkitError
+
 PACKAGE_PREFIX = "package:"
+HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
 
 
-class SourceUnavailable(RuntimeError):
+class SourceUnavailable(ToolkitError, RuntimeError):
     """A model or data set that cannot be reached from this machine."""
 
 
@@ -94,3 +99,58 @@ def check_hub_dataset(name: str) -> None:
         "Ways forward: --dataset_name /path/to/file.jsonl (json, jsonl, csv or parquet, or a folder of class "
         "subfolders), --tiny, or HF_HUB_OFFLINE=1 if the data set is already in the local datasets cache."
     )
+
+
+# ------------------------------------------------------------------------------ configs without weights
+
+
+def hub_config_path(model_name: str) -> Path:
+    return HUB_CONFIGS / (model_name.replace("/", "--") + ".json")
+
+
+def stored_config(model_name: str):
+    """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
+    from transformers import AutoConfig
+
+    local = Path(resolve(model_name)) / "config.json"
+    if local.is_file():
+        return AutoConfig.from_pretrained(local.parent)
+    path = hub_config_path(model_name)
+    if not path.is_file():
+        known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*--*.json"))
+        raise ConfigError(
+            f"No stored config for '{model_name}' in {HUB_CONFIGS}; tiny mode knows {known}. "
+            "Add the model's config.json there (named <org>--<name>.json) to use --tiny with it."
+        )
+    values = json.loads(path.read_text())
+    values.pop("_source", None)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def model_config(name: str):
+    """A model's config without its weights: a local folder's, the copy stored in the repo, or the Hub's."""
+    from transformers import AutoConfig
+
+    from ..project import recipe_names
+
+    try:
+        return stored_config(name)
+    except ConfigError:
+        pass
+    try:
+        check_hub_model(name)  # seconds, not the download client's retries, when the Hub is out of reach
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, SourceUnavailable) as error:
+        raise ConfigError(
+            f"'{name}' is not a recipe ({', '.join(recipe_names())}), a folder with a config.json, or a model whose "
+            f"config could be fetched from the Hub ({type(error).__name__}). Offline, put its config.json in "
+            f"{HUB_CONFIGS} as <org>--<name>.json."
+        ) from None
+
+
+def stored_split_size(values: dict) -> int | None:
+    """Rows in a recipe's training split, from hub_configs/datasets.json (public card figures)."""
+    sizes = json.loads((HUB_CONFIGS / "datasets.json").read_text())
+    name = values.get("dataset_name", "")
+    key = f"{name}:{values['dataset_config']}" if values.get("dataset_config") else name
+    return sizes.get(key, {}).get(values.get("train_split", "train"))

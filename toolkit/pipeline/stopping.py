@@ -14,7 +14,8 @@ checkpoint is written, and the process exits with BUDGET_SPENT (4); raising the 
 continue the run, its cost so far carried over.
 
 Ranks see a signal, a NaN or the budget at different times, so at each step end they agree with one all-reduce
-of three CPU integers over a gloo group: host-side only, no device sync.
+of three CPU integers over a gloo group: host-side only, no device sync. After training, `SafeStop.outcome` turns
+what stopped the run into its exception (`Stopped`, with the exit code); the recipe runner prints and exits.
 """
 
 from __future__ import annotations
@@ -33,22 +34,38 @@ BUDGET_SPENT = 4
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Preempted(Exception):
-    """Training stopped on a signal after writing a checkpoint; the process should exit with PREEMPTED."""
+class Stopped(Exception):
+    """Training stopped early, its checkpoints intact. `status` goes into the run summary; the message, if any,
+    is printed as `label: message` (by rank 0 alone where `main_only`); the process exits with `exit_code`."""
+
+    status = "stopped"
+    exit_code = 1
+    label: str | None = None
+    main_only = False
 
 
-class Diverged(Exception):
-    """The loss became NaN or infinite; the process should exit with DIVERGED."""
+class Preempted(Stopped):
+    """Training stopped on a signal after writing a checkpoint."""
+
+    status, exit_code = "preempted", PREEMPTED
 
 
-class BudgetSpent(Exception):
-    """Training stopped, with a checkpoint, before passing --budget_usd; the process exits with BUDGET_SPENT."""
+class Diverged(Stopped):
+    """The loss became NaN or infinite."""
+
+    status, exit_code, label = "diverged", DIVERGED, "error"
+
+
+class BudgetSpent(Stopped):
+    """Training stopped, with a checkpoint, before passing --budget_usd."""
+
+    status, exit_code, label, main_only = "budget", BUDGET_SPENT, "stopped", True
 
 
 class SafeStop(TrainerCallback):
     def __init__(self, over_budget: Callable[[object], bool] = lambda state: False) -> None:
         self.received: int = 0  # the signal number, 0 for none
-        self.nonfinite_at: int = 0  # the step whose loss was not finite (set by RecipeTrainer), 0 for none
+        self.nonfinite_at: int = 0  # the step whose loss was not finite (set by FiniteLossCheck), 0 for none
         self.over_budget = over_budget  # called with the TrainerState at each step end
         self.preempted_at: int | None = None
         self.diverged_at: int | None = None
@@ -94,7 +111,48 @@ class SafeStop(TrainerCallback):
             control.should_training_stop = True
         return control
 
+    def outcome(self, trainer) -> Stopped | None:
+        """After `trainer.train()`: what stopped the run, as its exception, or None for a run that completed."""
+        args = trainer.args
+        if self.diverged_at is not None:
+            from .checkpoints import complete_checkpoints
+
+            kept = [c for c in complete_checkpoints(args.output_dir) if int(c.name.split("-")[1]) < self.diverged_at]
+            trainer.health.warn("nonfinite", f"loss not finite at step {self.diverged_at}: run stopped")
+            return Diverged(
+                f"the loss is not finite at step {self.diverged_at} (learning rate {args.learning_rate:.3g}); "
+                f"training stopped without saving over the earlier checkpoints (newest: "
+                f"{kept[-1] if kept else 'none'}). Likely causes: a learning rate too high (lower --learning_rate, "
+                "add --warmup_steps), fp16 overflow (use --bf16 true instead of --fp16), or a batch without a "
+                "single label token."
+            )
+        if self.preempted_at is not None:
+            if trainer.is_world_process_zero():
+                print(f"preempted at step {self.preempted_at}: {args.output_dir}/checkpoint-{self.preempted_at} "
+                      "written; continue with --resume auto", flush=True)  # fmt: skip
+            return Preempted(self.preempted_at)
+        if self.budget_at is not None:
+            return BudgetSpent(
+                f"budget reached: ${trainer.tracker.usd():.4g} spent of --budget_usd "
+                f"{trainer.recipe.run.budget_usd:g} (the next step would pass it); stopped after step "
+                f"{self.budget_at} of {trainer.state.max_steps} with {args.output_dir}/checkpoint-{self.budget_at} "
+                "written. To finish, raise --budget_usd and add --resume auto: the cost so far is carried over."
+            )
+        return None
+
     def uninstall(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+
+class FiniteLossCheck:
+    """Trainer part: a non-finite loss marks its step for SafeStop (`self.safe_stop`). One host read per micro-batch,
+    the one the Trainer's own NaN filter would make; that filter is off (toolkit_defaults), since it hides a NaN
+    loss behind the running mean and trains on."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self.safe_stop.nonfinite_at and not torch.isfinite(loss).item():
+            self.safe_stop.nonfinite_at = self.state.global_step + 1
+        return loss

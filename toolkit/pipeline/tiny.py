@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-from .arguments import ConfigError
-from .sources import resolve
-
-HUB_CONFIGS = Path(__file__).parent / "hub_configs"
+from .sources import stored_config
+from .tasks import model_class
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -68,27 +66,6 @@ BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 def cache_dir() -> Path:
     root = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "finetune-recipes"))
     return root / "tiny"
-
-
-def hub_config_path(model_name: str) -> Path:
-    return HUB_CONFIGS / (model_name.replace("/", "--") + ".json")
-
-
-def stored_config(model_name: str) -> PretrainedConfig:
-    """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
-    local = Path(resolve(model_name)) / "config.json"
-    if local.is_file():
-        return AutoConfig.from_pretrained(local.parent)
-    path = hub_config_path(model_name)
-    if not path.is_file():
-        known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*.json"))
-        raise ConfigError(
-            f"No stored config for '{model_name}' in {HUB_CONFIGS}; tiny mode knows {known}. "
-            "Add the model's config.json there (named <org>--<name>.json) to use --tiny with it."
-        )
-    values = json.loads(path.read_text())
-    values.pop("_source", None)
-    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
@@ -232,8 +209,6 @@ def train_tokenizer(encoder: bool, texts: list[str], vocab_size: int = 512) -> P
 
 def tiny_checkpoint(model_name: str, task: str) -> Path:
     """A save_pretrained folder (config, random weights, tokenizer) of the recipe's architecture at toy size."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     tokenizer = tiny_tokenizer(model_name, task)
     data = write_tiny_dataset(task)
     path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}"  # data.stem: task-hash
@@ -244,9 +219,8 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
         labels = sorted({str(r["label"]) for r in classification_rows()})
         config.num_labels, config.id2label = len(labels), dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
-    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     torch.manual_seed(0)
-    model = cls.from_config(config)
+    model = model_class(task).from_config(config)
     _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return path
 

@@ -21,10 +21,10 @@ does the same.
 
 from __future__ import annotations
 
-import accelerate.utils.fsdp_utils as fsdp_utils
 import torch
 
-from .strategy import env_flag
+from ..launch import env_flag
+from .gate import Patch, Target
 
 
 def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu_offload: bool = False):
@@ -47,7 +47,28 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
     return model
 
 
-def enable() -> None:
-    """Call before the Trainer prepares the model. A no-op unless an FSDP launch asked for RAM-efficient loading."""
-    if env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"):
-        fsdp_utils.fsdp2_load_full_state_dict = load_full_state_dict
+def needed() -> bool:
+    return env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def install() -> None:
+    """Before the Trainer prepares the model: accelerate's fsdp2_prepare_model calls this function by name."""
+    import accelerate.utils.fsdp_utils as fsdp_utils
+
+    fsdp_utils.fsdp2_load_full_state_dict = load_full_state_dict
+
+
+PATCH = Patch(
+    name="fsdp_loading",
+    library="accelerate",
+    versions=("1.15", "1.16"),
+    targets=(
+        Target("accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
+               ("accelerator", "model", "full_sd", "cpu_offload")),
+        Target("accelerate.utils.fsdp_utils:fsdp2_prepare_model"),  # the caller, which looks the name up
+    ),
+    needed=needed,
+    install=install,
+    without="RAM-efficient loading holds up to three copies of the model in host RAM across 2 ranks, not one",
+    delete_when="accelerate scatters each tensor once and frees rank 0's full state dict as it goes",
+)  # fmt: skip

@@ -1,0 +1,57 @@
+"""What the launch asked for, read from the environment `accelerate launch` and torchrun give the script.
+
+- WORLD_SIZE: set by torchrun (accelerate's multi-GPU and DeepSpeed launchers use it) to the processes started.
+- MASTER_ADDR without WORLD_SIZE: accelerate's simple launcher sets MASTER_ADDR only when more than one
+  process or machine was asked for, yet starts a single process (`prepare_simple_launcher_cmd_env`).
+- ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED: set from the config's distributed_type; FSDP_* and
+  ACCELERATE_DEEPSPEED_* carry the config's settings.
+- LOCAL_WORLD_SIZE, LOCAL_RANK: the processes on this node, and this one's index among them (torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@dataclass
+class Requested:
+    num_processes: int | None  # None: not known from the environment
+    fsdp: bool
+    deepspeed: bool
+    collapsed_launch: bool  # accelerate's simple launcher was asked for several processes
+
+    @classmethod
+    def from_env(cls) -> Requested:
+        world = os.environ.get("WORLD_SIZE")
+        under_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+        return cls(
+            num_processes=int(world) if world else None,
+            fsdp=env_flag("ACCELERATE_USE_FSDP"),
+            deepspeed=env_flag("ACCELERATE_USE_DEEPSPEED"),
+            collapsed_launch=under_accelerate and world is None and "MASTER_ADDR" in os.environ,
+        )
+
+    @property
+    def engine(self) -> str:
+        """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
+        return "DEEPSPEED" if self.deepspeed else "FSDP" if self.fsdp else "replicated"
+
+
+def num_machines(num_processes: int) -> int:
+    """Nodes in the job: torchrun sets LOCAL_WORLD_SIZE to the processes on this node."""
+    return max(1, num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes)))
+
+
+def is_local_main_process() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0"

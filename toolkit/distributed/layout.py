@@ -1,0 +1,129 @@
+"""What a strategy does to memory, read from a strategy file or from a running job: one reader for both.
+
+`Layout.from_file` reads `accelerate_configs/*.yaml` (and the DeepSpeed JSON it names) for the planner;
+`Layout.from_accelerator` reads what accelerate set up in a launched job (the script never sees the file) for
+the run header, the run's own plan and its reports. Both end in the same two constructors, `zero` and `fsdp`,
+so a setting means the same thing whichever way it was read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..project import project_path
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which states are split over how many ranks, what is offloaded; `sharding` says it in words."""
+
+    name: str
+    engine: str  # "torch" (single, DDP, FSDP) or "deepspeed"
+    shard_params: bool = False  # weights split at rest (FSDP, ZeRO-3)
+    shard_grads: bool = False
+    shard_optimizer: bool = False
+    gathered_through_backward: bool = False  # FSDP SHARD_GRAD_OP: a gathered layer stays until its backward
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    hybrid: bool = False  # shard inside a node, replicate across nodes
+    ddp: bool = False
+    ram_efficient_loading: bool = False  # FSDP: only rank 0 reads the checkpoint, the others receive it
+    sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
+
+    # ------------------------------------------------------------------------------------- constructors
+    @classmethod
+    def zero(cls, name: str, zero: dict) -> Layout:
+        """A DeepSpeed ZeRO layout from the `zero_optimization` section of its config."""
+        stage = zero.get("stage", 0)
+        devices = {k: (zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        offload = {k: device not in ("none", None) for k, device in devices.items()}
+        sharding = f"ZeRO-{stage}" + "".join(f" {k}={devices[k]}" for k in devices if offload[k])
+        return cls(name, "deepspeed", shard_params=stage >= 3, shard_grads=stage >= 2, shard_optimizer=stage >= 1,
+                   offload_params=offload["offload_param"], offload_optimizer=offload["offload_optimizer"],
+                   sharding=sharding)  # fmt: skip
+
+    @classmethod
+    def fsdp(cls, name: str, version: int, mode: str, offload: bool, ram_efficient: bool,
+             mesh: tuple[int, int] | None = None) -> Layout:  # fmt: skip
+        """An FSDP layout. `mode`: FULL_SHARD or SHARD_GRAD_OP (FSDP2's reshard_after_forward true / false);
+        `mesh`: (replicas, shards) of a HYBRID_SHARD job, (0, 0) where the sizes are set at launch."""
+        sharding = f"FSDP{version} {mode}"
+        if mesh is not None:
+            sharding = f"FSDP{version} HYBRID_SHARD" + (f" ({mesh[0]} replicas x {mesh[1]} shards)" if mesh[0] else "")
+        return cls(name, "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
+                   gathered_through_backward=mode == "SHARD_GRAD_OP", offload_params=offload,
+                   offload_optimizer=offload, hybrid=mesh is not None, ram_efficient_loading=ram_efficient,
+                   sharding=sharding + (" offload_params=cpu" if offload else ""))  # fmt: skip
+
+    @classmethod
+    def replicated(cls, name: str, processes: int) -> Layout:
+        ddp = processes > 1
+        return cls(name, "torch", ddp=ddp, sharding="none (replicated, DDP)" if ddp else "none (single process)")
+
+    # ------------------------------------------------------------------------------------------ readers
+    @classmethod
+    def from_file(cls, path: str | Path) -> Layout:
+        """The layout an accelerate config file asks for."""
+        path = Path(path)
+        config = yaml.safe_load(path.read_text())
+        kind = config["distributed_type"]
+        if kind == "DEEPSPEED":
+            ds_file = project_path(config["deepspeed_config"]["deepspeed_config_file"])
+            return cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {}))
+        if kind == "FSDP":
+            fsdp = config.get("fsdp_config", {})
+            version = fsdp.get("fsdp_version", 1)
+            if version == 2:
+                keep = fsdp.get("fsdp_reshard_after_forward", True) is False
+            else:
+                keep = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper() == "SHARD_GRAD_OP"
+            mesh = config.get("parallelism_config")
+            sizes = None if mesh is None else (mesh.get("parallelism_config_dp_replicate_size", 0),
+                                               mesh.get("parallelism_config_dp_shard_size", 0))  # fmt: skip
+            return cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
+                            bool(fsdp.get("fsdp_offload_params", False)),
+                            bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
+        return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
+
+    @classmethod
+    def from_accelerator(cls, accelerator) -> Layout:
+        """The layout of a running job, from what accelerate set up."""
+        from accelerate.utils import DistributedType
+
+        kind, state = accelerator.distributed_type, accelerator.state
+        if kind == DistributedType.DEEPSPEED:
+            return cls.zero("deepspeed", state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
+        if kind == DistributedType.FSDP:
+            plugin = state.fsdp_plugin
+            if plugin.fsdp_version == 2:  # FSDP2 expresses FULL_SHARD / SHARD_GRAD_OP as reshard_after_forward
+                mode = "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
+            else:
+                mode = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
+            offload = plugin.cpu_offload  # FSDP1: CPUOffload(offload_params); FSDP2: an OffloadPolicy subclass
+            offloaded = getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy"
+            mesh = accelerator.parallelism_config
+            hybrid = mesh is not None and mesh.dp_replicate_enabled and mesh.dp_shard_enabled  # FSDP2's HSDP
+            return cls.fsdp("fsdp", plugin.fsdp_version, mode, bool(offloaded),
+                            bool(plugin.cpu_ram_efficient_loading),
+                            (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
+        return cls.replicated(kind.value.lower(), accelerator.num_processes)
+
+
+def describe(accelerator, layout: Layout | None = None) -> dict[str, str | int]:
+    """The strategy in effect, as printed in the run header and logged to W&B."""
+    from .launch import num_machines
+
+    layout = layout or Layout.from_accelerator(accelerator)
+    return {
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "num_machines": num_machines(accelerator.num_processes),
+        "device": str(accelerator.device.type),
+        "mixed_precision": accelerator.mixed_precision,
+        "sharding": layout.sharding,
+        "backend": str(accelerator.state.backend) if accelerator.state.backend else "none",
+    }

@@ -1,0 +1,51 @@
+"""Every change the toolkit makes to another library's code, and every private API it builds on, in one place.
+
+PATCHES replace a function of accelerate while a launch needs it: `fsdp_cpu` (FSDP really shards on a machine
+without GPUs) and `fsdp_loading` (RAM-efficient FSDP loading holds one copy of the model). Each is gated on the
+accelerate versions it was tested with and on the signatures of what it touches (gate.py): outside them it
+warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private `transformers.Trainer` methods
+the trainer's parts override (pipeline/trainer.py) and the other private names the toolkit reads: a changed
+signature is warned about at start-up. tests/test_patches.py fails the day an installed version leaves a
+window, so upgrading accelerate or transformers is a conscious step: re-test, then widen the window or delete
+the patch.
+"""
+
+from __future__ import annotations
+
+from .fsdp_cpu import PATCH as FSDP_CPU
+from .fsdp_loading import PATCH as FSDP_LOADING
+from .gate import Patch, Reliance, Target, warn_once
+
+PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP_LOADING)
+
+PRIVATE_TRANSFORMERS = Reliance(
+    name="the toolkit's uses of private transformers API",
+    library="transformers",
+    versions=("5.23", "5.24"),
+    targets=(
+        Target("transformers:Trainer._get_output_dir", ("self", "trial")),  # checkpoints.StagedCheckpoints
+        Target("transformers:Trainer._save_checkpoint", ("self", "model", "trial")),
+        Target("transformers:Trainer._save", ("self", "output_dir", "state_dict")),
+        Target("transformers.trainer_utils:rotate_checkpoints",
+               ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix")),
+        Target("transformers:Trainer._get_train_sampler", ("self", "train_dataset")),  # length_grouping
+        Target("transformers:Trainer._run_epoch",
+               ("self", "model", "epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch", "trial",
+                "ignore_keys_for_eval", "start_time", "resume_from_checkpoint", "epochs_trained",
+                "steps_trained_in_current_epoch")),
+        Target("transformers:Trainer.get_batch_samples", ("self", "epoch_iterator", "num_batches", "device")),
+        Target("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref"),  # planner.shape
+        Target("transformers:AutoModelForCausalLM._model_mapping"),  # packing.supports_packing
+    ),
+)  # fmt: skip
+
+
+def apply() -> list[str]:
+    """Install the patches this launch needs (before the Trainer builds its accelerator); the names installed.
+    A changed private transformers API the toolkit builds on is one warning line."""
+    problem = PRIVATE_TRANSFORMERS.changed()  # a newer version alone is the test's concern, not every run's
+    if problem:
+        low, high = PRIVATE_TRANSFORMERS.versions
+        warn_once(PRIVATE_TRANSFORMERS.name, f"{problem}: the toolkit builds on it, expect errors. Install "
+                  f"transformers>={low},<{high}, or report it.")  # fmt: skip
+    return [patch.name for patch in PATCHES if patch.apply()]

@@ -1,0 +1,175 @@
+"""A run's own plan, made when its trainer is set up: the memory each device will hold, what the whole run will
+cost, the budget check, and the header printed before the first step.
+
+The figures come from the same formulas as `python -m toolkit plan` (planner/), applied to the strategy
+accelerate really set up (distributed/layout.py) and the data really loaded, not to a config file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..distributed.layout import Layout, describe
+from ..errors import ConfigError, ToolkitError
+from ..metrics.cost import Budget, CostModel, peak_tflops
+from ..metrics.memory import human_bytes
+from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
+from ..planner.memory import Memory, plan_memory
+from ..planner.shape import Shape, meta_model
+from .arguments import Arguments, global_batch_size
+
+
+class OverBudget(ToolkitError, ValueError):
+    """The run's planned cost is above --budget_usd: refused before training."""
+
+
+def precision_of(model: torch.nn.Module, training) -> str:
+    """The arithmetic the matmuls run in, for the datasheet peak: fp32, bf16 or fp16."""
+    dtype = next(model.parameters()).dtype
+    if training.fp16 or dtype == torch.float16:
+        return "fp16"
+    return "bf16" if training.bf16 or dtype == torch.bfloat16 else "fp32"
+
+
+def planned_steps(training, train_rows: int) -> int:
+    """Optimizer steps the Trainer will take (as it counts them: last micro-batches kept)."""
+    if training.max_steps > 0:
+        return training.max_steps
+    batches = math.ceil(train_rows / (training.per_device_train_batch_size * training.world_size))
+    return math.ceil(math.ceil(batches / training.gradient_accumulation_steps) * training.num_train_epochs)
+
+
+@dataclass
+class RunPlan:
+    recipe: Arguments
+    strategy: dict[str, Any]  # as describe() gives it
+    layout: Layout
+    cost: CostModel
+    shape: Shape
+    peak_flops: float | None  # per device, FLOP/s; None: no datasheet peak (CPU without --peak_tflops)
+    memory: Memory
+    cost_plan: dict[str, float] | None  # None without a peak or a price
+    budget: Budget | None
+
+    @classmethod
+    def of(cls, trainer, arguments: Arguments) -> RunPlan:
+        """Plan the run `trainer` (its accelerator set up) is about to train; refuses a plan over the budget."""
+        accelerator, run = trainer.accelerator, arguments.run
+        layout = Layout.from_accelerator(accelerator)
+        strategy = describe(accelerator, layout)
+        cost = CostModel.for_job(accelerator.num_processes, strategy["num_machines"], device=run.gpu_type,
+                                 hourly_usd=run.hourly_usd, pricing=run.pricing,
+                                 overhead=run.cost_overhead)  # fmt: skip
+        model = trainer.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        shape = Shape.of(meta_model(base.config, arguments.data.task, arguments.model.lora_settings()), base.config)
+        peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
+        dtype = next(model.parameters()).dtype
+        work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
+        per_node = accelerator.num_processes // strategy["num_machines"]
+        memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
+        plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
+        plan.cost_plan = plan.plan_cost(trainer.args, [len(row) for row in trainer.train_dataset["input_ids"]])
+        plan.budget = plan.check_budget()
+        return plan
+
+    def flops_per_token(self, seq_length: float) -> float:
+        return training_flops_per_token(self.shape, seq_length)
+
+    def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
+        """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the
+        strategy's assumed MFU x devices x peak). None without a datasheet peak (CPU: pass --peak_tflops)."""
+        if not self.peak_flops or self.cost.usd_per_unit_hour is None:
+            return None
+        mean_length = sum(lengths) / len(lengths)
+        steps = planned_steps(training, len(lengths))
+        tokens = steps * global_batch_size(training) * mean_length
+        mfu = assumed_mfu(self.layout)
+        devices = self.strategy["num_processes"]
+        seconds = tokens * self.flops_per_token(mean_length) / (mfu * devices * self.peak_flops)
+        usd = self.cost.usd(seconds)
+        return {"steps": steps, "tokens": tokens, "mfu": mfu, "seconds": seconds, "usd": usd, "step_usd": usd / steps}
+
+    def check_budget(self) -> Budget | None:
+        """--budget_usd: refused at once when one step, or (unless --force_budget) the whole plan, costs more."""
+        run, plan = self.recipe.run, self.cost_plan
+        if run.budget_usd is None:
+            return None
+        if self.cost.usd_per_unit_hour is None:
+            raise ConfigError(f"--budget_usd needs a price: '{self.cost.device}' is not in the price table "
+                              "(toolkit/metrics/hardware.yaml); pass --hourly_usd.")  # fmt: skip
+        if plan and plan["step_usd"] > run.budget_usd:
+            raise OverBudget(f"--budget_usd {run.budget_usd:g} is below the cost of one optimizer step "
+                             f"(${plan['step_usd']:.3g} planned on {self.cost.device}): raise the budget, or lower "
+                             "the batch size.")  # fmt: skip
+        if plan and plan["usd"] > run.budget_usd and not run.force_budget:
+            raise OverBudget(
+                f"the planned cost of this run, ${plan['usd']:.3g} for {plan['steps']} steps at an assumed "
+                f"{100 * plan['mfu']:.0f}% MFU on {self.cost.device}, is above --budget_usd {run.budget_usd:g}: raise "
+                "the budget, lower --max_steps or --num_train_epochs, or pass --force_budget true to train until the "
+                "budget is spent (it stops with a checkpoint)."
+            )
+        return Budget(run.budget_usd)
+
+    def header(self, training, counts, base_learning_rate: float) -> str:
+        """The lines printed before the first step: what is really in effect, and the plan."""
+        s, recipe, cost, plan = self.strategy, self.recipe, self.cost, self.cost_plan
+        lr = f"{training.learning_rate:.3g}"
+        if recipe.run.lr_reference_batch_size:
+            lr += f" (scaled from {base_learning_rate:.3g} at batch {recipe.run.lr_reference_batch_size})"
+        price = "unknown (pass --hourly_usd)"
+        if cost.usd_per_unit_hour is not None:
+            overhead = f", overhead x{cost.overhead:g}" if cost.overhead != 1 else ""
+            price = f"${cost.usd_per_unit_hour}/{cost.unit}-hour x {cost.units} ({cost.pricing}{overhead})"
+        budget = f", budget ${recipe.run.budget_usd:g}" if recipe.run.budget_usd else ""
+        if plan:
+            planned = (f"${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h at an assumed "
+                       f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
+        else:
+            planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
+        lines = [
+            f"recipe        {recipe.recipe_name}",
+            f"model         {recipe.model.model_name_or_path}" + ("  [tiny, random init]" if recipe.run.tiny else ""),
+            f"parameters    {counts.total:,} total, {counts.trainable:,} trainable "
+            f"({100 * counts.trainable / max(counts.total, 1):.2f}%)",
+            f"strategy      {s['distributed_type']}, {s['num_processes']} process(es) on {s['num_machines']} "
+            f"machine(s), {s['device']}, backend {s['backend']}",
+            f"sharding      {s['sharding']}",
+            f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}",
+            f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
+            f"accumulation x {s['num_processes']} processes = {global_batch_size(training)} global",
+            f"learning rate {lr}",
+            f"memory plan   {human_bytes(self.memory.device_total)} per device predicted: "
+            + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.device.items() if v),
+            f"pricing       {cost.device}: {price}{budget}",
+            f"cost plan     {planned}",
+        ]
+        rule = "-" * 78
+        return "\n".join([rule, *lines, rule])
+
+    def summary(self) -> dict[str, Any]:
+        """The plan as logged with the run's config (W&B, run_summary.json)."""
+        cost = self.cost
+        return {
+            "memory_plan": {
+                "device": self.memory.device,
+                "host_per_node": self.memory.host_per_node,
+                "device_total": self.memory.device_total,
+            },
+            "cost_plan": self.cost_plan,
+            "pricing": {
+                "device": cost.device,
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "usd_per_unit_hour": cost.usd_per_unit_hour,
+                "unit": cost.unit,
+                "units": cost.units,
+                "pricing": cost.pricing,
+                "overhead": cost.overhead,
+                "peak_tflops_per_device": self.peak_flops / 1e12 if self.peak_flops else None,
+                "budget_usd": self.recipe.run.budget_usd,
+            },
+        }

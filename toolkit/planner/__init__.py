@@ -1,0 +1,44 @@
+"""The planner: parameters, per-device memory, a fit verdict, time and cost, before anything is launched.
+
+Everything is computed from a meta-device model (no weights, no Hub call for the recipes' models) and from the
+strategy files themselves (`accelerate_configs/*.yaml` and the DeepSpeed JSON they name):
+  shape.py     parameter accounting of the model (meta device)
+  memory.py    bytes per device and per node, by component, for a shape x layout x workload
+  estimate.py  which strategies fit with which micro-batch; FLOPs, time and cost at an assumed MFU
+  cli.py       `python -m toolkit plan`
+The layout of a strategy comes from distributed/layout.py, the reader the running job uses too.
+"""
+
+from ..distributed.layout import Layout
+from .estimate import (
+    ASSUMED_MFU,
+    assumed_mfu,
+    cost_from_throughput,
+    not_fitting_warning,
+    samples_per_second_at_mfu,
+    training_flops_per_token,
+    verdicts,
+    workload_for,
+)
+from .memory import Memory, Workload, activation_bytes, layer_activation_bytes, logits_bytes, plan_memory
+from .shape import Shape, meta_model
+
+__all__ = [
+    "ASSUMED_MFU",
+    "Layout",
+    "Memory",
+    "Shape",
+    "Workload",
+    "activation_bytes",
+    "assumed_mfu",
+    "cost_from_throughput",
+    "layer_activation_bytes",
+    "logits_bytes",
+    "meta_model",
+    "not_fitting_warning",
+    "plan_memory",
+    "samples_per_second_at_mfu",
+    "training_flops_per_token",
+    "verdicts",
+    "workload_for",
+]

@@ -1,0 +1,183 @@
+"""`python -m toolkit plan MODEL`: memory, fit, time and cost of a fine-tune under every strategy file, before
+anything is launched, offline for the recipes' models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+
+from ..distributed.layout import Layout
+from ..pipeline.sources import model_config, stored_split_size
+from ..project import is_recipe, load_recipe, strategy_files
+from .estimate import (
+    ASSUMED_MFU,
+    PREFERENCE,
+    assumed_mfu,
+    cost_from_throughput,
+    samples_per_second_at_mfu,
+    training_flops_per_token,
+    verdicts,
+)
+from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
+from .shape import Shape, meta_model
+
+
+def recipe_values(model: str) -> dict:
+    """A recipe's RECIPE dict (recipes/<model>.py), or the bare minimum for a Hub id or a local folder."""
+    return load_recipe(model) if is_recipe(model) else {"model_name_or_path": model, "task": "sft"}
+
+
+def build_plan(args) -> dict:
+    from ..metrics.cost import device_spec
+    from ..pipeline.arguments import ModelArguments
+
+    values = recipe_values(args.model)
+    config = model_config(values["model_name_or_path"])
+    task = values.get("task", "sft")
+    model_fields = {f.name for f in fields(ModelArguments)}
+    lora = ModelArguments(**{k: v for k, v in values.items() if k in model_fields}).lora_settings()
+    shape = Shape.of(meta_model(config, task, lora), config)
+    low_precision = values.get("dtype") in ("bfloat16", "float16")
+    mixed = values.get("bf16") or values.get("fp16")
+    precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
+    work = Workload(
+        precision=precision,
+        optimizer=args.optimizer,
+        micro_batch=args.micro_batch or values.get("per_device_train_batch_size", 8),
+        seq_length=args.seq_length or values.get("max_seq_length", 512),
+        activation_checkpointing=values.get("activation_checkpointing", False)
+        if args.activation_checkpointing is None
+        else args.activation_checkpointing,
+        flash_attention=values.get("attn_implementation") != "eager",
+        cuda_context_gib=args.cuda_context_gib,
+    )
+    gpu = device_spec(args.gpu)
+    samples = args.samples or stored_split_size(values)
+    epochs = args.epochs or values.get("num_train_epochs", 1)
+    tokens_per_sample = args.tokens_per_sample or work.seq_length
+    results = []
+    layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
+    for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values())):
+        row = asdict(v)
+        if samples:
+            layout = layouts[v.config]
+            mfu = args.mfu or assumed_mfu(layout)
+            peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
+            rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak)
+            cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
+                                        args.overhead, gpu.get("spot"))  # fmt: skip
+            row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
+                       usd_spot=cost.usd_spot)  # fmt: skip
+        results.append(row)
+    results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
+    fitting = [r for r in results if r["micro_batch"]]  # fits with some micro-batch, in order of preference
+    return {
+        "model": values["model_name_or_path"],
+        "recipe": args.model if is_recipe(args.model) else None,
+        "parameters": {
+            "total": shape.total,
+            "trainable": shape.trainable,
+            "frozen": shape.frozen,
+            "largest_module": shape.largest_module,
+            "largest_fsdp_unit": shape.largest_unit,
+        },  # fmt: skip
+        "hardware": {
+            "gpu": args.gpu,
+            "memory_gib": gpu["memory_gb"],
+            "gpus_per_node": args.gpus,
+            "nodes": args.nodes,
+            "headroom": args.headroom,
+        },  # fmt: skip
+        "workload": asdict(work),
+        "data": {"samples": samples, "epochs": epochs, "tokens_per_sample": tokens_per_sample} if samples else None,
+        "flops_per_token": training_flops_per_token(shape, work.seq_length),
+        "configs": results,
+        "recommended": fitting[0]["config"] if fitting else None,
+        "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
+    }
+
+
+def render(plan: dict) -> str:
+    p, h, w = plan["parameters"], plan["hardware"], plan["workload"]
+    lines = [
+        f"model       {plan['model']}" + (f"  (recipe {plan['recipe']})" if plan["recipe"] else ""),
+        f"parameters  {p['total']:,} total, {p['trainable']:,} trainable, {p['frozen']:,} frozen; "
+        f"largest module {p['largest_module']:,}",
+        f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
+        f"{int(h['headroom'] * 100)}% headroom",
+        f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
+        f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
+        f"CUDA context {w['cuda_context_gib']} GiB",
+    ]
+    if plan["data"]:
+        d = plan["data"]
+        lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x {d['tokens_per_sample']:,} "
+                     f"tokens; {plan['flops_per_token']:.3g} training FLOPs per token")  # fmt: skip
+    lines.append("")
+    costed = "usd" in plan["configs"][0] if plan["configs"] else False
+    fits = f"fits@{w['micro_batch']}"
+    header = f"{'config':<20}{'GiB/GPU':>9}{'host GiB/node':>15}{'at load':>9}  {fits:<8}{'max micro-batch':>16}"
+    if costed:  # cents and hundredths of an hour only where the amounts are small
+        cents = 2 if max(r["usd"] for r in plan["configs"]) < 100 else 0
+        hour_digits = 2 if max(r["device_hours"] for r in plan["configs"]) < 10 else 1
+        header += f"{'MFU':>6}{'GPU-hours':>11}{'$ on-demand':>13}{'$ spot':>10}"
+    lines.append(header)
+    for r in plan["configs"]:
+        line = (f"{r['config']:<20}{r['device_gib']:>9.1f}{r['host_gib_per_node']:>15.1f}"
+                f"{r['host_load_gib_per_node']:>9.1f}  {'yes' if r['fits'] else 'no':<8}"
+                f"{r['micro_batch'] or '-':>16}")  # fmt: skip
+        if costed:
+            spot = f"{r['usd_spot']:>10,.{cents}f}" if r["usd_spot"] is not None else f"{'-':>10}"
+            line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.{hour_digits}f}{r['usd']:>13,.{cents}f}{spot}"
+        lines.append(line)
+    lines.append("")
+    if plan["recommended"]:
+        lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml with --per_device_train_batch_size "
+                     f"{plan['recommended_micro_batch']}")  # fmt: skip
+    else:
+        least = min(plan["configs"], key=lambda r: r["device_gib"])
+        lines.append(f"recommended: nothing fits; the least memory, {least['config']}, needs {least['device_gib']:.1f} "
+                     f"GiB per GPU at micro-batch {w['micro_batch']}. Add GPUs or nodes, shorten the sequence, "
+                     + ("" if w["activation_checkpointing"] else "turn on activation checkpointing, ")
+                     + "or train LoRA adapters.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit plan", description="Memory, fit, time and cost of a "
+                                     "fine-tune, before launching it.")  # fmt: skip
+    parser.add_argument("model", help="a recipe name (bert, llama3_fft, ...), a Hub id with a stored config, or a "
+                        "local folder")  # fmt: skip
+    parser.add_argument("--gpu", default="A100-80GB", help="GPU type from toolkit/metrics/hardware.yaml")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the recipe's")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    parser.add_argument("--micro_batch", type=int, help="per-device batch; default: the recipe's")
+    parser.add_argument("--seq_length", type=int, help="default: the recipe's max_seq_length")
+    parser.add_argument("--activation_checkpointing", type=lambda v: v.lower() in ("1", "true", "yes"))
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
+    parser.add_argument("--cuda_context_gib", type=float, default=Workload.cuda_context_gib)
+    parser.add_argument("--samples", type=int, help="training samples (default: the recipe's split, when known)")
+    parser.add_argument("--epochs", type=float, help="default: the recipe's num_train_epochs")
+    parser.add_argument("--tokens_per_sample", type=int, help="default: the sequence length (full, packed rows)")
+    parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
+    parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples", "tokens_per_sample"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be at least 1, got {value}.")
+    from ..errors import ConfigError
+    from ..metrics.cost import UnknownHardware
+
+    try:
+        plan = build_plan(args)
+    except (ConfigError, UnknownHardware) as error:
+        parser.error(str(error))
+    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    return 0

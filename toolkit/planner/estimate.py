@@ -1,0 +1,120 @@
+"""From a plan's memory to answers: which strategies fit with which micro-batch, the workload of a recipe, and
+time and cost at an assumed MFU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..distributed.layout import Layout
+from ..metrics.cost import CostModel
+from ..metrics.memory import GIB
+from ..project import strategy_files
+from .memory import Workload, plan_memory
+from .shape import Shape
+
+
+@dataclass(frozen=True)
+class Verdict:
+    config: str
+    device_gib: float
+    host_gib_per_node: float  # during training (offloaded states)
+    host_load_gib_per_node: float  # while loading the pretrained weights
+    fits: bool
+    micro_batch: int
+
+
+def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
+             headroom: float = 0.1, layouts: list[Layout] | None = None) -> list[Verdict]:  # fmt: skip
+    """Each strategy on this hardware: memory at the workload's micro-batch, and the largest micro-batch that
+    fits with `headroom` of the device memory left free."""
+    out = []
+    budget = device_gib * (1 - headroom) * GIB
+    for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
+        if layout.name == "single_gpu" and gpus_per_node * nodes > 1 or layout.ddp and gpus_per_node * nodes == 1:
+            continue  # one device is single_gpu's case, several are DDP's
+        if layout.hybrid and nodes < 2:
+            continue
+        mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
+        best = 0
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            trial = plan_memory(shape, layout, Workload(**{**asdict(work), "micro_batch": b}), gpus_per_node, nodes)
+            if trial.device_total <= budget:
+                best = b
+        out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.host_loading / GIB,
+                           mem.device_total <= budget, best))  # fmt: skip
+    return out
+
+
+def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workload:
+    """The workload of a resolved recipe (pipeline.arguments.Arguments) whose weights load as `weights_dtype`."""
+    t, d = arguments.training, arguments.data
+    if weights_dtype in (torch.bfloat16, torch.float16):
+        precision = "bf16"
+    else:
+        precision = "bf16-mixed" if t.bf16 or t.fp16 else "fp32"
+    optim = str(getattr(t.optim, "value", t.optim))
+    optimizer = "adamw_8bit" if "8bit" in optim else "sgd" if "sgd" in optim else "adamw"
+    return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
+                    seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
+                    flash_attention=arguments.model.attn_implementation != "eager",
+                    cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0)  # fmt: skip
+
+
+def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:
+    """The loud line printed before training when the plan says a device will run out of memory."""
+    if available <= 0 or predicted <= threshold * available:
+        return None
+    return (f"the memory plan predicts {predicted / GIB:.1f} GiB per device, above {threshold:.0%} of the "
+            f"{available / GIB:.1f} GiB available: expect an out-of-memory error. `python -m toolkit plan` lists the "
+            "configs and micro-batches that fit.")  # fmt: skip
+
+
+def training_flops_per_token(shape: Shape, seq_length: int) -> float:
+    """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
+    to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
+    appendix B: 6N + 12LHQT)."""
+    return 6 * shape.trainable + 4 * shape.frozen + 12 * shape.num_layers * shape.hidden_size * seq_length
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    device_hours: float
+    usd: float
+    usd_spot: float | None
+
+
+def cost_from_throughput(samples: int, epochs: float, samples_per_second: float, devices: int,
+                         usd_per_device_hour: float, overhead: float = 1.3,
+                         spot_usd_per_device_hour: float | None = None) -> CostEstimate:  # fmt: skip
+    """seconds = samples x epochs / samples per second (wall, the whole job), priced as a running job is
+    (metrics/cost.py): device-hours = hours x devices; dollars = device-hours x price x overhead (failed runs,
+    tuning, debugging)."""
+    seconds = samples * epochs / samples_per_second
+    on_demand = CostModel("planned", "GPU", devices, usd_per_device_hour, "on_demand", overhead)
+    spot = None
+    if spot_usd_per_device_hour is not None:
+        spot = replace(on_demand, usd_per_unit_hour=spot_usd_per_device_hour, pricing="spot").usd(seconds)
+    return CostEstimate(on_demand.unit_hours(seconds), on_demand.usd(seconds), spot)
+
+
+def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices: int, peak_tflops: float) -> float:
+    """MFU = achieved model FLOPs / peak: samples/s = MFU x devices x peak / (FLOPs per token x tokens per sample)."""
+    return mfu * devices * peak_tflops * 1e12 / (training_flops_per_token(shape, seq_length) * seq_length)
+
+
+# Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
+# what fits; this order only breaks ties between configs that fit.
+PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
+              "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
+# Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides): typical figures
+# for well-tuned transformer fine-tuning on A100/H100-class GPUs; offload runs are bound by host transfers.
+ASSUMED_MFU = {"replicated": 0.40, "sharded": 0.35, "offload": 0.15}
+
+
+def assumed_mfu(layout: Layout) -> float:
+    if layout.offload_optimizer or layout.offload_params:
+        return ASSUMED_MFU["offload"]
+    return ASSUMED_MFU["sharded" if layout.shard_params else "replicated"]

@@ -1,0 +1,99 @@
+"""Parameter accounting of a model from its meta-device instance: exact shapes, no memory, no download."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter accounting of a model, from its meta-device instance."""
+
+    total: int  # tied weights once
+    trainable: int
+    largest_module: int  # the largest single module's own parameters: ZeRO-3 gathers per module
+    largest_unit: int  # the largest FSDP unit: a transformer layer, or the embeddings / the output head
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    # What decides the activations kept for backward (activation_bytes):
+    intermediate_size: int = 0
+    q_size: int = 0  # queries' width: heads x head dim (the hidden size, unless head_dim says otherwise)
+    kv_size: int = 0  # keys' (and values') width: heads x head dim, fewer heads under grouped-query attention
+    gated_mlp: bool = False  # SwiGLU (gate_proj, up_proj): three intermediate-wide tensors instead of one
+    rms_norm: bool = False  # RMSNorm keeps an fp32 copy of its input and the normalized tensor
+    extra_norms: int = 0  # norms outside the layers: BERT's embedding LayerNorm, Llama's final norm
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config) -> Shape:
+        params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+        own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+        layer = max((sum(p.numel() for p in b[0].parameters()) for b in blocks), default=0)
+        embeddings = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings()
+        head_params = head.weight.numel() if head is not None else 0
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        names = [name for name, _ in model.named_modules()]
+        norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
+        return cls(
+            total=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            largest_module=max(own),
+            largest_unit=max(layer, embeddings, head_params),
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            num_heads=heads,
+            vocab_size=text.vocab_size,
+            intermediate_size=text.intermediate_size,
+            q_size=heads * head_dim,
+            kv_size=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+            gated_mlp=any(name.endswith("gate_proj") for name in names),
+            rms_norm=any("RMSNorm" in n for n in norms),
+            extra_norms=len(norms) - 2 * text.num_hidden_layers,
+            hidden_dropout=getattr(text, "hidden_dropout_prob", 0.0) or 0.0,
+            attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0))
+            or 0.0,
+            language_model=head is not None and head_params == embeddings,
+        )
+
+
+def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
+    """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
+    from ..pipeline.tasks import model_class, peft_task_type
+
+    with torch.device("meta"), outside_zero3_init():
+        model = model_class(task).from_config(config)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
+    return model
+
+
+@contextlib.contextmanager
+def outside_zero3_init():
+    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init (partitioned, with
+    collectives): not what a meta model for counting wants. Suspend that for the block."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    current = hf_deepspeed._hf_deepspeed_config_weak_ref  # the Trainer's config, held weakly by transformers
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if current is not None and current() is not None:
+            hf_deepspeed.set_hf_deepspeed_config(current())

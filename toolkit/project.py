@@ -1,0 +1,43 @@
+"""The project's own files: recipes in `recipes/`, strategy files in `accelerate_configs/` and `ds_configs/`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RECIPES = PROJECT_ROOT / "recipes"
+STRATEGIES = PROJECT_ROOT / "accelerate_configs"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.py"))
+
+
+def is_recipe(name: str) -> bool:
+    return (RECIPES / f"{name}.py").is_file()
+
+
+def strategy_files() -> list[Path]:
+    return sorted(STRATEGIES.glob("*.yaml"))
+
+
+def project_path(name: str | Path) -> Path:
+    """A path as given if it exists from here, else relative to the project (configs name each other that way)."""
+    path = Path(name)
+    return path if path.exists() else PROJECT_ROOT / path
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    """The RECIPE dict of recipes/<name>.py, imported without running it (recipes import each other)."""
+    path = RECIPES / f"{name}.py"
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))  # llama3_lora builds on llama3_fft
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    with contextlib.redirect_stdout(sys.stderr):  # importing a recipe imports the toolkit: keep --json clean
+        spec.loader.exec_module(module)
+    return module.RECIPE
