@@ -28,9 +28,9 @@ $(BIN)/activate:
 demo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/minilm_bbc.py $(ARGS)
 
+# accelerate launch, with the config checked first and a failed run ending on its own error line and exit code.
 finetune:
-	@$(BIN)/python -m toolkit check accelerate_configs/$(strip $(CONFIG)).yaml $(strip $(MODEL))
-	$(BIN)/accelerate launch --config_file accelerate_configs/$(strip $(CONFIG)).yaml \
+	$(BIN)/python -m toolkit launch --config_file accelerate_configs/$(strip $(CONFIG)).yaml \
 		$(if $(strip $(NUM_PROCESSES)),--num_processes $(strip $(NUM_PROCESSES))) \
 		recipes/$(strip $(MODEL)).py $(ARGS)
 

@@ -30,7 +30,8 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 # The mesh flags only matter to configs with a parallelism_config (fsdp_hybrid.yaml): replicate across the
 # nodes, shard over one node's processes. accelerate ignores them otherwise.
-exec accelerate launch --config_file "$config" \
+# `python -m toolkit launch` is accelerate launch ending on the failed rank's own exit code, without a traceback.
+exec python -m toolkit launch --config_file "$config" \
   --num_machines "$nodes" --num_processes $((nodes * per_node)) --machine_rank "$node" \
   --main_process_ip "$addr" --main_process_port "$port" \
   --parallelism_config_dp_replicate_size "$nodes" --parallelism_config_dp_shard_size "$per_node" \

@@ -1,16 +1,276 @@
-"""Bad input found before the tokenizer, the data or the weights load: one line naming the fix, exit 2, nothing
-written."""
+"""Bad input is one line naming the fix, exit code 2, no traceback, and nothing already trained is touched: a table
+of mistakes across recipes, flags, YAML overrides, data files, model folders, strategy files, every command, and
+1- and 2-process launches."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from bert import RECIPE as BERT
+from conftest import BIN, ROOT, free_port, run_cmd
+from llama3_fft import RECIPE as LLAMA3_FFT
+from llama3_lora import RECIPE as LLAMA3_LORA
 
-from toolkit import run
+from toolkit import run, train
 from toolkit.pipeline import tiny
+
+RECIPES = {"bert": BERT, "llama3_fft": LLAMA3_FFT, "llama3_lora": LLAMA3_LORA}
+TRAINED = ["--tiny", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
+BERT_TINY, LLAMA_TINY = "google-bert/bert-base-cased", "meta-llama/Meta-Llama-3-8B"
+
+CONVERSATION = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."}]
+
+
+def jsonl(rows: list) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def chats(bad: list) -> str:
+    """Two good conversations, then the bad one (row 2)."""
+    return jsonl([{"messages": CONVERSATION}] * 2 + [{"messages": bad}])
+
+
+FILES = {  # name -> text; written once per module into `files`
+    "empty.jsonl": "",
+    "truncated.jsonl": jsonl([{"text": "a fine film", "label": 1}]) + '{"text": "a dull fi',
+    "data.txt": "a fine film\n",
+    "sentences.jsonl": jsonl([{"sentence": "a fine film", "label": 1}] * 4),
+    "label_null.jsonl": jsonl([{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": None}]),
+    "text_null.jsonl": jsonl([{"text": "a fine film", "label": 1}, {"text": None, "label": 0}]),
+    "content_null.jsonl": chats([CONVERSATION[0], {"role": "assistant", "content": None}]),
+    "sharegpt_roles.jsonl": chats([{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]),
+    "sharegpt_keys.jsonl": chats([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]),
+    "empty_conversation.jsonl": chats([]),
+    "no_assistant.jsonl": chats([CONVERSATION[0]]),
+    "bad.yaml": "learning_rate: [1e-5\n",
+    "list.yaml": "- learning_rate\n",
+    "typo.yaml": "learning_rat: 1e-5\n",
+    "wrong_type.yaml": "learning_rate: fast\n",
+    "lora_r_0.yaml": "lora_r: 0\n",
+    "notes.txt": "not a folder\n",
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("bad-input")
+    paths = {}
+    for name, text in FILES.items():
+        (root / name).write_text(text)
+        paths[name] = str(root / name)
+    latin = root / "latin1" / "sport"  # a folder of class subfolders whose text is not utf-8
+    latin.mkdir(parents=True)
+    (latin / "001.txt").write_bytes("Caf\xe9 wins the derby".encode("latin-1"))
+    (root / "latin1" / "tech").mkdir()
+    (root / "latin1" / "tech" / "001.txt").write_text("a new phone")
+    paths["latin1"] = str(root / "latin1")
+    bert = tiny.tiny_checkpoint(BERT_TINY, "classification")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    for name, dropped in {"no_weights": ("model.safetensors",), "no_tokenizer": tokenizer_files}.items():
+        shutil.copytree(bert, root / name)
+        for file in dropped:
+            (root / name / file).unlink(missing_ok=True)
+        paths[name] = str(root / name)
+    (root / "no_config").mkdir()
+    paths["no_config"] = str(root / "no_config")
+    from transformers import DebertaV2Config, Gemma2Config
+
+    # Gemma-2 has no sdpa attention, which the Llama recipe asks for; DeBERTa-v2 has no causal-LM head.
+    Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16).save_pretrained(root / "gemma2")  # fmt: skip
+    DebertaV2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4).save_pretrained(root / "deberta")  # fmt: skip
+    paths["gemma2"], paths["deberta"] = str(root / "gemma2"), str(root / "deberta")
+    paths["classification_rows"] = str(tiny.write_tiny_dataset("classification"))
+    paths["chat_rows"] = str(tiny.write_tiny_dataset("sft"))
+    paths["missing.jsonl"] = str(root / "missing.jsonl")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """An output folder per recipe that a finished tiny run left: checkpoints, the final model, its logs."""
+    folders = {}
+    for name, recipe in RECIPES.items():
+        folders[name] = tmp_path_factory.mktemp(f"trained-{name}") / "run"
+        train(recipe, [*TRAINED, "--output_dir", str(folders[name])], name)
+    return folders
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def assert_one_clear_line(output: str, key: str) -> None:
+    lines = error_lines(output)
+    assert len(lines) == 1, output[-3000:]
+    assert key in lines[0], lines[0]
+    assert "Traceback" not in output, output[-3000:]
+
+
+# (id, recipe, flags, key word of the fix). {name} is a path from FILES / the fixture. Runs are --tiny, on the
+# tiny data, and resume into a folder their recipe already trained into, which must come out untouched; a run
+# that brings its own model folder is not tiny (tiny mode would build a toy copy of it) and starts afresh.
+RUNS = [
+    ("learning-rate", "bert", ["--learning_rate", "-1"], "pass 2e-5"),
+    ("batch-size-0", "bert", ["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be at least 1"),
+    ("accumulation-0", "bert", ["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps must be at least"),
+    ("epochs-0", "bert", ["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs 1"),
+    ("warmup-negative", "bert", ["--warmup_steps", "-1"], "warmup_steps >= 0"),
+    ("weight-decay-negative", "bert", ["--weight_decay", "-0.1"], "pass 0"),
+    ("dtype-typo", "bert", ["--dtype", "bf17"], "--dtype bfloat16"),
+    ("lora-r-0", "llama3_lora", ["--lora_r", "0"], "lora_r must be at least 1"),
+    ("lora-alpha-0", "llama3_lora", ["--lora_alpha", "0"], "twice lora_r"),
+    ("lora-dropout", "llama3_lora", ["--lora_dropout", "1.5"], "pass 0.05"),
+    ("lora-targets", "llama3_lora", ["--lora_target_modules", "q_projx"], "q_proj"),
+    ("lora-targets-empty", "llama3_lora", ["--lora_target_modules", ","], "all-linear"),
+    ("seq-length-0", "llama3_fft", ["--max_seq_length", "0"], "max_seq_length must be at least 1"),
+    ("eval-fraction", "bert", ["--eval_fraction", "1.5"], "--eval_split"),
+    ("max-train-samples-0", "bert", ["--max_train_samples", "0"], "leave it unset"),
+    ("task", "bert", ["--task", "regression"], "'classification' or 'sft'"),
+    ("pricing", "bert", ["--pricing", "spot2"], "'on_demand' or 'spot'"),
+    ("budget-negative", "bert", ["--budget_usd", "-5"], "budget_usd must be positive"),
+    ("overhead", "bert", ["--cost_overhead", "0.5"], "at least 1"),
+    ("lr-reference-0", "bert", ["--lr_reference_batch_size", "0"], "lr_reference_batch_size must be at least 1"),
+    ("gpu-type", "bert", ["--gpu_type", "H900"], "Known:"),
+    ("flag-typo", "bert", ["--learning_rat", "0.1"], "Did you mean '--learning_rate'"),
+    ("flag-choice", "bert", ["--optim", "adamw_bogus"], "choose from 'adamw_torch'"),
+    ("flag-type", "bert", ["--max_steps", "lots"], "invalid int value"),
+    ("save-steps-0", "bert", ["--save_strategy", "steps", "--save_steps", "0"], "pass --save_steps N"),
+    ("eval-without-data", "bert", ["--eval_strategy", "steps"], "--eval_fraction 0.1"),
+    ("best-metric", "bert", ["--metric_for_best_model", "f1"], "--metric_for_best_model loss"),
+    ("attention-name", "bert", ["--attn_implementation", "fast"], "--attn_implementation sdpa"),
+    ("flash-attention-missing", "llama3_fft", ["--attn_implementation", "flash_attention_2"], "pip install flash-attn"),
+    ("sdpa-unsupported", "llama3_fft", ["--model_name_or_path", "{gemma2}"], "--attn_implementation eager"),
+    ("model-missing", "bert", ["--model_name_or_path", "/nonexistent/model"], "pass an existing path"),
+    ("model-no-config", "bert", ["--model_name_or_path", "{no_config}"], "save_pretrained"),
+    ("model-no-weights", "bert", ["--model_name_or_path", "{no_weights}"], "model.save_pretrained"),
+    ("model-no-tokenizer", "bert", ["--model_name_or_path", "{no_tokenizer}"], "tokenizer.save_pretrained"),
+    ("output-is-a-file", "bert", ["--output_dir", "{notes.txt}"], "pass a folder with --output_dir"),
+    ("resume-nowhere", "bert", ["--resume", "/nowhere"], "--resume auto"),
+    ("merge-without-lora", "bert", ["--merge_lora", "true"], "set use_lora true"),
+    ("packing-classification", "bert", ["--packing", "true"], "drop it"),
+    ("other-recipes-folder", "bert", ["--output_dir", "{trained:llama3_fft}"], "another --output_dir"),
+    ("data-missing", "bert", ["--dataset_name", "{missing.jsonl}"], "pass an existing path with --dataset_name"),
+    ("data-empty", "bert", ["--dataset_name", "{empty.jsonl}"], "point --dataset_name at a file with rows"),
+    ("data-truncated", "bert", ["--dataset_name", "{truncated.jsonl}"], "fix that row"),
+    ("data-format", "bert", ["--dataset_name", "{data.txt}"], "use one of"),
+    ("data-column", "bert", ["--dataset_name", "{sentences.jsonl}"], "--text_columns"),
+    ("data-label-null", "bert", ["--dataset_name", "{label_null.jsonl}"], "--skip_bad_rows"),
+    ("data-text-null", "bert", ["--dataset_name", "{text_null.jsonl}"], "row 1 of the train split"),
+    ("data-encoding", "bert", ["--dataset_name", "{latin1}"], "--text_encoding"),
+    ("data-split", "bert", ["--eval_split", "test"], "has no split 'test'"),
+    ("chat-content-null", "llama3_fft", ["--dataset_name", "{content_null.jsonl}"], "row 2"),
+    ("chat-sharegpt-roles", "llama3_fft", ["--dataset_name", "{sharegpt_roles.jsonl}"], "'human': 'user'"),
+    ("chat-sharegpt-keys", "llama3_fft", ["--dataset_name", "{sharegpt_keys.jsonl}"], "role/content"),
+    ("chat-empty", "llama3_fft", ["--dataset_name", "{empty_conversation.jsonl}"], "--skip_bad_rows"),
+    ("chat-no-assistant", "llama3_fft", ["--dataset_name", "{no_assistant.jsonl}"], "--skip_bad_rows"),
+    ("chat-column", "llama3_fft", ["--messages_column", "conversations"], "--messages_column"),
+    ("chat-template-name", "llama3_fft", ["--chat_template", "llama4"], "--chat_template llama3"),
+    ("yaml-missing", "bert", ["--config", "{missing.jsonl}"], "Config file not found"),
+    ("yaml-invalid", "bert", ["--config", "{bad.yaml}"], "not valid YAML"),
+    ("yaml-not-a-mapping", "bert", ["--config", "{list.yaml}"], "must be a mapping"),
+    ("yaml-typo", "bert", ["--config", "{typo.yaml}"], "Did you mean 'learning_rate'"),
+    ("yaml-wrong-type", "bert", ["--config", "{wrong_type.yaml}"], "learning_rate"),
+    ("yaml-lora-r-0", "llama3_lora", ["--config", "{lora_r_0.yaml}"], "lora_r must be at least 1"),
+]
+
+
+def fill(flags: list[str], files: dict[str, str], trained: dict[str, Path]) -> list[str]:
+    out = []
+    for flag in flags:
+        if flag.startswith("{trained:"):
+            flag = str(trained[flag[9:-1]])
+        elif flag.startswith("{"):
+            flag = files[flag[1:-1]]
+        out.append(flag)
+    return out
+
+
+def own_model(recipe: str, files: dict[str, str]) -> list[str]:
+    """The flags a recipe needs to run on a model folder of one's own, offline: the tiny data."""
+    if recipe == "bert":
+        return ["--dataset_name", files["classification_rows"], "--text_columns", "text", "--eval_split", "None"]
+    return ["--dataset_name", files["chat_rows"], "--eval_split", "None", "--chat_template", "llama3"]
+
+
+@pytest.mark.parametrize(("case", "recipe", "flags", "key"), RUNS, ids=[r[0] for r in RUNS])
+def test_a_bad_run_is_one_line_and_touches_nothing(case, recipe, flags, key, files, trained, tmp_path, capsys):
+    fresh = "--model_name_or_path" in flags
+    out = tmp_path / "run"
+    if not fresh:
+        shutil.copytree(trained[recipe], out)
+    before = listing(out) if out.exists() else None
+    others = {name: listing(folder) for name, folder in trained.items()}
+    common = own_model(recipe, files) if fresh else ["--tiny", "--resume", "auto"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(RECIPES[recipe], ["--report_to", "none", "--output_dir", str(out), *common,
+                              *fill(flags, files, trained)], recipe)  # fmt: skip
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, key)
+    assert (listing(out) if out.exists() else None) == before  # nothing trained, written or rotated
+    assert {name: listing(folder) for name, folder in trained.items()} == others
+    assert Path(files["notes.txt"]).read_text() == FILES["notes.txt"]
+
+
+COMMANDS = [  # (id, command, argv, key word of the fix)
+    ("plan-unknown-model", "plan", ["nosuch-org/nosuch-model"], "hub_configs"),
+    ("plan-gpus-0", "plan", ["llama3_fft", "--gpus", "0"], "--gpus must be at least 1"),
+    ("plan-gpu-type", "plan", ["llama3_fft", "--gpu", "B300"], "Known:"),
+    ("plan-wrong-task", "plan", ["{deberta}", "--task", "sft"], "--task classification"),
+    ("check-missing", "check", ["accelerate_configs/nope.yaml"], "accelerate_configs/"),
+    ("check-yaml-typo", "check", ["{typo.yaml}"], "Unknown key 'learning_rat'"),
+    ("check-recipe", "check", ["accelerate_configs/ddp.yaml", "bertt"], "Known: bert"),
+    ("report-not-a-run", "report", ["{no_config}"], "--output_dir of a finished run"),
+    ("launch-missing-config", "launch", ["--config_file", "nope.yaml", "recipes/bert.py"], "accelerate_configs/"),
+    (
+        "launch-unknown-recipe",
+        "launch",
+        ["--config_file", "accelerate_configs/ddp.yaml", "recipes/bertt.py"],
+        "Known: bert",
+    ),
+    ("launch-missing-script", "launch", ["my_train.py"], "pass a recipe"),
+]
+
+
+@pytest.mark.parametrize(("case", "name", "argv", "key"), COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_a_bad_command_is_one_line(case, name, argv, key, files, capsys, monkeypatch):
+    from toolkit.__main__ import COMMANDS as MODULES
+
+    monkeypatch.chdir(ROOT)
+    try:
+        code = importlib.import_module(MODULES[name]).main(fill(argv, files, {}))
+    except SystemExit as exit_info:  # as argparse ends; `report` returns its code
+        code = exit_info.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, key)
+
+
+def test_plan_takes_families_it_has_no_special_case_for(files, capsys):
+    """GPT-2 names its MLP width n_inner and OPT ffn_dim: the planner reads it off the model instead of raising."""
+    from transformers import GPT2Config, OPTConfig
+
+    from toolkit.planner.cli import main
+
+    for config, parameters in ((GPT2Config(architectures=["GPT2LMHeadModel"]), "124,439,808"), (OPTConfig(), None)):
+        folder = Path(files["no_config"]).parent / config.model_type
+        config.save_pretrained(folder)
+        assert main([str(folder), "--gpus", "1"]) == 0
+        out = capsys.readouterr().out
+        assert "(task sft)" in out and "recommended:" in out
+        assert parameters is None or f"parameters  {parameters} total" in out  # GPT-2's published count, tied
 
 
 def refused(recipe, argv, capsys, tmp_path) -> str:
@@ -36,3 +296,78 @@ def test_remote_code_needs_consent(capsys, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     err = refused({**BERT, "model_name_or_path": str(folder)}, ["--max_steps", "1"], capsys, tmp_path)
     assert "runs its own model code from its repository" in err and "--trust_remote_code true" in err
+
+
+def test_rows_skipped_on_request_are_counted(files, tmp_path, capsys):
+    """--skip_bad_rows: the unusable conversation is left out, counted, and the rest trains."""
+    result = train(LLAMA3_FFT, ["--tiny", "--report_to", "none", "--max_steps", "1", "--dataset_name",
+                                files["no_assistant.jsonl"], "--skip_bad_rows", "true", "--packing", "false",
+                                "--output_dir", str(tmp_path / "run")], "llama3_fft")  # fmt: skip
+    assert len(result.trainer.train_dataset) == 2
+    assert "left out 1 of 3 rows of the train split (--skip_bad_rows); the first, row 2: it has no assistant" in (
+        capsys.readouterr().err
+    )
+
+
+def test_dtype_aliases_people_type_are_accepted():
+    from toolkit.pipeline.arguments import parse
+
+    assert parse(BERT, "bert", ["--dtype", "bf16"]).model.dtype == "bfloat16"
+    assert parse(BERT, "bert", ["--dtype", "FP32"]).model.dtype == "float32"
+    assert parse(LLAMA3_FFT, "llama3_fft", ["--eval_split", "None"]).data.eval_split is None  # unset, not "None"
+
+
+# Launchers: the same mistakes through `python -m toolkit launch`, make and the SLURM script. One message however many
+# processes, the rank's own exit code, and no launcher traceback after it.
+def launched(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cmd(cmd, cwd=cwd, env={"TOOLKIT_DEBUG": None, **(env or {})}, timeout=240)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_bad_launch_is_one_line_with_its_exit_code(processes, files, trained, tmp_path):
+    """A data file cut short, into a folder a 1-process run trained (resumed with the same global batch, 8)."""
+    out = tmp_path / "run"
+    shutil.copytree(trained["llama3_fft"], out)
+    before = listing(out)
+    config = "single_gpu" if processes == 1 else "ddp"
+    result = launched([str(BIN / "python"), "-m", "toolkit", "launch", "--config_file",
+                       f"accelerate_configs/{config}.yaml", "--num_processes", str(processes), "--main_process_port",
+                       str(free_port()), "recipes/llama3_fft.py", "--tiny", "--output_dir", str(out), "--resume",
+                       "auto", "--per_device_train_batch_size", str(8 // processes), "--dataset_name",
+                       files["truncated.jsonl"]], cwd=ROOT)  # fmt: skip
+    assert result.returncode == 2
+    assert_one_clear_line(result.stdout + result.stderr, "fix that row")
+    assert listing(out) == before
+
+
+@pytest.mark.launch
+def test_make_finetune_offline_ends_on_the_toolkits_line(tmp_path):
+    """The design card's own command, offline: the toolkit's message and make's exit status, nothing below it."""
+    result = launched(["make", "-s", "finetune", "MODEL=bert", "CONFIG=ddp", f"ARGS=--output_dir {tmp_path / 'run'}"],
+                      cwd=ROOT, env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert result.returncode == 2
+    assert_one_clear_line(result.stdout + result.stderr, "--tiny")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.launch
+def test_slurm_job_with_a_bad_flag_is_one_line(tmp_path):
+    """Two "nodes" of one process each through slurm/finetune.sbatch: every rank refuses, rank 0 alone says so."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    (fake_bin / "srun").write_text(
+        "#!/usr/bin/env bash\nshift\npids=()\n"
+        'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@" & pids+=($!); done\n'
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit $status\n'
+    )
+    for tool in fake_bin.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{fake_bin}:{BIN}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port())}  # fmt: skip
+    result = launched(["bash", str(ROOT / "slurm" / "finetune.sbatch"), "accelerate_configs/ddp.yaml",
+                       "recipes/bert.py", "--tiny", "--learning_rate", "-1", "--output_dir", str(tmp_path / "run")],
+                      cwd=tmp_path, env=env)  # fmt: skip
+    assert result.returncode == 2
+    assert_one_clear_line(result.stdout + result.stderr, "pass 2e-5")

@@ -1,10 +1,11 @@
-"""`python -m toolkit plan|check|report ...`: the toolkit's commands."""
+"""`python -m toolkit plan|check|launch|report ...`: the toolkit's commands."""
 
 import sys
 
 COMMANDS = {
     "plan": "toolkit.planner.cli",
     "check": "toolkit.distributed.launch_check",
+    "launch": "toolkit.distributed.launcher",
     "report": "toolkit.metrics.report",
 }
 

@@ -2,13 +2,20 @@
 
 Every mistake a user can make (a setting, a file, a launch, a budget) raises a `ToolkitError` subclass before
 anything expensive happens; the recipe runner and every command turn it into one line, `error: <what is wrong,
-and the fix>`, and exit code 2, without a traceback. Anything else that escapes is a bug in the toolkit.
+and the fix>`, and exit code 2, without a traceback (TOOLKIT_DEBUG=1 adds it, for a bug report). In a
+multi-process job every rank meets the same mistake, so rank 0 alone prints it. Anything else that escapes is a
+bug in the toolkit, and keeps its traceback.
+
+Exit codes: 2 bad input (fix and relaunch); 3 the loss diverged; 4 the budget is spent; 75 preempted (resume).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import traceback
+from collections.abc import Callable
 
 USER_ERROR = 2  # exit code of a refused launch or command
 
@@ -28,8 +35,36 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def debugging() -> bool:
+    return os.environ.get("TOOLKIT_DEBUG", "").lower() in ("1", "true", "yes")
+
+
 def warn(message: str, all_ranks: bool = False) -> None:
     """One `warning:` line on stderr, by rank 0 only unless `all_ranks` (e.g. a per-node concern), without the
     warnings module's source excerpt."""
     if all_ranks or is_main_process():
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def report(error: Exception, label: str = "error") -> int:
+    """Print `label: message` from rank 0 (every rank adds its traceback under TOOLKIT_DEBUG=1) and return the
+    exit code the process should end with (`error.exit_code`: a ToolkitError's, or a stopped run's)."""
+    if debugging():
+        traceback.print_exception(error, file=sys.stderr)
+    if is_main_process():
+        print(f"{label}: {error}", file=sys.stderr, flush=True)
+    return error.exit_code
+
+
+def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """A `python -m toolkit <command>` entry point whose user errors end as one line and SystemExit(2), as
+    argparse ends its own."""
+
+    @functools.wraps(main)
+    def guarded(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except ToolkitError as error:
+            raise SystemExit(report(error)) from None
+
+    return guarded

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, command
 from ..project import PROJECT_ROOT, is_recipe, project_path, recipe_names, strategy_files
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
@@ -153,6 +153,7 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
     return summary + ": ok"
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -160,9 +161,5 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config_file", help="an accelerate config, e.g. accelerate_configs/zero3.yaml")
     parser.add_argument("recipe", nargs="?", help="a recipe name: also checks the pair")
     args = parser.parse_args(argv)
-    try:
-        print(check(args.config_file, args.recipe))
-    except ConfigError as error:
-        print(f"error: {error}", flush=True, file=__import__("sys").stderr)
-        return 2
+    print(check(args.config_file, args.recipe))
     return 0

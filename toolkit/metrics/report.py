@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
+from ..errors import report as report_error
 
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
@@ -172,6 +173,7 @@ def publish_to_wandb(runs: list[Run], project: str, entity: str | None) -> str:
     return report.url
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit report", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run output folders or W&B offline run folders")
@@ -181,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = [load_run(path) for path in args.runs]
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ReportError as error:
+        return report_error(error)
     unique_names(runs)
     folder = Path(args.output)
     folder.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,8 @@ import argparse
 import difflib
 import importlib.util
 import sys
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,34 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from ..distributed.launch import has_accelerator
 from ..errors import ConfigError
+
+# What people type for a dtype, and the name torch and transformers use.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+NULLS = ("none", "null", "")  # how a command line says "unset" for an optional setting
+
+
+def optional_fields_unset(settings) -> None:
+    """`--eval_split None`, `--chat_template ""`: an optional setting given as none/null/empty is unset (None),
+    not a split or a template of that name."""
+    for f in fields(settings):
+        hint = typing.get_type_hints(type(settings)).get(f.name)
+        optional = isinstance(hint, types.UnionType) and type(None) in hint.__args__
+        value = getattr(settings, f.name)
+        if optional and isinstance(value, str) and value.strip().lower() in NULLS:
+            setattr(settings, f.name, None)
+
+
+def at_least(name: str, value: float | None, low: float, fix: str = "") -> None:
+    if value is not None and value < low:
+        raise ConfigError(f"{name} must be at least {low:g}, got {value:g}{fix}.")
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path, not a Hub id ("org/name"): it starts like one, or has more than one '/'."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).suffix in (".json",
+           ".jsonl", ".csv", ".parquet")  # fmt: skip
 
 
 @dataclass
@@ -41,6 +71,25 @@ class ModelArguments:
         default=False,
         metadata={"help": "LoRA: also save base + adapter merged into one standalone model in OUTPUT_DIR/merged."},
     )
+
+    def __post_init__(self) -> None:
+        optional_fields_unset(self)
+        self.dtype = DTYPE_ALIASES.get(self.dtype.lower(), self.dtype.lower())
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)} (bf16, fp16 and fp32 work too): "
+                              "pass --dtype bfloat16, for example.")  # fmt: skip
+        attention = self.attn_implementation
+        if attention is not None and attention not in ATTENTION and "/" not in attention:  # "/": a Hub kernel
+            raise ConfigError(f"attn_implementation '{attention}' is not one of {', '.join(ATTENTION)}: pass "
+                              "--attn_implementation sdpa, for example.")  # fmt: skip
+        at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout is a probability below 1, got {self.lora_dropout}: pass 0.05, say.")
+        if not self.lora_target_modules.replace(",", " ").strip():
+            raise ConfigError("lora_target_modules is empty: pass all-linear, or module names like q_proj,v_proj.")
+        check_local_path(self.model_name_or_path, "model", "--model_name_or_path", "config.json")
 
     def lora_settings(self) -> dict[str, Any] | None:
         """The peft LoraConfig arguments that decide the adapter's shape (dropout aside), or None without LoRA."""
@@ -77,6 +126,26 @@ class DataArguments:
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     text_encoding: str = field(default="utf-8", metadata={"help": "Encoding of .txt files in a class folder."})
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave out unusable rows (no assistant turn, null content, no label), counted, instead "
+            "of stopping at the first."
+        },  # fmt: skip
+    )
+
+    def __post_init__(self) -> None:
+        optional_fields_unset(self)
+        from .tasks import task
+
+        task(self.task)
+        at_least("max_seq_length", self.max_seq_length, 1)
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction is the share of train held out, from 0 to below 1, got "
+                              f"{self.eval_fraction}: pass 0.1, say, or --eval_split <name>.")  # fmt: skip
+        for name in ("max_train_samples", "max_eval_samples"):
+            at_least(name, getattr(self, name), 1, " (leave it unset to use every row)")
+        check_local_path(self.dataset_name, "data set", "--dataset_name")
 
 
 @dataclass
@@ -118,6 +187,63 @@ class RunArguments:
         metadata={"help": "Write rows trained on and a weight digest per rank to output_dir/rank_reports/."},
     )
 
+    def __post_init__(self) -> None:
+        optional_fields_unset(self)
+        if self.pricing not in ("on_demand", "spot"):
+            raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{self.pricing}'.")
+        for name in ("budget_usd", "hourly_usd", "peak_tflops"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.cost_overhead < 1:
+            raise ConfigError(f"cost_overhead multiplies the cost and is at least 1, got {self.cost_overhead}.")
+        at_least("lr_reference_batch_size", self.lr_reference_batch_size, 1)
+
+
+def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
+    """A setting that names a local path (not a Hub id, not a package: path) must exist, with `inside` in it."""
+    from .sources import PACKAGE_PREFIX
+
+    if name.startswith(PACKAGE_PREFIX) or not looks_like_path(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ConfigError(f"The {what} path {name} does not exist: pass an existing path with {flag}, or a Hub id "
+                          "(org/name).")  # fmt: skip
+    if inside and path.is_dir() and not (path / inside).is_file():
+        raise ConfigError(f"{name} has no {inside}: pass a folder written by save_pretrained with {flag}.")
+
+
+def check_training(training: TrainingArguments) -> None:
+    """The TrainingArguments fields with a domain transformers leaves to fail later (in the optimizer, the data
+    loader, or the first save): checked before anything loads."""
+    if training.learning_rate <= 0:
+        raise ConfigError(f"learning_rate must be positive, got {training.learning_rate:g}: pass 2e-5, say.")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        at_least(name, getattr(training, name), 1)
+    if training.max_steps <= 0 and training.num_train_epochs <= 0:
+        raise ConfigError(f"Nothing to train: num_train_epochs is {training.num_train_epochs:g} and max_steps is "
+                          "unset: pass --num_train_epochs 1 or --max_steps N.")  # fmt: skip
+    if training.warmup_steps < 0 or training.weight_decay < 0:
+        raise ConfigError("warmup_steps and weight_decay cannot be negative: pass 0 to turn them off.")
+    if Path(training.output_dir).exists() and not Path(training.output_dir).is_dir():
+        raise ConfigError(f"output_dir {training.output_dir} is a file: pass a folder with --output_dir.")
+    if str(training.save_strategy) in ("steps", "SaveStrategy.STEPS") and training.save_steps <= 0:
+        raise ConfigError(f"save_strategy steps with save_steps {training.save_steps:g} never saves: pass "
+                          "--save_steps N.")  # fmt: skip
+
+
+def check_together(data: DataArguments, training: TrainingArguments) -> None:
+    """Settings that are each fine but fail together, after training has started."""
+    evaluates = str(getattr(training.eval_strategy, "value", training.eval_strategy)) != "no"
+    if evaluates and data.eval_split is None and not data.eval_fraction:
+        raise ConfigError(f"eval_strategy {training.eval_strategy.value} has nothing to evaluate on: pass "
+                          "--eval_split <split> or --eval_fraction 0.1, or --eval_strategy no.")  # fmt: skip
+    metric = training.metric_for_best_model
+    known = {"loss"} | ({"accuracy"} if data.task == "classification" else set())
+    if metric is not None and metric.removeprefix("eval_") not in known:
+        raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
+                          f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
+
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, RunArguments, TrainingArguments)
 
@@ -149,6 +275,38 @@ def known_fields() -> set[str]:
     return {f.name for cls in ARGUMENT_CLASSES for f in fields(cls) if f.init} | {"config"}
 
 
+def scalar_types() -> dict[str, type]:
+    """Settings whose type is a number or a flag (optional or not), and that type; str-or-x settings excluded."""
+    out = {}
+    for cls in ARGUMENT_CLASSES:
+        for name, hint in typing.get_type_hints(cls).items():
+            options = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            kinds = options & {int, float, bool}
+            if len(kinds) == 1 and str not in options:
+                out[name] = kinds.pop()
+    return out
+
+
+def coerce(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Numbers and flags written as text, as YAML 1.1 leaves them (`learning_rate: 1e-5` is the string "1e-5"),
+    converted to the setting's type; a value that is not one is an error naming the setting."""
+    kinds = scalar_types()
+    out = dict(values)
+    for key, value in values.items():
+        kind = kinds.get(key)
+        if kind is None or not isinstance(value, str):
+            continue
+        try:
+            if kind is bool:
+                out[key] = {"true": True, "false": False, "yes": True, "no": False}[value.strip().lower()]
+            else:
+                out[key] = kind(float(value)) if kind is int and float(value).is_integer() else kind(value)
+        except (KeyError, ValueError):
+            wanted = "true or false" if kind is bool else f"a{'n integer' if kind is int else ' number'}"
+            raise ConfigError(f"{key} in {where} must be {wanted}, got '{value}'.") from None
+    return out
+
+
 def check_keys(values: dict[str, Any], where: str) -> None:
     """Fail on unknown keys, suggesting the closest known one."""
     known = known_fields()
@@ -173,7 +331,7 @@ def load_overrides(path: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"Config file {path} must be a mapping of setting: value, got {type(values).__name__}.")
     check_keys(values, path)
-    return values
+    return coerce(values, path)
 
 
 def global_batch_size(training: TrainingArguments) -> int:
@@ -221,7 +379,9 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     check_keys(recipe, f"recipe '{recipe_name}'")
-    parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False)  # a prefix is a typo, not a match
+    recipe = coerce(recipe, f"recipe '{recipe_name}'")
+    # allow_abbrev: a prefix is a typo, not a match; exit_on_error: a bad value is our one line, not argparse's
+    parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--config", help="YAML file of overrides (field: value).")
     required = [a.dest for a in parser._actions if a.required]
     for action in parser._actions:  # keep only the flags actually given; the layers below supply the rest
@@ -230,6 +390,8 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
             action.default = argparse.SUPPRESS
     try:
         namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:  # a value of the wrong type, or not among the choices
+        raise ConfigError(f"Invalid command-line arguments: {e} (--help lists every setting).") from None
     except SystemExit as e:
         if e.code == 0:
             raise
@@ -254,17 +416,12 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         )
     try:
         model, data, run, training = parser.parse_dict(values)
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"Invalid setting: {e}") from e
-    if data.task not in ("classification", "sft"):
-        raise ConfigError(f"task must be 'classification' or 'sft', got '{data.task}'.")
-    if run.pricing not in ("on_demand", "spot"):
-        raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{run.pricing}'.")
-    for name in ("budget_usd", "hourly_usd", "peak_tflops"):
-        if getattr(run, name) is not None and getattr(run, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(run, name)}.")
-    if run.cost_overhead < 1:
-        raise ConfigError(f"cost_overhead multiplies the cost and is at least 1, got {run.cost_overhead}.")
+        raise ConfigError(f"Invalid setting: {' '.join(str(e).split())}") from None
+    check_training(training)
+    check_together(data, training)
     if run.resume and training.resume_from_checkpoint:
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:

@@ -12,7 +12,7 @@ from typing import Any
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, warn
 from .arguments import DataArguments
 from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
@@ -51,16 +51,14 @@ def load_raw(args: DataArguments) -> DatasetDict:
     if path.is_dir() and not any(path.glob("*.json*")) and _class_folders(path):
         ds = DatasetDict({"train": _load_class_folders(path, args.text_encoding)})
     elif path.is_file():
-        fmt = LOCAL_FORMATS.get(path.suffix)
-        if fmt is None:
-            raise DataError(f"Unsupported data file {path}: use one of {sorted(LOCAL_FORMATS)}.")
-        ds = load_dataset(fmt, data_files={"train": str(path)})
+        ds = DatasetDict({"train": _load_file(path)})
     else:
         check_hub_dataset(name)
         ds = load_dataset(name, args.dataset_config)
     for split in {args.train_split, args.eval_split} - {None}:
         if split not in ds:
             raise DataError(f"Data set '{args.dataset_name}' has no split '{split}'; it has {sorted(ds)}.")
+        ds[split] = checked_rows(ds[split], split, args)
     train = ds[args.train_split]
     evaluation = ds[args.eval_split] if args.eval_split else None
     if evaluation is None and args.eval_fraction > 0:
@@ -71,6 +69,28 @@ def load_raw(args: DataArguments) -> DatasetDict:
     if evaluation is not None:
         out["eval"] = _head(evaluation, args.max_eval_samples)
     return out
+
+
+def _load_file(path: Path) -> Dataset:
+    """A local json/jsonl/csv/parquet file; an empty or malformed one is one error naming the file and the row."""
+    from datasets.exceptions import DatasetGenerationError
+
+    fmt = LOCAL_FORMATS.get(path.suffix)
+    if fmt is None:
+        raise DataError(f"Unsupported data file {path}: use one of {sorted(LOCAL_FORMATS)}.")
+    with open(path, "rb") as f:
+        empty = not f.read(4096).strip()
+    if empty:
+        raise DataError(f"{path} is empty: point --dataset_name at a file with rows.")
+    try:
+        return load_dataset(fmt, data_files={"train": str(path)})["train"]
+    except (DatasetGenerationError, StopIteration) as error:
+        cause = error
+        while cause.__cause__ is not None:  # datasets wraps the parser's error: the root names the row
+            cause = cause.__cause__
+        detail = " ".join(str(cause).split()) or type(cause).__name__
+        raise DataError(f"{path} cannot be read as {fmt} ({detail}): fix that row (rows count from 0), or remove "
+                        "it.") from None  # fmt: skip
 
 
 def _head(ds: Dataset, n: int | None) -> Dataset:
@@ -87,10 +107,88 @@ def _load_class_folders(root: Path, encoding: str) -> Dataset:
     texts, labels = [], []
     for index, folder in enumerate(classes):
         for file in sorted(folder.glob("*.txt")):
-            texts.append(file.read_text(encoding=encoding))
+            try:
+                texts.append(file.read_text(encoding=encoding))
+            except UnicodeDecodeError as error:
+                raise DataError(f"{file} is not {encoding} text ({error.reason} at byte {error.start}): pass its "
+                                "encoding with --text_encoding, e.g. latin-1.") from None  # fmt: skip
             labels.append(index)
     names = [c.name for c in classes]
     return Dataset.from_dict({"text": texts, "label": labels}).cast_column("label", ClassLabel(names=names))
+
+
+# ------------------------------------------------------------------------------------- rows checked
+
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT = {"human": "user", "gpt": "assistant"}  # ShareGPT's roles, and what they are in role/content form
+
+
+def conversation_problem(messages: Any) -> str | None:
+    """What makes a conversation unusable for SFT, or None: it would render as something else than it says."""
+    if not isinstance(messages, list) or not messages:
+        return "the conversation is empty"
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
+            hint = " (ShareGPT's from/value: rename them role/content)" if "from" in keys else ""
+            return f"message {k} has no role (it has {keys}){hint}"
+        role = message["role"]
+        if role not in ROLES:
+            hint = f"; ShareGPT data: rename its roles {SHAREGPT}" if role in SHAREGPT else ""
+            return f"message {k} has the role '{role}', not one of {', '.join(ROLES)}{hint}"
+        if not isinstance(message.get("content"), str):
+            what = "no" if message.get("content") is None else f"{type(message['content']).__name__}, not text,"
+            return f"message {k} ({role}) has {what} content"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "it has no assistant message, so nothing to learn"
+    return None
+
+
+def label_problem(num_classes: int | None) -> Any:
+    """What makes a classification row unusable: no text, no label, or a label outside the ClassLabel's range."""
+
+    def problem(text: Any, label: Any) -> str | None:
+        if not isinstance(text, str) or not text.strip():
+            return "its text is empty"
+        if label is None:
+            return "it has no label"
+        if num_classes is not None and not 0 <= label < num_classes:
+            return (f"its label {label} is not one of the {num_classes} classes (0 to {num_classes - 1}; -1 marks an "
+                    "unlabeled row, as in GLUE's test splits)")  # fmt: skip
+        return None
+
+    return problem
+
+
+def checked_rows(split: Dataset, name: str, args: DataArguments) -> Dataset:
+    """The rows of a split, each checked before tokenizing: the first unusable one is an error naming its index
+    (0-based, in the file's order) and the fix; with --skip_bad_rows the unusable ones are left out and counted."""
+    if args.task == "sft":
+        columns, problem_of = [args.messages_column], conversation_problem
+        require_columns(split, columns, "--messages_column")
+    else:
+        text = [c.strip() for c in args.text_columns.split(",")][0]
+        columns = [text, args.label_column]
+        require_columns(split, [text], "--text_columns")
+        require_columns(split, [args.label_column], "--label_column")
+        feature = split.features[args.label_column]
+        problem_of = label_problem(feature.num_classes if isinstance(feature, ClassLabel) else None)
+    bad: list[tuple[int, str]] = []
+    for start, batch in zip(range(0, len(split), 1000), split.select_columns(columns).iter(1000), strict=False):
+        for offset, row in enumerate(zip(*(batch[c] for c in columns), strict=True)):
+            problem = problem_of(*row)
+            if problem and not args.skip_bad_rows:
+                raise DataError(f"row {start + offset} of the {name} split of {args.dataset_name}: {problem}. Fix the "
+                                "data, or pass --skip_bad_rows true to leave such rows out.")  # fmt: skip
+            if problem:
+                bad.append((start + offset, problem))
+    if not bad:
+        return split
+    warn(f"left out {len(bad)} of {len(split)} rows of the {name} split (--skip_bad_rows); the first, row "
+         f"{bad[0][0]}: {bad[0][1]}.")  # fmt: skip
+    dropped = {index for index, _ in bad}
+    return split.select([i for i in range(len(split)) if i not in dropped])
 
 
 def require_columns(ds: Dataset, columns: list[str], flag: str) -> None:
@@ -146,6 +244,10 @@ def prepare_classification(
 
 
 def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+    if template and template not in CHAT_TEMPLATES and "{" not in template:
+        named = ", ".join(CHAT_TEMPLATES)
+        raise DataError(f"chat_template '{template}' is neither a named template ({named}) nor a Jinja template: "
+                        "pass --chat_template llama3, or leave it unset for the tokenizer's own.")  # fmt: skip
     if template:
         tokenizer.chat_template = CHAT_TEMPLATES.get(template, template)
     if tokenizer.chat_template is None:

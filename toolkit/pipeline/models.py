@@ -73,10 +73,29 @@ def checkpoint_dtype(dtype: str, config) -> torch.dtype:
     return getattr(torch, stored) if isinstance(stored, str) else stored
 
 
+# What a saved tokenizer leaves in a folder (fast, SentencePiece, WordPiece, BPE, or just its config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.txt",
+                   "vocab.json", "sentencepiece.bpe.model")  # fmt: skip
+
+
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    if Path(name).is_dir() and not any((Path(name) / file).is_file() for file in TOKENIZER_FILES):
+        # transformers 5 then builds an empty-vocabulary tokenizer of the model's type: every word unknown.
+        raise ConfigError(f"{args.model_name_or_path} has no tokenizer files: save it beside the model with "
+                          "tokenizer.save_pretrained(folder).")  # fmt: skip
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:  # a local folder without tokenizer files, or unreadable ones
+        if not Path(name).is_dir():
+            raise
+        raise ConfigError(f"{args.model_name_or_path} has no usable tokenizer ({first_line(error)}): save it beside "
+                          "the model with tokenizer.save_pretrained(folder).") from None  # fmt: skip
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def load_config(args: ModelArguments) -> PretrainedConfig:
@@ -92,6 +111,46 @@ def load_config(args: ModelArguments) -> PretrainedConfig:
             f"'{args.model_name_or_path}' runs its own model code from its repository (auto_map in its config). "
             "Read that code, then pass --trust_remote_code true to allow it."
         ) from None
+
+
+ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                     "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}  # fmt: skip
+
+
+def architecture(config: PretrainedConfig, task: str) -> type[PreTrainedModel] | None:
+    """The class transformers builds for this config and task; None for models with their own code."""
+    try:
+        return model_class(task)._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
+    """What the model cannot honour fails in transformers or peft only after the data is tokenized or the weights
+    load: the attention implementation and LoRA's target modules, checked against the config and a meta-device
+    instance first (seconds, no weights)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    cls, attention = architecture(config, task), args.attn_implementation
+    if cls is not None and attention in ATTENTION_SUPPORT and not getattr(cls, ATTENTION_SUPPORT[attention], True):
+        has = ["eager"] + [name for name, flag in ATTENTION_SUPPORT.items() if getattr(cls, flag, False)]
+        raise ConfigError(f"{cls.__name__} has no {attention} attention: pass --attn_implementation {has[0]} (it "
+                          f"supports {', '.join(has)}).")  # fmt: skip
+    if attention == "flash_attention_2" and not is_flash_attn_2_available():
+        raise ConfigError("attn_implementation flash_attention_2 needs the flash-attn package and a GPU (`pip install "
+                          "flash-attn`): pass --attn_implementation sdpa instead.")  # fmt: skip
+    lora = args.lora_settings()
+    if cls is None or lora is None or lora["target_modules"] == "all-linear":
+        return
+    from ..planner.shape import meta_model
+
+    modules = dict(meta_model(config, task).named_modules())
+    missing = [t for t in lora["target_modules"] if not any(n == t or n.endswith("." + t) for n in modules)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
+        raise ConfigError(f"lora_target_modules {', '.join(missing)}: {cls.__name__} has no such module. Its linear "
+                          f"layers are {', '.join(linear)}: pass some of them, or all-linear.")  # fmt: skip
 
 
 def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:
@@ -110,8 +169,6 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase,
     label_names: list[str] | None,
 ) -> PreTrainedModel:
-    if args.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got '{args.dtype}'.")
     kwargs = {}
     if label_names is not None:
         kwargs = dict(
@@ -132,7 +189,13 @@ def load_model(
         with init_empty_weights(include_buffers=False):
             model = model_class(task).from_config(config, dtype=checkpoint_dtype(args.dtype, config), **common)
     else:
-        model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)
+        try:
+            model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)
+        except OSError as error:  # a local folder without weights, or with unreadable ones
+            if not Path(name).is_dir():
+                raise
+            raise ConfigError(f"{args.model_name_or_path} has no loadable weights ({first_line(error)}): pass a "
+                              "folder written by model.save_pretrained.") from None  # fmt: skip
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     return model

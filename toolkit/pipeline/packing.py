@@ -76,11 +76,10 @@ def supports_packing(config) -> bool:
     Known from the config alone, before any weights load; models with their own code (auto_map) are not packed."""
     import inspect
 
-    from .tasks import model_class
+    from .models import architecture
 
-    try:
-        cls = model_class("sft")._model_mapping[type(config)]
-    except (KeyError, ValueError):
+    cls = architecture(config, "sft")
+    if cls is None:
         return False
     module = sys.modules.get(cls.__module__)
     return hasattr(module, "create_causal_mask") and "position_ids" in inspect.signature(cls.forward).parameters

@@ -20,7 +20,7 @@ from transformers import set_seed
 from ..distributed import op_builds, patches
 from ..distributed.launch import Requested, is_local_main_process
 from ..distributed.strategy import check_processes, resolve_config_paths, set_fsdp_wrap_class
-from ..errors import ToolkitError, is_main_process
+from ..errors import ToolkitError, report
 from ..metrics.cost import check_device_name
 from ..metrics.memory import HostMemoryPeak
 from ..metrics.rank_reports import LoadRecord
@@ -32,6 +32,7 @@ from .models import (
     ParameterCounts,
     add_lora,
     allocate_placeholders,
+    check_model_settings,
     check_sequence_length,
     load_config,
     load_model,
@@ -40,6 +41,7 @@ from .models import (
 )
 from .packing import use_packing
 from .stopping import Stopped
+from .tasks import task
 from .trainer import RecipeTrainer
 
 
@@ -49,6 +51,7 @@ def accuracy(eval_pred) -> dict[str, float]:
 
 
 def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
+    task(values["task"])  # an unknown task is named as such, before tiny mode builds anything for it
     return tiny.tiny_training_defaults(values["task"], values["model_name_or_path"])
 
 
@@ -84,6 +87,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
 
     config = load_config(args.model)
     check_sequence_length(config, args.data.max_seq_length)
+    check_model_settings(config, args.model, args.data.task)
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
     data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
@@ -149,13 +153,10 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
     code, distributed = 0, False
     try:
         train(recipe, argv, name)
-    except ToolkitError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = e.exit_code
-    except Stopped as e:
-        if e.label and (is_main_process() or not e.main_only):
-            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
-        code = e.exit_code
+    except ToolkitError as error:
+        code = report(error)
+    except Stopped as stop:
+        code = report(stop, stop.label) if stop.label else stop.exit_code
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process

@@ -81,12 +81,10 @@ def check_hub_model(name: str, what: str = "model") -> None:
     else:
         return
     raise SourceUnavailable(
-        f"Cannot load the {what} '{name}': {reason}.\n"
-        "Ways forward:\n"
-        "  1. a local copy:   --model_name_or_path /path/to/folder (a save_pretrained folder)\n"
-        "  2. the tiny mode:  --tiny (same architecture at toy size, random weights, local data)\n"
-        "  3. the offline demo with real pretrained weights: make demo\n"
-        "  (Gated models such as Llama 3 also need `hf auth login` and accepting the license on the Hub.)"
+        f"Cannot load the {what} '{name}': {reason}. Use a local copy (--model_name_or_path /path/to/folder, a "
+        "save_pretrained folder), --tiny (the same architecture at toy size, random weights, local data), or the "
+        "offline demo on real pretrained weights (make demo). Gated models such as Llama 3 also need "
+        "`hf auth login` and their license accepted on the Hub."
     )
 
 
@@ -95,8 +93,8 @@ def check_hub_dataset(name: str) -> None:
     if is_local(name) or hub_offline() or hub_reachable():
         return
     raise SourceUnavailable(
-        f"Cannot load the data set '{name}': the Hugging Face Hub cannot be reached from this machine.\n"
-        "Ways forward: --dataset_name /path/to/file.jsonl (json, jsonl, csv or parquet, or a folder of class "
+        f"Cannot load the data set '{name}': the Hugging Face Hub cannot be reached from this machine. Use "
+        "--dataset_name /path/to/file.jsonl (json, jsonl, csv or parquet, or a folder of class "
         "subfolders), --tiny, or HF_HUB_OFFLINE=1 if the data set is already in the local datasets cache."
     )
 
@@ -112,9 +110,12 @@ def stored_config(model_name: str):
     """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
     from transformers import AutoConfig
 
+    from .arguments import check_local_path
+
     local = Path(resolve(model_name)) / "config.json"
     if local.is_file():
         return AutoConfig.from_pretrained(local.parent)
+    check_local_path(model_name, "model", "--model_name_or_path", "config.json")  # a path, not a Hub id
     path = hub_config_path(model_name)
     if not path.is_file():
         known = sorted(p.stem.replace("--", "/") for p in HUB_CONFIGS.glob("*--*.json"))

@@ -36,12 +36,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class Stopped(Exception):
     """Training stopped early, its checkpoints intact. `status` goes into the run summary; the message, if any,
-    is printed as `label: message` (by rank 0 alone where `main_only`); the process exits with `exit_code`."""
+    is printed by rank 0 as `label: message`; the process exits with `exit_code`."""
 
     status = "stopped"
     exit_code = 1
     label: str | None = None
-    main_only = False
 
 
 class Preempted(Stopped):
@@ -59,7 +58,7 @@ class Diverged(Stopped):
 class BudgetSpent(Stopped):
     """Training stopped, with a checkpoint, before passing --budget_usd."""
 
-    status, exit_code, label, main_only = "budget", BUDGET_SPENT, "stopped", True
+    status, exit_code, label = "budget", BUDGET_SPENT, "stopped"
 
 
 class SafeStop(TrainerCallback):

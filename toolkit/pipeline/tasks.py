@@ -33,17 +33,37 @@ TASKS = {
 }
 
 
-def model_class(task: str):
+def task(name: str) -> Task:
+    """The task a recipe names; an unknown one is an error listing the known ones."""
+    from ..errors import ConfigError
+
+    if name not in TASKS:
+        raise ConfigError(f"task must be {' or '.join(repr(t) for t in TASKS)}, got '{name}'.")
+    return TASKS[name]
+
+
+def infer_task(config) -> str:
+    """The task of a model given without a recipe, from its config: the heads it was saved with (`architectures`),
+    else sft where transformers has a causal LM for it, else classification."""
+    names = " ".join(getattr(config, "architectures", None) or [])
+    if "ForCausalLM" in names or "LMHeadModel" in names:
+        return "sft"
+    if any(head in names for head in ("ForSequenceClassification", "ForMaskedLM", "ForTokenClassification")):
+        return "classification"
+    return "sft" if type(config) in model_class("sft")._model_mapping else "classification"
+
+
+def model_class(name: str):
     """transformers' Auto class for a task: AutoModelForCausalLM, AutoModelForSequenceClassification."""
-    return getattr(importlib.import_module("transformers"), TASKS[task].auto_class)
+    return getattr(importlib.import_module("transformers"), task(name).auto_class)
 
 
-def peft_task_type(task: str):
+def peft_task_type(name: str):
     from peft import TaskType
 
-    return TaskType[TASKS[task].peft_task_type]
+    return TaskType[task(name).peft_task_type]
 
 
-def peft_model_class(task: str):
+def peft_model_class(name: str):
     """peft's Auto class that loads a saved adapter on its base model."""
-    return getattr(importlib.import_module("peft"), TASKS[task].peft_auto_class)
+    return getattr(importlib.import_module("peft"), task(name).peft_auto_class)

@@ -35,7 +35,7 @@ from .models import ParameterCounts
 from .packing import PackedInputs
 from .run_plan import RunPlan
 from .stopping import FiniteLossCheck, SafeStop, Stopped
-from .tasks import TASKS
+from .tasks import task
 
 
 class ToolkitTrainerMixin(RankReports, Tracked, FiniteLossCheck, PackedInputs, LengthGroupedSampling,
@@ -46,7 +46,7 @@ class ToolkitTrainerMixin(RankReports, Tracked, FiniteLossCheck, PackedInputs, L
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         super().__init__(*args, **kwargs)
         check_strategy(self.accelerator)  # before a single step is paid for
-        if not TASKS[arguments.data.task].token_normalised_loss:
+        if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see tasks.Task
         self.recipe, self.param_counts = arguments, param_counts
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd

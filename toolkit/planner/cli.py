@@ -8,7 +8,9 @@ import json
 from dataclasses import asdict, fields
 
 from ..distributed.layout import Layout
+from ..errors import ConfigError, command
 from ..pipeline.sources import model_config, stored_split_size
+from ..pipeline.tasks import TASKS, infer_task
 from ..project import is_recipe, load_recipe, strategy_files
 from .estimate import (
     ASSUMED_MFU,
@@ -25,7 +27,7 @@ from .shape import Shape, meta_model
 
 def recipe_values(model: str) -> dict:
     """A recipe's RECIPE dict (recipes/<model>.py), or the bare minimum for a Hub id or a local folder."""
-    return load_recipe(model) if is_recipe(model) else {"model_name_or_path": model, "task": "sft"}
+    return load_recipe(model) if is_recipe(model) else {"model_name_or_path": model}
 
 
 def build_plan(args) -> dict:
@@ -34,7 +36,7 @@ def build_plan(args) -> dict:
 
     values = recipe_values(args.model)
     config = model_config(values["model_name_or_path"])
-    task = values.get("task", "sft")
+    task = args.task or values.get("task") or infer_task(config)
     model_fields = {f.name for f in fields(ModelArguments)}
     lora = ModelArguments(**{k: v for k, v in values.items() if k in model_fields}).lora_settings()
     shape = Shape.of(meta_model(config, task, lora), config)
@@ -75,6 +77,7 @@ def build_plan(args) -> dict:
     return {
         "model": values["model_name_or_path"],
         "recipe": args.model if is_recipe(args.model) else None,
+        "task": task,
         "parameters": {
             "total": shape.total,
             "trainable": shape.trainable,
@@ -101,7 +104,8 @@ def build_plan(args) -> dict:
 def render(plan: dict) -> str:
     p, h, w = plan["parameters"], plan["hardware"], plan["workload"]
     lines = [
-        f"model       {plan['model']}" + (f"  (recipe {plan['recipe']})" if plan["recipe"] else ""),
+        f"model       {plan['model']}"
+        + (f"  (recipe {plan['recipe']})" if plan["recipe"] else f"  (task {plan['task']})"),
         f"parameters  {p['total']:,} total, {p['trainable']:,} trainable, {p['frozen']:,} frozen; "
         f"largest module {p['largest_module']:,}",
         f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
@@ -144,6 +148,7 @@ def render(plan: dict) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="A100-80GB", help="GPU type from toolkit/metrics/hardware.yaml")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--task", choices=sorted(TASKS), help="default: the recipe's, or inferred from the config")
     parser.add_argument("--precision", choices=PRECISIONS, help="default: the recipe's")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
     parser.add_argument("--micro_batch", type=int, help="per-device batch; default: the recipe's")
@@ -171,13 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples", "tokens_per_sample"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            parser.error(f"--{flag} must be at least 1, got {value}.")
-    from ..errors import ConfigError
-    from ..metrics.cost import UnknownHardware
-
-    try:
-        plan = build_plan(args)
-    except (ConfigError, UnknownHardware) as error:
-        parser.error(str(error))
+            raise ConfigError(f"--{flag} must be at least 1, got {value}.")
+    plan = build_plan(args)
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0

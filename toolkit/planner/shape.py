@@ -40,7 +40,8 @@ class Shape:
         params = {id(p): p for p in model.parameters()}.values()  # tied weights once
         own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
         blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-        layer = max((sum(p.numel() for p in b[0].parameters()) for b in blocks), default=0)
+        block = max((b[0] for b in blocks), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+        layer = sum(p.numel() for p in block.parameters()) if block is not None else 0
         embeddings = model.get_input_embeddings().weight.numel()
         head = model.get_output_embeddings()
         head_params = head.weight.numel() if head is not None else 0
@@ -58,7 +59,8 @@ class Shape:
             hidden_size=text.hidden_size,
             num_heads=heads,
             vocab_size=text.vocab_size,
-            intermediate_size=text.intermediate_size,
+            # GPT-2 (n_inner), OPT (ffn_dim), Falcon, DistilBERT name it otherwise: the layer's widest linear
+            intermediate_size=getattr(text, "intermediate_size", None) or widest_linear(block),
             q_size=heads * head_dim,
             kv_size=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
             gated_mlp=any(name.endswith("gate_proj") for name in names),
@@ -71,12 +73,26 @@ class Shape:
         )
 
 
+def widest_linear(block: torch.nn.Module | None) -> int:
+    """The widest input or output of a layer's linear maps (nn.Linear, GPT-2's Conv1D): its MLP's width."""
+    if block is None:
+        return 0
+    shapes = [m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    return max((max(shape) for shape in shapes), default=0)
+
+
 def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
     """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
-    from ..pipeline.tasks import model_class, peft_task_type
+    from ..errors import ConfigError
+    from ..pipeline.tasks import TASKS, model_class, peft_task_type
 
+    auto = model_class(task)
+    if type(config) not in auto._model_mapping and not getattr(config, "auto_map", None):
+        other = next((t for t in TASKS if t != task and type(config) in model_class(t)._model_mapping), None)
+        fix = f"pass --task {other}" if other else f"the toolkit's tasks ({', '.join(TASKS)}) do not cover it"
+        raise ConfigError(f"transformers has no {task} model for {config.model_type} ({auto.__name__}): {fix}.")
     with torch.device("meta"), outside_zero3_init():
-        model = model_class(task).from_config(config)
+        model = auto.from_config(config)
         if lora:
             from peft import LoraConfig, get_peft_model
 
