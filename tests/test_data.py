@@ -121,3 +121,44 @@ def test_bbc_news_class_folders_match_published_counts():
 def test_missing_package_source_names_the_install():
     with pytest.raises(SourceUnavailable, match=r"make install"):
         resolve("package:not_a_real_package_xyz/model")
+
+
+def test_llama3_template_gives_metas_token_ids_and_labels_each_answer():
+    """Meta's real Llama 3 tokenizer (llama-models' tokenizer.model, converted) with the toolkit's `llama3` template
+    gives exactly the ids of Meta's own reference encoder (llama_models.llama3.chat_format), and the labels cover
+    exactly each assistant message's content and its <|eot_id|>."""
+    pytest.importorskip("llama_models")
+    from llama_models.datatypes import RawMessage, StopReason
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+    from transformers import AutoTokenizer
+
+    from toolkit.pipeline.data import apply_chat_template_setting
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("package:llama_models/llama3/tokenizer.model"))
+    assert len(tokenizer) == 128_256 and tokenizer("Hello world", add_special_tokens=False)["input_ids"] == [9906, 1917]
+    apply_chat_template_setting(tokenizer, "llama3")
+    meta = Tokenizer.get_instance()
+
+    def reference(messages):  # Meta's encoding ends by opening the next assistant turn: a generation prompt
+        raw = [RawMessage(role=m["role"], content=m["content"], stop_reason=StopReason.end_of_turn) for m in messages]
+        return ChatFormat(meta).encode_dialog_prompt(raw).tokens
+
+    header = [meta.special_tokens["<|start_header_id|>"], 78191, meta.special_tokens["<|end_header_id|>"], 271]
+    assert reference(CONVERSATION)[-4:] == header  # ...<|start_header_id|>assistant<|end_header_id|>\n\n
+
+    out = tokenize_conversation(tokenizer, CONVERSATION, max_len=4096)
+    assert out["input_ids"] == reference(CONVERSATION)[:-4]
+    prompt = tokenizer.apply_chat_template(CONVERSATION[:-1], add_generation_prompt=True, return_dict=True)
+    assert prompt["input_ids"] == reference(CONVERSATION[:-1])
+
+    spans, current = [], []  # the runs of trained tokens
+    for token, label in zip([*out["input_ids"], None], [*out["labels"], IGNORE_INDEX], strict=True):
+        if label != IGNORE_INDEX:
+            assert label == token
+            current.append(label)
+        elif current:
+            spans, current = [*spans, current], []
+    eot = meta.special_tokens["<|eot_id|>"]
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert spans == [meta.encode(a, bos=False, eos=False) + [eot] for a in answers]

@@ -44,3 +44,40 @@ def test_make_demo(tmp_path):
     run = read_offline_run(run_dir)
     assert [r["train/loss"] for r in run["history"] if "train/loss" in r] == pytest.approx(losses, rel=1e-6)
     assert run["summary"]["eval/accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+# The chat demo's held-out loss falls by at least this much (README, "Fine-tune a chat model, then talk to it").
+DEMO_SFT_LOSS_DROP = 1.0
+
+
+def test_make_demo_sft(tmp_path):
+    """`make demo-sft`: SmolLM2's real weights from the package's GGUF, LoRA on chatterbot-corpus; held-out loss
+    before and after, the base and fine-tuned answers side by side, in samples.jsonl, the W&B run and the report."""
+    out = tmp_path / "chat"
+    result = check(run_cmd(["make", "-s", "demo-sft", f"BIN={BIN}", f"ARGS=--output_dir {out}"], cwd=ROOT,
+                           env={"WANDB_DIR": str(tmp_path)}, timeout=600))  # fmt: skip
+    evaluations = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    evaluations = [e for e in evaluations if "eval_loss" in e]
+    before, after = evaluations[0], evaluations[-1]
+    assert (before["step"], after["step"]) == (0, 20)
+    assert after["eval_loss"] < before["eval_loss"] - DEMO_SFT_LOSS_DROP, (before, after)
+    assert after["eval_perplexity"] < before["eval_perplexity"]
+    assert after["eval_token_accuracy"] > before["eval_token_accuracy"]
+    assert "what the model says, step 0 and step 20:" in result.stdout
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 0, 20, 20, 20]
+    assert [s["prompt"] for s in samples[:3]] == [s["prompt"] for s in samples[3:]]  # the same held-out prompts
+    assert all(s["answer"] for s in samples) and any(
+        a["answer"] != b["answer"] for a, b in zip(samples[:3], samples[3:], strict=True)
+    )
+
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = [row for row in read_offline_run(run_dir)["history"] if row.get("eval/samples/_type") == "table-file"]
+    assert len(logged) == 2
+    table = json.loads((run_dir / "files" / logged[-1]["eval/samples/path"]).read_text())
+    assert [row[3] for row in table["data"]] == [s["answer"] for s in samples[3:]]
+
+    report = check(run_cmd([str(BIN / "python"), "-m", "toolkit", "report", str(out), "--output",
+                            str(tmp_path / "report")], cwd=ROOT))  # fmt: skip
+    assert "## What the models say" in report.stdout and samples[0]["prompt"] in report.stdout

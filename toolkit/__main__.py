@@ -1,22 +1,28 @@
-"""`python -m toolkit plan|check|launch|report ...`: the toolkit's commands."""
+"""`python -m toolkit <command> ...`: the commands around a run."""
 
+import importlib
 import sys
 
-COMMANDS = {
-    "plan": "toolkit.planner.cli",
-    "check": "toolkit.distributed.launch_check",
-    "launch": "toolkit.distributed.launcher",
-    "report": "toolkit.metrics.report",
+COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs no Trainer stack)
+    "plan": "toolkit.planner.cli:main",  # memory, fit, time and cost, before launching
+    "check": "toolkit.distributed.launch_check:main",  # a strategy file's mistakes, in a second
+    "launch": "toolkit.distributed.launcher:main",  # accelerate launch, ending on the run's own exit code
+    "report": "toolkit.metrics.report:main",  # runs side by side: charts, pages, samples
+    "generate": "toolkit.generate:generate_main",  # answers from a trained model
+    "chat": "toolkit.generate:chat_main",  # a conversation with a trained model
 }
+
+
+def entry(name: str):
+    module, _, function = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(f"usage: python -m toolkit {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         return 2
-    import importlib
-
-    return importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:])
+    return entry(sys.argv[1])(sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,11 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPES = PROJECT_ROOT / "recipes"
 STRATEGIES = PROJECT_ROOT / "accelerate_configs"
+
+
+def cache_root() -> Path:
+    """Where the toolkit keeps what it builds once and reuses: tiny models, converted packaged assets."""
+    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "finetune-recipes"))
 
 
 def recipe_names() -> list[str]:

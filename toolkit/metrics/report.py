@@ -12,12 +12,13 @@ import argparse
 import html
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ToolkitError, command
 from ..errors import report as report_error
+from .samples import read_samples
 
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
@@ -40,6 +41,7 @@ class Run:
     name: str
     history: list[dict[str, Any]]  # training log lines, one per logging step (last one kept per step)
     summary: dict[str, Any]
+    samples: list[dict[str, Any]] = field(default_factory=list)  # --generation_samples: OUTPUT/samples.jsonl
 
 
 class ReportError(ToolkitError, ValueError):
@@ -68,7 +70,7 @@ def load_run(path: str | Path) -> Run:
     if not summary:
         raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
     by_step = {line["step"]: line for line in lines if "loss" in line}  # a resumed run repeats steps: last wins
-    return Run(name, [by_step[s] for s in sorted(by_step)], summary)
+    return Run(name, [by_step[s] for s in sorted(by_step)], summary, read_samples(path))
 
 
 def unique_names(runs: list[Run]) -> None:
@@ -132,11 +134,40 @@ def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
     return ["run", *(COLUMNS[k][0] for k in keys)], rows
 
 
+def samples_table(runs: list[Run]) -> tuple[list[str], list[list[str]]] | None:
+    """Each held-out prompt with its reference and every run's last answer (and the first run's earliest one, the
+    base model's when it evaluated before training), side by side; None when no run has samples."""
+    sampled = [run for run in runs if run.samples]
+    if not sampled:
+        return None
+    steps = {run.name: sorted({s["step"] for s in run.samples}) for run in sampled}
+    answer = {(run.name, s["step"], s["prompt"]): s["answer"] for run in sampled for s in run.samples}
+    first = sampled[0]
+    columns = [(first, steps[first.name][0])] if len(steps[first.name]) > 1 else []
+    columns += [(run, steps[run.name][-1]) for run in sampled]
+    head = ["prompt", "reference", *(f"{run.name}, step {step}" for run, step in columns)]
+    rows = []
+    for sample in (s for s in first.samples if s["step"] == steps[first.name][0]):
+        prompt = sample["prompt"]
+        rows.append(
+            [prompt, sample["reference"], *(answer.get((run.name, step, prompt), "-") for run, step in columns)]
+        )
+    return head, rows
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(map(cell, row)) + " |" for row in rows)]  # fmt: skip
+
+
 def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, Path]:
     head, rows = table(runs)
-    md = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    md += ["| " + " | ".join(row) + " |" for row in rows]
+    md = ["# Run comparison", "", *markdown_table(head, rows)]
     md += ["", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
+    samples = samples_table(runs)
+    if samples:
+        md += ["## What the models say", "", *markdown_table(*samples), ""]
     (folder / "report.md").write_text("\n".join(md))
     cells = lambda row, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
     page = (
@@ -146,6 +177,10 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
         f"<tr>{cells(head, 'th')}</tr>" + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows) + "</table>"
         + "".join(f"<p><img src='{p.name}' alt='{p.stem}'></p>" for p in pngs)
     )  # fmt: skip
+    if samples:
+        page += ("<h2>What the models say</h2><table class='samples'>" f"<tr>{cells(samples[0], 'th')}</tr>"
+                 + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in samples[1]) + "</table>")  # fmt: skip
+        page = page.replace("</style>", ".samples td{text-align:left;vertical-align:top}</style>")
     (folder / "index.html").write_text(page)
     return folder / "report.md", folder / "index.html"
 

@@ -186,6 +186,11 @@ class RunArguments:
         default=False,
         metadata={"help": "Write rows trained on and a weight digest per rank to output_dir/rank_reports/."},
     )
+    generation_samples: int = field(
+        default=0,
+        metadata={"help": "sft: at each evaluation, answer this many held-out prompts (OUTPUT/samples.jsonl, W&B)."},
+    )
+    generation_max_new_tokens: int = field(default=64, metadata={"help": "Length of each generation sample."})
 
     def __post_init__(self) -> None:
         optional_fields_unset(self)
@@ -197,6 +202,8 @@ class RunArguments:
         if self.cost_overhead < 1:
             raise ConfigError(f"cost_overhead multiplies the cost and is at least 1, got {self.cost_overhead}.")
         at_least("lr_reference_batch_size", self.lr_reference_batch_size, 1)
+        at_least("generation_samples", self.generation_samples, 0)
+        at_least("generation_max_new_tokens", self.generation_max_new_tokens, 1)
 
 
 def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
@@ -232,14 +239,17 @@ def check_training(training: TrainingArguments) -> None:
                           "--save_steps N.")  # fmt: skip
 
 
-def check_together(data: DataArguments, training: TrainingArguments) -> None:
+def check_together(data: DataArguments, run: RunArguments, training: TrainingArguments) -> None:
     """Settings that are each fine but fail together, after training has started."""
     evaluates = str(getattr(training.eval_strategy, "value", training.eval_strategy)) != "no"
     if evaluates and data.eval_split is None and not data.eval_fraction:
         raise ConfigError(f"eval_strategy {training.eval_strategy.value} has nothing to evaluate on: pass "
                           "--eval_split <split> or --eval_fraction 0.1, or --eval_strategy no.")  # fmt: skip
+    if run.generation_samples and (data.task != "sft" or (data.eval_split is None and not data.eval_fraction)):
+        raise ConfigError("generation_samples answers held-out prompts of an sft run: give it evaluation data "
+                          "(--eval_split <split> or --eval_fraction 0.1), or drop it.")  # fmt: skip
     metric = training.metric_for_best_model
-    known = {"loss"} | ({"accuracy"} if data.task == "classification" else set())
+    known = {"loss"} | ({"accuracy"} if data.task == "classification" else {"perplexity", "token_accuracy"})
     if metric is not None and metric.removeprefix("eval_") not in known:
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
                           f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
@@ -273,6 +283,24 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
 
 def known_fields() -> set[str]:
     return {f.name for cls in ARGUMENT_CLASSES for f in fields(cls) if f.init} | {"config"}
+
+
+def optional_settings() -> set[str]:
+    """The toolkit's settings whose type admits None. (TrainingArguments' are transformers': there "none" can be a
+    value of its own, as in --report_to none.)"""
+    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, RunArguments)]
+    return {name for items in hints for name, hint in items
+            if isinstance(hint, types.UnionType) and type(None) in hint.__args__}  # fmt: skip
+
+
+def unset_or(convert):
+    """A command-line converter that reads none/null/empty as None (unset), anything else as `convert` does."""
+
+    def converted(text: str):
+        return None if text.strip().lower() in NULLS else convert(text)
+
+    converted.__name__ = getattr(convert, "__name__", "value")  # argparse names it in "invalid int value"
+    return converted
 
 
 def scalar_types() -> dict[str, type]:
@@ -384,10 +412,13 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--config", help="YAML file of overrides (field: value).")
     required = [a.dest for a in parser._actions if a.required]
+    optional = optional_settings()
     for action in parser._actions:  # keep only the flags actually given; the layers below supply the rest
         action.required = False
         if action.dest != "help":
             action.default = argparse.SUPPRESS
+        if action.dest in optional and action.type is not None:  # `--max_eval_samples none`: unset
+            action.type = unset_or(action.type)
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type, or not among the choices
@@ -421,7 +452,7 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     except (TypeError, ValueError) as e:
         raise ConfigError(f"Invalid setting: {' '.join(str(e).split())}") from None
     check_training(training)
-    check_together(data, training)
+    check_together(data, run, training)
     if run.resume and training.resume_from_checkpoint:
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:

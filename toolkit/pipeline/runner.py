@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 from transformers import set_seed
 
@@ -22,8 +21,10 @@ from ..distributed.launch import Requested, is_local_main_process
 from ..distributed.strategy import check_processes, resolve_config_paths, set_fsdp_wrap_class
 from ..errors import ToolkitError, report
 from ..metrics.cost import check_device_name
+from ..metrics.evaluation import metrics_for
 from ..metrics.memory import HostMemoryPeak
 from ..metrics.rank_reports import LoadRecord
+from ..metrics.samples import held_out_prompts, side_by_side
 from ..metrics.wandb_run import finish_run, redact_argv
 from . import checkpoints, tiny
 from .arguments import global_batch_size, parse
@@ -43,11 +44,6 @@ from .packing import use_packing
 from .stopping import Stopped
 from .tasks import task
 from .trainer import RecipeTrainer
-
-
-def accuracy(eval_pred) -> dict[str, float]:
-    logits, labels = eval_pred
-    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
 
 
 def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +86,12 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     check_model_settings(config, args.model, args.data.task)
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
-    data = prepare(load_raw(args.data), tokenizer, args.data, training.main_process_first, packing)
+    raw = load_raw(args.data)
+    data = prepare(raw, tokenizer, args.data, training.main_process_first, packing)
+    prompts = []  # --generation_samples: held-out conversations cut before their last answer
+    if args.run.generation_samples:
+        prompts = held_out_prompts(raw["eval"].select(range(min(len(raw["eval"]), 8 * args.run.generation_samples)))
+                                   [args.data.messages_column], args.run.generation_samples)  # fmt: skip
     load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
@@ -105,6 +106,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
 
+    compute_metrics, preprocess_logits = metrics_for(args.data.task)
     trainer = RecipeTrainer(
         model=model,
         args=training,
@@ -112,10 +114,12 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         eval_dataset=data.eval,
         data_collator=data.collator,
         processing_class=tokenizer,
-        compute_metrics=accuracy if args.data.task == "classification" else None,
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=preprocess_logits,
         arguments=args,
         param_counts=counts,
         load=load,
+        prompts=prompts,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)
@@ -139,6 +143,8 @@ def finish(trainer: RecipeTrainer, args, data, result) -> dict[str, float]:
             print(f"eval accuracy {evaluation['eval_accuracy']:.4f} on {len(data.eval)} held-out examples")
     trainer.save_model(training.output_dir)
     if trainer.is_world_process_zero():
+        if trainer.sample_prompts:
+            print(side_by_side(training.output_dir))
         print(f"saved to {training.output_dir}")
         if args.model.use_lora and args.model.merge_lora:
             print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")

@@ -24,7 +24,8 @@ class SourceUnavailable(ToolkitError, RuntimeError):
 
 
 def resolve(name: str) -> str:
-    """`package:<module>/<path>` -> the path inside the installed package; anything else unchanged."""
+    """`package:<module>/<path>` -> the path inside the installed package (or, for a file that needs converting,
+    its converted form in the cache: packaged.py); anything else unchanged."""
     if not name.startswith(PACKAGE_PREFIX):
         return name
     module, _, rest = name[len(PACKAGE_PREFIX) :].partition("/")
@@ -32,12 +33,14 @@ def resolve(name: str) -> str:
     if spec is None or spec.origin is None:
         raise SourceUnavailable(
             f"'{name}' needs the Python package '{module}', which is not installed. "
-            "Install the demo assets with `make install` (or `pip install -e '.[demo]'`)."
+            "Install the demo assets with `make install`."
         )
     path = Path(spec.origin).parent / rest
     if not path.exists():
         raise SourceUnavailable(f"'{name}': {path} does not exist in the installed package '{module}'.")
-    return str(path)
+    from .packaged import converted
+
+    return str(converted(module, path))  # a GGUF checkpoint, a corpus of YAML files: made loadable once
 
 
 def is_local(name: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from ..project import cache_root
 from .sources import stored_config
 from .tasks import model_class
 
@@ -64,8 +65,7 @@ BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "finetune-recipes"))
-    return root / "tiny"
+    return cache_root() / "tiny"
 
 
 def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:

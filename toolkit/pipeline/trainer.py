@@ -3,6 +3,7 @@
 Each part is a small mixin with one job, in the module of its concern, and cooperates through `super()`:
   RankReports           rows trained on, weight digests, bytes held per rank      metrics/rank_reports.py
   Tracked               live tokens/s, MFU, memory, cost; health; run summary    metrics/tracking.py
+  GenerationSamples     answers to held-out prompts at each evaluation           metrics/samples.py
   FiniteLossCheck       a NaN/Inf loss marks its step for SafeStop               pipeline/stopping.py
   PackedInputs          packed batches reach the model without bookkeeping keys  pipeline/packing.py
   LengthGroupedSampling global length-grouped batches, seeded per epoch          pipeline/length_grouping.py
@@ -25,6 +26,7 @@ from transformers import Trainer
 from ..distributed.strategy import check_strategy
 from ..metrics.health import Health
 from ..metrics.rank_reports import LoadRecord, RankReports
+from ..metrics.samples import GenerationSamples, Prompt
 from ..metrics.tracking import RunTracker, Tracked
 from ..metrics.wandb_run import launch_environment, run_callback
 from ..planner.estimate import assumed_mfu, not_fitting_warning
@@ -38,10 +40,10 @@ from .stopping import FiniteLossCheck, SafeStop, Stopped
 from .tasks import task
 
 
-class ToolkitTrainerMixin(RankReports, Tracked, FiniteLossCheck, PackedInputs, LengthGroupedSampling,
-                          StagedCheckpoints):  # fmt: skip
+class ToolkitTrainerMixin(RankReports, Tracked, GenerationSamples, FiniteLossCheck, PackedInputs,
+                          LengthGroupedSampling, StagedCheckpoints):  # fmt: skip
     def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, load: LoadRecord | None = None,
-                 **kwargs):  # fmt: skip
+                 prompts: list[Prompt] | None = None, **kwargs):  # fmt: skip
         # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         super().__init__(*args, **kwargs)
@@ -49,6 +51,7 @@ class ToolkitTrainerMixin(RankReports, Tracked, FiniteLossCheck, PackedInputs, L
         if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see tasks.Task
         self.recipe, self.param_counts = arguments, param_counts
+        self.sample_prompts = prompts or []
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
                                   self.plan.peak_flops)  # fmt: skip

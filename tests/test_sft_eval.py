@@ -1,0 +1,74 @@
+"""SFT evaluation: assistant-token accuracy and perplexity beside the loss, and answers to held-out prompts at each
+evaluation, under sharded models too (every rank takes part in each forward)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import check, launch
+from llama3_fft import RECIPE as LLAMA3_FFT
+
+from toolkit import train
+from toolkit.metrics.samples import read_samples
+from toolkit.pipeline.packing import IGNORE_INDEX
+
+EVALUATED = ["--tiny", "--max_steps", "4", "--eval_fraction", "0.1", "--max_eval_samples", "24",
+             "--eval_on_start", "true", "--generation_samples", "2", "--generation_max_new_tokens", "8",
+             "--report_to", "none"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    return train(LLAMA3_FFT, [*EVALUATED, "--packing", "false", "--output_dir", str(out)], "llama3_fft"), out
+
+
+def test_token_accuracy_and_perplexity_are_what_they_say(one_process):
+    """eval_token_accuracy: the share of label tokens the model's argmax predicts; eval_perplexity: exp of the mean
+    negative log-likelihood over those tokens. Both recomputed here row by row from the saved model."""
+    result, out = one_process
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    right = total = 0
+    nll = 0.0
+    for row in result.trainer.eval_dataset:
+        with torch.no_grad():
+            logits = model(torch.tensor([row["input_ids"]])).logits[0, :-1]
+        labels = torch.tensor(row["labels"][1:])
+        trained = labels != IGNORE_INDEX
+        right += int((logits.argmax(-1)[trained] == labels[trained]).sum())
+        nll += float(torch.nn.functional.cross_entropy(logits[trained], labels[trained], reduction="sum"))
+        total += int(trained.sum())
+    metrics = result.metrics
+    assert metrics["eval_token_accuracy"] == pytest.approx(right / total, abs=1e-9)
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(nll / total), rel=1e-5)
+
+
+def test_samples_at_each_evaluation(one_process):
+    _, out = one_process
+    samples = read_samples(out)
+    assert [s["step"] for s in samples] == [0, 0, 4, 4]  # before training, and the final evaluation
+    assert all(s["messages"][-1]["role"] == "user" and s["reference"] for s in samples)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["zero3", "fsdp2"])
+def test_sharded_evaluation_and_samples_equal_one_process(config, one_process, tmp_path):
+    """2 processes under ZeRO-3 and FSDP2: before training (the same weights), the held-out perplexity, token
+    accuracy and greedy answers equal the 1-process run's, every rank having generated with the sharded model.
+    (The Trainer's eval_loss, a mean of batch means, does not: it moves with how the rows are batched.)"""
+    reference, reference_out = one_process
+    out = tmp_path / "run"
+    check(launch(config, "llama3_fft", *EVALUATED, "--packing", "false", "--output_dir", str(out), cwd=tmp_path))
+    samples, expected = read_samples(out), read_samples(reference_out)
+    assert [s["step"] for s in samples] == [0, 0, 4, 4]
+    assert [s["answer"] for s in samples[:2]] == [s["answer"] for s in expected[:2]]
+    logged = [line for line in reference.trainer.state.log_history if line.get("step") == 0 and "eval_loss" in line]
+    ours = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    ours = [line for line in ours if line.get("step") == 0 and "eval_loss" in line]
+    for key in ("eval_perplexity", "eval_token_accuracy"):
+        assert ours[0][key] == pytest.approx(logged[0][key], rel=1e-4), key

@@ -1,0 +1,143 @@
+"""`python -m toolkit generate RUN --prompt ...` and `python -m toolkit chat RUN`: talk to what a run trained.
+
+RUN is a run's output folder, its `merged/` folder (`--merge_lora true`), or one of its checkpoints: a full model
+(config.json and weights), or a LoRA adapter (adapter_config.json) loaded on the base model its config names.
+The chat template is the one saved with the run's tokenizer, the one the run trained with. Answers stream as
+they are generated; `--temperature 0` (the default) is greedy, so the same prompt gives the same answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import ConfigError, command
+
+
+def load(folder: str | Path, dtype: str = "auto"):
+    """(model, tokenizer) of a run's output: a full causal LM, or a LoRA adapter on its base."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    adapter = folder / "adapter_config.json"
+    if not adapter.is_file() and not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} holds no model (no config.json, no adapter_config.json): pass a run's "
+                          "--output_dir, its merged/ folder, or a checkpoint-N folder.")  # fmt: skip
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if adapter.is_file():
+        base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        if base.startswith(("/", ".")) and not Path(base).is_dir():
+            raise ConfigError(f"The adapter in {folder} was trained on {base}, which is no longer there: restore "
+                              "that folder, or use the merged model (--merge_lora true writes "
+                              "OUTPUT/merged).")  # fmt: skip
+        config = AutoConfig.from_pretrained(base)
+    else:
+        config = AutoConfig.from_pretrained(folder)
+    heads = " ".join(config.architectures or [])
+    if "ForSequenceClassification" in heads or "ForTokenClassification" in heads:
+        raise ConfigError(f"{folder} is a classification model ({heads}): it labels text, it does not write it.")
+    if adapter.is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"The tokenizer in {folder} has no chat template: this run was not a chat fine-tune.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval(), tokenizer
+
+
+def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Namespace, stream: bool = True) -> str:
+    """The model's next assistant message after `messages`, printed token by token as it comes when `stream`."""
+    import torch
+    from transformers import TextStreamer
+
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).to(model.device)  # fmt: skip
+    sampling = {"do_sample": False}
+    if args.temperature > 0:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, streamer=streamer,
+                             **sampling)  # fmt: skip
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("run", help="a run's output folder, its merged/ folder, or a checkpoint")
+    p.add_argument("--system", help="a system message before the conversation")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the same answer every time)")
+    p.add_argument("--top_p", type=float, default=0.9)
+    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="for sampling (--temperature > 0)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    return p
+
+
+def start(args: argparse.Namespace):
+    import warnings
+
+    from transformers import set_seed
+
+    # peft reads transformers' deprecated `is_gradient_checkpointing` as it loads an adapter: not the user's concern
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    for name in ("max_new_tokens", "top_k"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--temperature must be 0 (greedy) or more, and --top_p in (0, 1].")
+    set_seed(args.seed)
+    return load(args.run, args.dtype)
+
+
+def opening(args: argparse.Namespace) -> list[dict[str, str]]:
+    return [{"role": "system", "content": args.system}] if args.system else []
+
+
+@command
+def generate_main(argv: list[str] | None = None) -> int:
+    p = parser("python -m toolkit generate", "Answer prompts with a trained model.")
+    p.add_argument("--prompt", action="append", required=True, help="a user message; repeat for several")
+    args = p.parse_args(argv)
+    model, tokenizer = start(args)
+    for prompt in args.prompt:
+        print(f"> {prompt}", flush=True)
+        answer(model, tokenizer, [*opening(args), {"role": "user", "content": prompt}], args)
+        print(flush=True)
+    return 0
+
+
+@command
+def chat_main(argv: list[str] | None = None) -> int:
+    args = parser("python -m toolkit chat", "Talk with a trained model (/reset starts over, /exit or Ctrl-D ends)."
+                  ).parse_args(argv)  # fmt: skip
+    model, tokenizer = start(args)
+    messages = opening(args)
+    print(f"chatting with {args.run} (/reset starts over, /exit or Ctrl-D ends)", file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = opening(args)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        messages.append({"role": "assistant", "content": answer(model, tokenizer, messages, args)})
+    print(file=sys.stderr)
+    return 0

