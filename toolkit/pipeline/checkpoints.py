@@ -16,6 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..errors import ConfigError
 from .arguments import global_batch_size
 
@@ -192,6 +194,16 @@ class StagedCheckpoints:
         plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
         if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type) and not _internal_call:
             # The Trainer writes no weights at all here; gather the shards into one state dict on rank 0.
-            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+            self._save(output_dir, state_dict=untied(self.model, self.accelerator.get_state_dict(self.model)))
             return
         super().save_model(output_dir, _internal_call)
+
+
+def untied(model, state_dict: dict) -> dict:
+    """A gathered state dict without the second name of tied weights (lm_head.weight beside the embeddings), as
+    from_pretrained's own checkpoints are: gathered, the two names hold two equal tensors, saved twice."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # {tied name: source name}, transformers 5
+    for target, source in tied.items():
+        if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source]):
+            del state_dict[target]
+    return state_dict

@@ -188,6 +188,10 @@ def load_model(
         config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **kwargs)
         with init_empty_weights(include_buffers=False):
             model = model_class(task).from_config(config, dtype=checkpoint_dtype(args.dtype, config), **common)
+        # Tied embeddings come out untied from there (init_empty_weights re-creates each parameter it sees
+        # assigned, so the tie made inside it is lost): this rank would hold an lm_head.weight that rank 0's model,
+        # loaded by from_pretrained, does not, and accelerate's FSDP2 parameter mapping fails on it.
+        model.tie_weights()
     else:
         try:
             model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)

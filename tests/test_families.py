@@ -1,0 +1,70 @@
+"""Model families beyond the recipes' own: what they need from the toolkit, proven on tiny local checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check, launch
+from llama3_fft import RECIPE as LLAMA3_FFT
+from safetensors.torch import load_file
+
+from toolkit import train
+from toolkit.pipeline import tiny
+
+
+def tied_llama(folder: Path) -> Path:
+    """A tiny Llama with tied input and output embeddings (as Llama-3.2-1B, Qwen2.5 up to 3B, Gemma, SmolLM)."""
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def own_model_flags(model: Path, out: Path, per_device_batch: int) -> list[str]:
+    return ["--model_name_or_path", str(model), "--dataset_name", str(tiny.write_tiny_dataset("sft")),
+            "--train_split", "train", "--eval_split", "none", "--chat_template", "llama3", "--dtype", "float32",
+            "--bf16", "false", "--max_steps", "4", "--max_seq_length", "64", "--learning_rate", "2e-3",
+            "--per_device_train_batch_size", str(per_device_batch), "--report_to", "none", "--output_dir",
+            str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tied")
+    model = tied_llama(root / "model")
+    train(LLAMA3_FFT, own_model_flags(model, root / "one", 8), "llama3_fft")
+    return model, root / "one"
+
+
+def saved(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["fsdp2", "zero3"])
+def test_tied_embeddings_train_sharded_and_export_once(config, tied_reference, tmp_path):
+    """Under FSDP2 with RAM-efficient loading, rank 1 built an untied model on the meta device and accelerate's
+    parameter mapping failed (`FSDP2 mapping failed (missing: ['lm_head.weight'])`); its export then held the
+    embeddings twice. Now it trains, exports them once, reloads tied, and ends with the 1-process run's weights."""
+    from transformers import AutoModelForCausalLM
+
+    model, one = tied_reference
+    out = tmp_path / "run"
+    check(launch(config, "llama3_fft", *own_model_flags(model, out, 4), cwd=tmp_path))
+    ours, reference = saved(out), saved(one)
+    assert sorted(ours) == sorted(reference) == sorted(saved(model))  # lm_head.weight stored by neither
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=2e-4, msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
