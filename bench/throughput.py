@@ -123,9 +123,9 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
         trainer = Trainer(model=model, args=args, train_dataset=data.remove_columns("assistant_masks"),
                           data_collator=padded, processing_class=tokenizer, callbacks=[clock.callback])  # fmt: skip
     else:
-        from toolkit.pipeline.arguments import parse
         from toolkit.pipeline.length_grouping import LENGTH
         from toolkit.pipeline.models import ParameterCounts
+        from toolkit.pipeline.parser import parse
         from toolkit.pipeline.trainer import RecipeTrainer
 
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "max_seq_length": max_len,

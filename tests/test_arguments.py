@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.pipeline.arguments import parse
+from toolkit.pipeline.parser import parse
 from toolkit.pipeline.runner import tiny_layer
 
 RECIPE = dict(

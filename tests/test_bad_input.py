@@ -309,7 +309,7 @@ def test_rows_skipped_on_request_are_counted(files, tmp_path, capsys):
 
 
 def test_dtype_aliases_people_type_are_accepted():
-    from toolkit.pipeline.arguments import parse
+    from toolkit.pipeline.parser import parse
 
     assert parse(BERT, "bert", ["--dtype", "bf16"]).model.dtype == "bfloat16"
     assert parse(BERT, "bert", ["--dtype", "FP32"]).model.dtype == "float32"

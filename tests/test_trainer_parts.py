@@ -9,9 +9,9 @@ import json
 import pytest
 from llama3_fft import RECIPE as LLAMA3_FFT
 
-from toolkit.pipeline.arguments import parse
 from toolkit.pipeline.checkpoints import OWNER
 from toolkit.pipeline.models import ParameterCounts
+from toolkit.pipeline.parser import parse
 from toolkit.pipeline.runner import tiny_layer
 from toolkit.pipeline.trainer import RecipeTrainer, ToolkitTrainerMixin
 

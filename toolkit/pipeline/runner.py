@@ -27,7 +27,7 @@ from ..metrics.rank_reports import LoadRecord
 from ..metrics.samples import held_out_prompts, side_by_side
 from ..metrics.wandb_run import finish_run, redact_argv
 from . import checkpoints, tiny
-from .arguments import global_batch_size, parse
+from .arguments import global_batch_size
 from .data import load_raw, prepare
 from .models import (
     ParameterCounts,
@@ -41,6 +41,7 @@ from .models import (
     save_merged,
 )
 from .packing import use_packing
+from .parser import parse
 from .stopping import Stopped
 from .tasks import task
 from .trainer import RecipeTrainer

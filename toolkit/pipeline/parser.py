@@ -1,0 +1,200 @@
+"""The layered parser: a recipe and its overrides into typed settings (arguments.py).
+
+A recipe is a flat mapping of defaults (alignment-handbook style). Values are resolved in this order, later
+wins: `TrainingArguments` defaults < toolkit defaults < the recipe < `--tiny` settings < a YAML file given
+with `--config` < command-line flags. Every key is checked against the known fields, so a typo fails at once
+with the closest valid name; numbers a YAML file leaves as text are converted; `--name none` unsets an optional
+setting of the toolkit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import sys
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from ..distributed.launch import has_accelerator
+from ..errors import ConfigError
+from .arguments import (
+    ARGUMENT_CLASSES,
+    NULLS,
+    Arguments,
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    check_together,
+    check_training,
+)
+
+
+def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
+    """Defaults that differ from `TrainingArguments`' own, for every recipe."""
+    defaults: dict[str, Any] = {
+        "output_dir": f"runs/{recipe_name}",
+        "run_name": recipe_name,
+        "logging_steps": 10,
+        "save_strategy": "no",
+        "include_num_input_tokens_seen": "non_padding",  # tokens/s counts only real tokens
+        "report_to": "wandb" if importlib.util.find_spec("wandb") else "none",
+        "activation_checkpointing_kwargs": {"use_reentrant": False},
+        # transformers models use every parameter in forward: skip DDP's extra graph traversal per step
+        "ddp_find_unused_parameters": False,
+        # The Trainer replaces a NaN/inf loss by the running mean in its logs; the toolkit stops the run instead.
+        "logging_nan_inf_filter": False,
+        # Micro-batches of similar lengths pad less: grouped per global batch (length_grouping.py).
+        "train_sampling_strategy": "group_by_length",
+    }
+    if not has_accelerator():
+        # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
+        defaults["use_cpu"] = True
+    return defaults
+
+
+def known_fields() -> set[str]:
+    return {f.name for cls in ARGUMENT_CLASSES for f in fields(cls) if f.init} | {"config"}
+
+
+def optional_settings() -> set[str]:
+    """The toolkit's settings whose type admits None. (TrainingArguments' are transformers': there "none" can be a
+    value of its own, as in --report_to none.)"""
+    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, RunArguments)]
+    return {name for items in hints for name, hint in items
+            if isinstance(hint, types.UnionType) and type(None) in hint.__args__}  # fmt: skip
+
+
+def unset_or(convert):
+    """A command-line converter that reads none/null/empty as None (unset), anything else as `convert` does."""
+
+    def converted(text: str):
+        return None if text.strip().lower() in NULLS else convert(text)
+
+    converted.__name__ = getattr(convert, "__name__", "value")  # argparse names it in "invalid int value"
+    return converted
+
+
+def scalar_types() -> dict[str, type]:
+    """Settings whose type is a number or a flag (optional or not), and that type; str-or-x settings excluded."""
+    out = {}
+    for cls in ARGUMENT_CLASSES:
+        for name, hint in typing.get_type_hints(cls).items():
+            options = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            kinds = options & {int, float, bool}
+            if len(kinds) == 1 and str not in options:
+                out[name] = kinds.pop()
+    return out
+
+
+def coerce(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Numbers and flags written as text, as YAML 1.1 leaves them (`learning_rate: 1e-5` is the string "1e-5"),
+    converted to the setting's type; a value that is not one is an error naming the setting."""
+    kinds = scalar_types()
+    out = dict(values)
+    for key, value in values.items():
+        kind = kinds.get(key)
+        if kind is None or not isinstance(value, str):
+            continue
+        try:
+            if kind is bool:
+                out[key] = {"true": True, "false": False, "yes": True, "no": False}[value.strip().lower()]
+            else:
+                out[key] = kind(float(value)) if kind is int and float(value).is_integer() else kind(value)
+        except (KeyError, ValueError):
+            wanted = "true or false" if kind is bool else f"a{'n integer' if kind is int else ' number'}"
+            raise ConfigError(f"{key} in {where} must be {wanted}, got '{value}'.") from None
+    return out
+
+
+def check_keys(values: dict[str, Any], where: str) -> None:
+    """Fail on unknown keys, suggesting the closest known one."""
+    known = known_fields()
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"Unknown setting '{key}' in {where}.{hint}")
+
+
+def load_overrides(path: str) -> dict[str, Any]:
+    """Read a YAML file of overrides (a flat mapping of field: value)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"Config file not found: {path}")
+    try:
+        values = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"Config file {path} must be a mapping of setting: value, got {type(values).__name__}.")
+    check_keys(values, path)
+    return coerce(values, path)
+
+
+def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None) -> Arguments:
+    """Resolve a recipe and its overrides into typed argument objects.
+
+    `tiny_defaults(values) -> dict` supplies the `--tiny` layer; it sees the values resolved so far.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_keys(recipe, f"recipe '{recipe_name}'")
+    recipe = coerce(recipe, f"recipe '{recipe_name}'")
+    # allow_abbrev: a prefix is a typo, not a match; exit_on_error: a bad value is our one line, not argparse's
+    parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--config", help="YAML file of overrides (field: value).")
+    required = [a.dest for a in parser._actions if a.required]
+    optional = optional_settings()
+    for action in parser._actions:  # keep only the flags actually given; the layers below supply the rest
+        action.required = False
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+        if action.dest in optional and action.type is not None:  # `--max_eval_samples none`: unset
+            action.type = unset_or(action.type)
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:  # a value of the wrong type, or not among the choices
+        raise ConfigError(f"Invalid command-line arguments: {e} (--help lists every setting).") from None
+    except SystemExit as e:
+        if e.code == 0:
+            raise
+        raise ConfigError("Invalid command-line arguments (see the message above; --help lists them).") from e
+    if unknown:
+        flag = unknown[0].lstrip("-").split("=")[0]
+        close = difflib.get_close_matches(flag, known_fields(), n=1)
+        hint = f" Did you mean '--{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown command-line argument '{unknown[0]}'.{hint}")
+    flags = vars(namespace)
+    overrides = load_overrides(flags.pop("config")) if "config" in flags else {}
+
+    values: dict[str, Any] = {**toolkit_defaults(recipe_name), **recipe}
+    if {**values, **overrides, **flags}.get("tiny") and tiny_defaults is not None:
+        values.update(tiny_defaults({**values, **overrides, **flags}))
+    values.update(overrides)
+    values.update(flags)
+    missing = [k for k in required if values.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"Recipe '{recipe_name}' does not set {missing}: add them to the recipe or pass --{missing[0]}."
+        )
+    try:
+        model, data, run, training = parser.parse_dict(values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Invalid setting: {' '.join(str(e).split())}") from None
+    check_training(training)
+    check_together(data, run, training)
+    if run.resume and training.resume_from_checkpoint:
+        raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
+    if model.merge_lora and not model.use_lora:
+        raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
+    return Arguments(model, data, run, training, recipe_name)
