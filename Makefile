@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft chat finetune plan report bench test test-fast lint format clean
+.PHONY: install demo demo-sft chat prepare finetune plan report bench test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -44,6 +44,10 @@ finetune:
 		$(if $(strip $(NUM_PROCESSES)),--num_processes $(strip $(NUM_PROCESSES))) \
 		recipes/$(strip $(MODEL)).py $(ARGS)
 
+# Tokenize (and pack) a recipe's data ahead of a launch, on any machine; the launch then finds it in the cache.
+prepare:
+	$(BIN)/python -m toolkit prepare $(strip $(MODEL)) $(ARGS)
+
 # Memory per GPU for every config, the fit verdict and the recommendation (offline, no weights loaded).
 plan:
 	$(BIN)/python -m toolkit plan $(strip $(MODEL)) --gpu $(strip $(GPU)) --gpus $(strip $(GPUS)) \
@@ -53,10 +57,12 @@ plan:
 report:
 	$(BIN)/python -m toolkit report $(RUNS) --output $(strip $(REPORT))
 
-# Throughput of the plain Trainer, RecipeTrainer, packing and TRL on the same job; RAM-efficient loading.
+# Throughput of the plain Trainer, RecipeTrainer, packing and TRL on the same job; RAM-efficient loading; chat data
+# preparation against the per-turn prefix method and TRL's.
 bench:
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/ram_loading.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/data_prep.py
 
 test:
 	$(BIN)/python -m pytest -q --durations=10

@@ -8,9 +8,12 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
+from toolkit.errors import DataError
 from toolkit.pipeline import tiny
 from toolkit.pipeline.arguments import DataArguments
-from toolkit.pipeline.data import IGNORE_INDEX, DataError, load_raw, prepare, tokenize_conversation
+from toolkit.pipeline.conversations import tokenize_conversation
+from toolkit.pipeline.data import load_raw, prepare
+from toolkit.pipeline.packing import IGNORE_INDEX
 from toolkit.pipeline.sources import SourceUnavailable, resolve
 
 
@@ -21,7 +24,7 @@ def no_lock(desc):
 @pytest.fixture(scope="module")
 def llama_tokenizer():
     tok = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
-    from toolkit.pipeline.data import apply_chat_template_setting
+    from toolkit.pipeline.conversations import apply_chat_template_setting
 
     apply_chat_template_setting(tok, "llama3")
     return tok
@@ -133,7 +136,7 @@ def test_llama3_template_gives_metas_token_ids_and_labels_each_answer():
     from llama_models.llama3.tokenizer import Tokenizer
     from transformers import AutoTokenizer
 
-    from toolkit.pipeline.data import apply_chat_template_setting
+    from toolkit.pipeline.conversations import apply_chat_template_setting
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("package:llama_models/llama3/tokenizer.model"))
     assert len(tokenizer) == 128_256 and tokenizer("Hello world", add_special_tokens=False)["input_ids"] == [9906, 1917]
@@ -162,3 +165,77 @@ def test_llama3_template_gives_metas_token_ids_and_labels_each_answer():
     eot = meta.special_tokens["<|eot_id|>"]
     answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
     assert spans == [meta.encode(a, bos=False, eos=False) + [eot] for a in answers]
+
+
+# Templates in the layouts people use (written here in their published shapes), and one that rewrites history.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # fmt: skip
+ZEPHYR = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")  # fmt: skip
+# Renders an assistant's text otherwise than the data has it ("plus" as "+"): such conversations are not found by
+# the layout and take the reference path; the others stay on the fast one.
+REPLACING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] | replace('plus', '+') "
+             "if m['role'] == 'assistant' else m['content']) + '<|im_end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # fmt: skip
+
+
+def conversations(count: int = 60) -> list[list[dict]]:
+    """Tiny chat rows plus longer ones (up to 30 messages), with a system prompt, padding spaces, repeated texts."""
+    import random
+
+    rows = [row["messages"] for row in tiny.chat_rows(count)]
+    rng = random.Random(1)
+    for n in range(count // 3):
+        turns = []
+        for t in range(rng.randint(2, 15)):
+            turns += [{"role": "user", "content": f"  Question {t} of {n}: what is {t} plus {n}?"},
+                      {"role": "assistant", "content": f"{t + n}.  " if t % 2 else "Same as before."}]  # fmt: skip
+        rows.append([{"role": "system", "content": "Be brief."}, *turns])
+    return rows
+
+
+@pytest.mark.parametrize(("template", "path"), [("llama3", "marks"), ("llama3-unmarked", "layout"),
+                         (CHATML, "layout"), (ZEPHYR, "layout"), (REPLACING, "some")],
+                         ids=["llama3", "llama3-unmarked", "chatml", "zephyr", "replacing"])  # fmt: skip
+def test_linear_labels_equal_the_prefix_reference(template, path, monkeypatch):
+    """Every conversation's ids and labels equal the prefix method's, whichever way they were found (and the way
+    the template calls for was the one used: the reference only where the layout does not describe the turns)."""
+    from toolkit.pipeline import conversations as module
+    from toolkit.pipeline.conversations import CHAT_TEMPLATES, TurnLayout, tokenize_by_prefixes, tokenize_conversations
+
+    tok = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|user|>", "<|assistant|>",
+                                                          "<|system|>"]})  # fmt: skip
+    tok.chat_template = {"llama3": CHAT_TEMPLATES["llama3"],
+                         "llama3-unmarked": CHAT_TEMPLATES["llama3"].replace("{% generation %}", "").replace(
+                             "{% endgeneration %}", "")}.get(template, template)  # fmt: skip
+    rows = conversations()
+    expected = [tokenize_by_prefixes(tok, messages, 4096) for messages in rows]
+    fallbacks = []
+    monkeypatch.setattr(module, "tokenize_by_prefixes", lambda *a: fallbacks.append(1) or tokenize_by_prefixes(*a))
+    assert tokenize_conversations(tok, rows, 4096, TurnLayout.of(tok)) == expected
+    rewritten = sum(any("plus" in m["content"] for m in messages if m["role"] == "assistant") for messages in rows)
+    assert {"marks": 0, "layout": 0, "some": rewritten}[path] == len(fallbacks)
+    assert path != "some" or 0 < rewritten < len(rows)
+    assert all(any(label != IGNORE_INDEX for label in row["labels"]) for row in expected)
+    truncated = tokenize_conversations(tok, rows, 16, TurnLayout.of(tok))
+    assert truncated == [{k: v[:16] for k, v in row.items()} for row in expected]
+
+
+def test_prepared_data_is_kept_and_found_again_and_remade_when_anything_changes(tmp_path, capsys):
+    """`python -m toolkit prepare` keeps the tokenized (and packed) splits; a run with the same recipe and data
+    settings finds them, any change of a setting (or of the data, the tokenizer, the code) makes new ones."""
+    from toolkit.__main__ import entry
+
+    flags = ["--tiny", "--max_train_samples", "300"]
+    assert entry("prepare")(["llama3_fft", *flags]) == 0
+    first = capsys.readouterr().out
+    assert "300 training rows (packed); tokenized 300 rows in" in first
+    folder = first.rsplit("kept in ", 1)[1].strip()
+    assert entry("prepare")(["llama3_fft", *flags]) == 0
+    assert f"from the cache {folder}" in capsys.readouterr().out
+    assert entry("prepare")(["llama3_fft", *flags, "--max_seq_length", "48"]) == 0
+    assert "tokenized 300 rows" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        entry("prepare")(["llama3_ftt"])
+    assert exit_info.value.code == 2 and "No recipe 'llama3_ftt'" in capsys.readouterr().err

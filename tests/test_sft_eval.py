@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import check, launch
 from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit import train
+from toolkit.__main__ import entry
 from toolkit.metrics.samples import read_samples
 from toolkit.pipeline.packing import IGNORE_INDEX
 
@@ -57,13 +59,19 @@ def test_samples_at_each_evaluation(one_process):
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
-def test_sharded_evaluation_and_samples_equal_one_process(config, one_process, tmp_path):
+def test_sharded_evaluation_and_samples_equal_one_process(config, one_process, tmp_path, capsys):
     """2 processes under ZeRO-3 and FSDP2: before training (the same weights), the held-out perplexity, token
     accuracy and greedy answers equal the 1-process run's, every rank having generated with the sharded model.
-    (The Trainer's eval_loss, a mean of batch means, does not: it moves with how the rows are batched.)"""
+    (The Trainer's eval_loss, a mean of batch means, does not: it moves with how the rows are batched.) The data,
+    prepared beforehand by `python -m toolkit prepare`, comes from the cache: the launch tokenizes nothing."""
     reference, reference_out = one_process
     out = tmp_path / "run"
-    check(launch(config, "llama3_fft", *EVALUATED, "--packing", "false", "--output_dir", str(out), cwd=tmp_path))
+    flags = [*EVALUATED, "--packing", "false"]
+    assert entry("prepare")(["llama3_fft", *flags]) == 0
+    prepared = capsys.readouterr().out
+    launched = check(launch(config, "llama3_fft", *flags, "--output_dir", str(out), cwd=tmp_path))
+    folder = re.search(r"(?:kept in|from the cache) (\S+)", prepared).group(1)
+    assert f"data          from the cache {folder}" in launched.stdout
     samples, expected = read_samples(out), read_samples(reference_out)
     assert [s["step"] for s in samples] == [0, 0, 4, 4]
     assert [s["answer"] for s in samples[:2]] == [s["answer"] for s in expected[:2]]

@@ -30,6 +30,10 @@ class ConfigError(ToolkitError, ValueError):
     """A bad recipe, override, flag or config file."""
 
 
+class DataError(ToolkitError, ValueError):
+    """A data set that does not fit the recipe: missing columns, unusable rows, no rows left, ..."""
+
+
 def is_main_process() -> bool:
     """Rank 0 of the job (every process of a job sees the same RANK; a plain script has none)."""
     return os.environ.get("RANK", "0") == "0"

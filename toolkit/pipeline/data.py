@@ -5,6 +5,14 @@ Tokenization goes through `datasets.map`, so it is cached on disk and reused by 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,28 +20,21 @@ from typing import Any
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from ..errors import ToolkitError, warn
+from ..errors import DataError, warn
+from ..project import cache_root
 from .arguments import DataArguments
+from .conversations import (
+    TurnLayout,
+    apply_chat_template_setting,
+    conversation_problem,
+    tokenize_conversations,
+)
 from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
 from .sources import check_hub_dataset, resolve
 
+PER_WORKER = 2000  # conversations a tokenizing process should have to do, to be worth starting (~1 s of start-up)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-# Llama 3's chat format (https://www.llama.com/docs/model-cards-and-prompt-formats/meta-llama-3/). The base
-# Meta-Llama-3-8B tokenizer has these special tokens but ships no template.
-CHAT_TEMPLATES = {
-    "llama3": (
-        "{{ bos_token }}{% for message in messages %}"
-        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
-        "{{ message['content'] | trim + '<|eot_id|>' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-    ),
-}
-
-
-class DataError(ToolkitError, ValueError):
-    """A data set that does not fit the recipe: missing columns, no rows left, ..."""
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PreparedData:
     eval: Dataset | None
     collator: Any
     label_names: list[str] | None  # classification only
+    note: str = ""  # where it came from: the cache, or tokenized now and how long it took
 
 
 def load_raw(args: DataArguments) -> DatasetDict:
@@ -120,31 +122,6 @@ def _load_class_folders(root: Path, encoding: str) -> Dataset:
 # ------------------------------------------------------------------------------------- rows checked
 
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT = {"human": "user", "gpt": "assistant"}  # ShareGPT's roles, and what they are in role/content form
-
-
-def conversation_problem(messages: Any) -> str | None:
-    """What makes a conversation unusable for SFT, or None: it would render as something else than it says."""
-    if not isinstance(messages, list) or not messages:
-        return "the conversation is empty"
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
-            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
-            hint = " (ShareGPT's from/value: rename them role/content)" if "from" in keys else ""
-            return f"message {k} has no role (it has {keys}){hint}"
-        role = message["role"]
-        if role not in ROLES:
-            hint = f"; ShareGPT data: rename its roles {SHAREGPT}" if role in SHAREGPT else ""
-            return f"message {k} has the role '{role}', not one of {', '.join(ROLES)}{hint}"
-        if not isinstance(message.get("content"), str):
-            what = "no" if message.get("content") is None else f"{type(message['content']).__name__}, not text,"
-            return f"message {k} ({role}) has {what} content"
-    if not any(message["role"] == "assistant" for message in messages):
-        return "it has no assistant message, so nothing to learn"
-    return None
-
-
 def label_problem(num_classes: int | None) -> Any:
     """What makes a classification row unusable: no text, no label, or a label outside the ClassLabel's range."""
 
@@ -213,9 +190,8 @@ def label_names(ds: DatasetDict, column: str) -> list[str]:
     return [str(v) for v in sorted(values)]
 
 
-def prepare_classification(
-    ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first
-) -> PreparedData:
+def tokenized_classification(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase,
+                             args: DataArguments) -> tuple[DatasetDict, list[str]]:  # fmt: skip
     text_columns = [c.strip() for c in args.text_columns.split(",")]
     if not 1 <= len(text_columns) <= 2:
         raise DataError(f"text_columns takes one column or a pair, got {text_columns}.")
@@ -233,87 +209,103 @@ def prepare_classification(
         out[LENGTH] = [len(x) for x in out["input_ids"]]  # for length-grouped batching
         return out
 
-    with main_process_first(desc="tokenizing"):
-        tokenized = ds.map(tokenize, batched=True, remove_columns=ds["train"].column_names, desc="Tokenizing")
-    return PreparedData(
-        tokenized["train"], tokenized.get("eval"), DataCollatorWithPadding(tokenizer), label_names=names
-    )
+    return ds.map(tokenize, batched=True, remove_columns=ds["train"].column_names, desc="Tokenizing"), names
 
 
 # ---------------------------------------------------------------------------------------------------- SFT
 
 
-def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
-    if template and template not in CHAT_TEMPLATES and "{" not in template:
-        named = ", ".join(CHAT_TEMPLATES)
-        raise DataError(f"chat_template '{template}' is neither a named template ({named}) nor a Jinja template: "
-                        "pass --chat_template llama3, or leave it unset for the tokenizer's own.")  # fmt: skip
-    if template:
-        tokenizer.chat_template = CHAT_TEMPLATES.get(template, template)
-    if tokenizer.chat_template is None:
-        raise DataError(
-            f"The tokenizer has no chat template. Set one with --chat_template ({', '.join(CHAT_TEMPLATES)}, "
-            "or a Jinja string)."
-        )
-    if tokenizer.pad_token is None:  # padding is masked out of attention and loss, so any token will do
-        tokenizer.pad_token = tokenizer.eos_token
+def workers(rows: int) -> int | None:
+    """Processes to tokenize with: one per CPU core for data sets large enough to repay starting them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, rows // PER_WORKER) if rows >= 2 * PER_WORKER and cores > 1 else None
 
 
-def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> dict:
-    """Token ids of a whole conversation, with labels only on the assistant's tokens.
-
-    Each assistant turn's tokens are found as the difference between the conversation rendered up to the
-    turn (with the generation prompt) and rendered through it, so any template works, as long as rendering a
-    prefix gives a prefix of the tokens (checked).
-    """
-
-    def ids(msgs, generation_prompt=False):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    input_ids = ids(messages)
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start, through = len(ids(messages[:i], generation_prompt=True)), ids(messages[: i + 1])
-        end = len(through)
-        if through != input_ids[:end]:
-            raise DataError("The chat template does not render a conversation's prefix as a prefix of its tokens.")
-        labels[start:end] = input_ids[start:end]
-    input_ids, labels = input_ids[:max_len], labels[:max_len]
-    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
-
-
-def prepare_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
-                packing: bool = False):  # fmt: skip
-    apply_chat_template_setting(tokenizer, args.chat_template)
+def tokenized_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments,
+                  packing: bool) -> DatasetDict:  # fmt: skip
     for split in ds.values():
         require_columns(split, [args.messages_column], "--messages_column")
+    layout = TurnLayout.of(tokenizer)  # learned once here, not in every worker
 
-    def tokenize(row):
-        out = tokenize_conversation(tokenizer, row[args.messages_column], args.max_seq_length)
-        return {**out, LENGTH: len(out["input_ids"])}  # for length-grouped batching
+    def tokenize(batch):
+        rows = tokenize_conversations(tokenizer, batch[args.messages_column], args.max_seq_length, layout)
+        out = {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
+        return {**out, LENGTH: [len(ids) for ids in out["input_ids"]]}  # for length-grouped batching
 
-    with main_process_first(desc="tokenizing"):
-        tokenized = ds.map(tokenize, remove_columns=ds["train"].column_names, desc="Tokenizing")
-        # A conversation whose assistant turns were all truncated away teaches nothing.
-        tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
+    tokenized = DatasetDict({
+        name: split.map(tokenize, batched=True, remove_columns=split.column_names, num_proc=workers(len(split)),
+                        desc=f"Tokenizing {name}")
+        for name, split in ds.items()
+    })  # fmt: skip
+    # A conversation whose assistant turns were all truncated away teaches nothing.
+    tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
     if len(tokenized["train"]) == 0:
         raise DataError(f"No training conversation has an assistant token within max_seq_length={args.max_seq_length}.")
     if packing:  # several conversations per row (packing.py)
-        with main_process_first(desc="packing"):
-            tokenized = {split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()}
-        collator = PackedCollator(tokenizer.pad_token_id)
-        return PreparedData(tokenized["train"], tokenized.get("eval"), collator, label_names=None)
-    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
-    return PreparedData(tokenized["train"], tokenized.get("eval"), collator, label_names=None)
+        tokenized = DatasetDict({split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()})
+    return tokenized
+
+
+def prepared_folder(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, packing: bool) -> Path:
+    """Where this preparation is kept: named by everything that decides it, so a launch finds what `python -m
+    toolkit prepare` (or an earlier run) made, and a change to any of it makes a new one. The input splits by
+    datasets' own fingerprints (of the files, and of each selection and split made of them), the tokenizer by
+    its full definition and chat template, the settings, and the source of the code that tokenizes and packs."""
+    from . import conversations
+    from . import packing as packing_module
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    code = (inspect.getsource(module) for module in (sys.modules[__name__], conversations, packing_module))
+    parts = [json.dumps({name: split._fingerprint for name, split in ds.items()}), definition,
+             json.dumps([tokenizer.chat_template, tokenizer.pad_token, type(tokenizer).__name__, packing,
+                         dataclasses.asdict(args)], sort_keys=True, default=str), *code]  # fmt: skip
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / "prepared" / f"{args.task}-{key}"
 
 
 def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
-            packing: bool = False):  # fmt: skip
+            packing: bool = False) -> PreparedData:  # fmt: skip
+    """Tokenized (and packed) splits and their collator, from the cache when this exact preparation was made
+    before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there."""
     if len(ds["train"]) == 0:
         raise DataError(f"The training split of '{args.dataset_name}' is empty.")
+    if args.task == "sft":
+        apply_chat_template_setting(tokenizer, args.chat_template)  # it decides the tokens: before the key
+    folder = prepared_folder(ds, tokenizer, args, packing)
+    with main_process_first(desc="preparing data"):
+        if (folder / "meta.json").is_file():
+            meta = json.loads((folder / "meta.json").read_text())
+            tokenized = DatasetDict.load_from_disk(str(folder / "data"))
+            note = f"from the cache {folder} (prepared {meta['prepared']}, in {meta['seconds']:.1f} s)"
+        else:
+            start = time.perf_counter()
+            names = None
+            if args.task == "classification":
+                tokenized, names = tokenized_classification(ds, tokenizer, args)
+            else:
+                tokenized = tokenized_sft(ds, tokenizer, args, packing)
+            meta = {"prepared": time.strftime("%Y-%m-%d %H:%M"), "seconds": time.perf_counter() - start,
+                    "label_names": names, "rows": {name: len(split) for name, split in tokenized.items()}}  # fmt: skip
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                keep(tokenized, meta, folder)
+            rows = sum(len(split) for split in ds.values())
+            note = f"tokenized {rows:,} rows in {meta['seconds']:.1f} s, kept in {folder}"
     if args.task == "classification":
-        return prepare_classification(ds, tokenizer, args, main_process_first)
-    return prepare_sft(ds, tokenizer, args, main_process_first, packing)
+        collator = DataCollatorWithPadding(tokenizer)
+    elif packing:
+        collator = PackedCollator(tokenizer.pad_token_id)
+    else:
+        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
+    return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)
+
+
+def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
+    """Written aside, then renamed: a reader finds the whole preparation or none."""
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    tokenized.save_to_disk(str(partial / "data"))
+    (partial / "meta.json").write_text(json.dumps(meta))
+    try:
+        partial.replace(folder)
+    except OSError:  # another process kept the same preparation first
+        shutil.rmtree(partial, ignore_errors=True)

@@ -7,6 +7,10 @@ ranks of a job convert it once:
                           transformers into a Hugging Face folder: weights, tokenizer and chat template
   chatterbot_corpus/...   chatterbot-corpus's YAML files (BSD), one `messages` conversation per exchange,
                           user and assistant alternating, as JSON lines
+  chitchat_dataset/dataset.json
+                          chitchat-dataset's human-human conversations (MIT): a speaker's consecutive lines
+                          joined into a turn, the two speakers as user and assistant, 2+ turns kept
+                          (4,018 of them, 33.7 messages on average: long, as real chats are)
   llama_models/llama3/tokenizer.model
                           Meta's Llama 3 tokenizer (tiktoken BPE, in `llama-models`) as a fast Hugging Face
                           tokenizer: 128,256 tokens, the special tokens and split pattern of Meta's own code
@@ -54,6 +58,25 @@ def chatterbot_to_jsonl(folder: Path, target: Path) -> None:
     (target / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def chitchat_to_jsonl(dataset: Path, target: Path) -> None:
+    """chitchat-dataset's dataset.json -> target/train.jsonl of {"messages"} rows."""
+    rows = []
+    for conversation in json.loads(dataset.read_text(encoding="utf-8")).values():
+        turns, speakers = [], []  # a speaker's consecutive lines, and consecutive groups, make one turn
+        for group in conversation["messages"]:
+            text = " ".join(line["text"] for line in group)
+            if speakers and group and group[0]["sender"] == speakers[-1]:
+                turns[-1] += " " + text
+            elif group:
+                turns.append(text)
+                speakers.append(group[0]["sender"])
+        if len(turns) >= 2:
+            rows.append({"messages": [{"role": ("user", "assistant")[i % 2], "content": text}
+                                      for i, text in enumerate(turns)]})  # fmt: skip
+    target.mkdir(parents=True)
+    (target / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def tiktoken_to_tokenizer(model_file: Path, target: Path) -> None:
     """Meta's tokenizer.model -> a save_pretrained tokenizer folder, special tokens as `llama-models` numbers them."""
     from llama_models.llama3.tokenizer import Tokenizer
@@ -73,6 +96,8 @@ def converter(module: str, path: Path) -> tuple[Callable[[Path, Path], None], st
         return gguf_to_folder, path.stem
     if module == "chatterbot_corpus" and path.is_dir() and any(path.glob("*.yml")):
         return chatterbot_to_jsonl, f"chatterbot-{path.name}"
+    if module == "chitchat_dataset" and path.name == "dataset.json":
+        return chitchat_to_jsonl, "chitchat"
     if module == "llama_models" and path.name == "tokenizer.model":
         return tiktoken_to_tokenizer, f"{path.parent.name}-tokenizer"
     return None

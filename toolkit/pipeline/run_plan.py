@@ -115,7 +115,7 @@ class RunPlan:
             )
         return Budget(run.budget_usd)
 
-    def header(self, training, counts, base_learning_rate: float) -> str:
+    def header(self, training, counts, base_learning_rate: float, data_note: str = "") -> str:
         """The lines printed before the first step: what is really in effect, and the plan."""
         s, recipe, cost, plan = self.strategy, self.recipe, self.cost, self.cost_plan
         lr = f"{training.learning_rate:.3g}"
@@ -143,6 +143,7 @@ class RunPlan:
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
             f"accumulation x {s['num_processes']} processes = {global_batch_size(training)} global",
             f"learning rate {lr}",
+            *([f"data          {data_note}"] if data_note else []),
             f"memory plan   {human_bytes(self.memory.device_total)} per device predicted: "
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.device.items() if v),
             f"pricing       {cost.device}: {price}{budget}",

@@ -19,15 +19,16 @@ from transformers import set_seed
 from ..distributed import op_builds, patches
 from ..distributed.launch import Requested, is_local_main_process
 from ..distributed.strategy import check_processes, resolve_config_paths, set_fsdp_wrap_class
-from ..errors import ToolkitError, report
+from ..errors import ConfigError, ToolkitError, command, report
 from ..metrics.cost import check_device_name
 from ..metrics.evaluation import metrics_for
 from ..metrics.memory import HostMemoryPeak
 from ..metrics.rank_reports import LoadRecord
 from ..metrics.samples import held_out_prompts, side_by_side
 from ..metrics.wandb_run import finish_run, redact_argv
+from ..project import is_recipe, load_recipe, recipe_names
 from . import checkpoints, tiny
-from .arguments import global_batch_size
+from .arguments import Arguments, global_batch_size
 from .data import load_raw, prepare
 from .models import (
     ParameterCounts,
@@ -58,6 +59,34 @@ class RunResult:
     metrics: dict[str, float]
 
 
+def prepared(args: Arguments):
+    """The model's config, its tokenizer, the raw and the prepared data, whether packing: a run's steps up to
+    the weights, shared with `python -m toolkit prepare`. Checks the model's settings before any data loads."""
+    config = load_config(args.model)
+    check_sequence_length(config, args.data.max_seq_length)
+    check_model_settings(config, args.model, args.data.task)
+    packing = use_packing(args.data.task, args.data.packing, config)
+    tokenizer = load_tokenizer(args.model)
+    raw = load_raw(args.data)
+    data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
+    return config, tokenizer, raw, data, packing
+
+
+@command
+def prepare_main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit prepare RECIPE [flags]`: tokenize (and pack) a recipe's data ahead of a launch, on any
+    machine; the launch, with the same recipe and flags, then finds it in the cache and tokenizes nothing."""
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(f"python -m toolkit prepare RECIPE [flags]: name a recipe ({', '.join(recipe_names())}).")
+    if not is_recipe(argv[0]):
+        raise ConfigError(f"No recipe '{argv[0]}' in recipes/. Known: {', '.join(recipe_names())}.")
+    args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)
+    _, _, _, data, packing = prepared(args)
+    rows = f"{len(data.train):,} training rows" + (f", {len(data.eval):,} held out" if data.eval is not None else "")
+    print(f"{argv[0]}: {rows}{' (packed)' if packing else ''}; {data.note}")
+    return 0
+
+
 def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
     """Run a recipe; returns the trainer and the final metrics. Raises a ToolkitError on bad input, and a
     Stopped when training stopped early (preempted, diverged, out of budget; its checkpoints intact)."""
@@ -82,13 +111,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         resume_note = f"{resume_note} ({note})" if note else resume_note
     set_seed(training.seed)
 
-    config = load_config(args.model)
-    check_sequence_length(config, args.data.max_seq_length)
-    check_model_settings(config, args.model, args.data.task)
-    packing = use_packing(args.data.task, args.data.packing, config)
-    tokenizer = load_tokenizer(args.model)
-    raw = load_raw(args.data)
-    data = prepare(raw, tokenizer, args.data, training.main_process_first, packing)
+    config, tokenizer, raw, data, packing = prepared(args)
     prompts = []  # --generation_samples: held-out conversations cut before their last answer
     if args.run.generation_samples:
         prompts = held_out_prompts(raw["eval"].select(range(min(len(raw["eval"]), 8 * args.run.generation_samples)))
@@ -121,6 +144,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
         param_counts=counts,
         load=load,
         prompts=prompts,
+        data_note=data.note,
     )
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

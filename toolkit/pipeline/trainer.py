@@ -43,7 +43,7 @@ from .tasks import task
 class ToolkitTrainerMixin(RankReports, Tracked, GenerationSamples, FiniteLossCheck, PackedInputs,
                           LengthGroupedSampling, StagedCheckpoints):  # fmt: skip
     def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, load: LoadRecord | None = None,
-                 prompts: list[Prompt] | None = None, **kwargs):  # fmt: skip
+                 prompts: list[Prompt] | None = None, data_note: str = "", **kwargs):  # fmt: skip
         # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         super().__init__(*args, **kwargs)
@@ -51,7 +51,7 @@ class ToolkitTrainerMixin(RankReports, Tracked, GenerationSamples, FiniteLossChe
         if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see tasks.Task
         self.recipe, self.param_counts = arguments, param_counts
-        self.sample_prompts = prompts or []
+        self.sample_prompts, self.data_note = prompts or [], data_note
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
                                   self.plan.peak_flops)  # fmt: skip
@@ -73,7 +73,7 @@ class ToolkitTrainerMixin(RankReports, Tracked, GenerationSamples, FiniteLossChe
 
     def train(self, *args, **kwargs):
         if self.is_world_process_zero():
-            print(self.plan.header(self.args, self.param_counts, self.base_learning_rate), flush=True)
+            print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note), flush=True)
             available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
             warning = not_fitting_warning(self.plan.memory.device_total, available)
             if warning:

@@ -1,0 +1,186 @@
+"""Chat SFT tokenization: a conversation's tokens, with labels on what the assistant says and nothing else.
+
+An assistant turn's labels are its tokens from the end of the generation prompt (the assistant's header) through
+the end of the rendered turn (its content and the template's end-of-turn marker, e.g. `<|eot_id|>`): what the
+model must produce after the prompt a chat UI gives it. Three ways to find them, fastest first, same labels:
+  marks     a template with `{% generation %}` blocks says which tokens are the assistant's (transformers'
+            `return_assistant_tokens_mask`); the toolkit's own `llama3` template has them
+  layout    the conversation is rendered once and each assistant turn found in it as the template's assistant
+            header + its content + the template's turn ending (both learned once per template from two probe
+            renders); one tokenization with character offsets maps those spans to tokens. Linear in the length.
+  prefixes  the conversation rendered and tokenized up to each assistant turn, with and without the generation
+            prompt: quadratic in the turns. The reference the others are tested against, and the fallback for a
+            conversation the layout does not describe (a template that rewrites earlier turns, say).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DataError
+from .packing import IGNORE_INDEX
+
+# Llama 3's chat format (https://www.llama.com/docs/model-cards-and-prompt-formats/meta-llama-3/). The base
+# Meta-Llama-3-8B tokenizer has these special tokens but ships no template. The generation marks say which part
+# is the assistant's (tests check the ids against Meta's own encoder, tests/test_data.py).
+CHAT_TEMPLATES = {
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+}
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT = {"human": "user", "gpt": "assistant"}  # ShareGPT's roles, and what they are in role/content form
+
+
+def conversation_problem(messages: Any) -> str | None:
+    """What makes a conversation unusable for SFT, or None: it would render as something else than it says."""
+    if not isinstance(messages, list) or not messages:
+        return "the conversation is empty"
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
+            hint = " (ShareGPT's from/value: rename them role/content)" if "from" in keys else ""
+            return f"message {k} has no role (it has {keys}){hint}"
+        role = message["role"]
+        if role not in ROLES:
+            hint = f"; ShareGPT data: rename its roles {SHAREGPT}" if role in SHAREGPT else ""
+            return f"message {k} has the role '{role}', not one of {', '.join(ROLES)}{hint}"
+        if not isinstance(message.get("content"), str):
+            what = "no" if message.get("content") is None else f"{type(message['content']).__name__}, not text,"
+            return f"message {k} ({role}) has {what} content"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "it has no assistant message, so nothing to learn"
+    return None
+
+
+def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+    if template and template not in CHAT_TEMPLATES and "{" not in template:
+        named = ", ".join(CHAT_TEMPLATES)
+        raise DataError(f"chat_template '{template}' is neither a named template ({named}) nor a Jinja template: "
+                        "pass --chat_template llama3, or leave it unset for the tokenizer's own.")  # fmt: skip
+    if template:
+        tokenizer.chat_template = CHAT_TEMPLATES.get(template, template)
+    if tokenizer.chat_template is None:
+        raise DataError(
+            f"The tokenizer has no chat template. Set one with --chat_template ({', '.join(CHAT_TEMPLATES)}, "
+            "or a Jinja string)."
+        )
+    if tokenizer.pad_token is None:  # padding is masked out of attention and loss, so any token will do
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def tokenize_by_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> dict:
+    """The reference: each assistant turn's tokens are the difference between the conversation rendered up to the
+    turn (with the generation prompt) and rendered through it. Any template works, as long as rendering a prefix
+    gives a prefix of the tokens (checked)."""
+
+    def ids(msgs, generation_prompt=False):
+        return tokenizer(render(tokenizer, msgs, generation_prompt), add_special_tokens=False)["input_ids"]
+
+    input_ids = ids(messages)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, through = len(ids(messages[:i], generation_prompt=True)), ids(messages[: i + 1])
+        end = len(through)
+        if through != input_ids[:end]:
+            raise DataError("The chat template does not render a conversation's prefix as a prefix of its tokens.")
+        labels[start:end] = input_ids[start:end]
+    return truncated(input_ids, labels, max_len)
+
+
+def truncated(input_ids: list[int], labels: list[int], max_len: int) -> dict:
+    input_ids, labels = input_ids[:max_len], labels[:max_len]
+    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+@dataclass(frozen=True)
+class TurnLayout:
+    """How a template renders an assistant turn: `header` + content + `ending`."""
+
+    header: str  # what the generation prompt adds: "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ending: str  # what follows the content in its turn: "<|eot_id|>", "<|im_end|>\n"
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnLayout | None:
+        """Learned from two renders of a probe conversation; None for a template that does not follow it."""
+        user = [{"role": "user", "content": "Probe question"}]
+        bare, prompt = render(tokenizer, user), render(tokenizer, user, generation_prompt=True)
+        answered = render(tokenizer, [*user, {"role": "assistant", "content": "Probe answer"}])
+        if not prompt.startswith(bare) or not answered.startswith(prompt + "Probe answer"):
+            return None
+        return cls(prompt[len(bare) :], answered[len(prompt) + len("Probe answer") :])
+
+    def spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]] | None:
+        """Character spans of each assistant turn's labels in the rendered `text`, in order; None when a turn is
+        not there as header + content (as given, or trimmed) + ending."""
+        spans, cursor = [], 0
+        for message in messages:
+            if message["role"] != "assistant":
+                continue
+            for content in dict.fromkeys((message["content"], message["content"].strip())):
+                found = text.find(self.header + content + self.ending, cursor)
+                if found >= 0:
+                    start = found + len(self.header)
+                    cursor = start + len(content) + len(self.ending)
+                    spans.append((start, cursor))
+                    break
+            else:
+                return None
+        return spans
+
+
+def labels_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool] | None:
+    """Which tokens start inside a span; None when a token straddles a span's edge (not a token boundary)."""
+    trained, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
+        straddles = k < len(spans) and (start < spans[k][0] < end or start < spans[k][1] < end)
+        if straddles:
+            return None
+        trained.append(inside)
+    return trained
+
+
+def tokenize_conversations(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], max_len: int,
+                           layout: TurnLayout | None) -> list[dict]:  # fmt: skip
+    """Each conversation's input_ids, attention_mask and labels (the assistant's tokens), as the reference
+    gives them, by the fastest of the three ways that holds for the template and the conversation."""
+    if "generation %}" in (tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)  # fmt: skip
+        return [truncated(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)], max_len)
+                for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True)]  # fmt: skip
+    texts = [render(tokenizer, messages) for messages in conversations]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    rows = []
+    for messages, text, ids, offsets in zip(conversations, texts, encoded["input_ids"], encoded["offset_mapping"],
+                                            strict=True):  # fmt: skip
+        spans = layout.spans(text, messages) if layout is not None else None
+        trained = labels_from_spans(offsets, spans) if spans is not None else None
+        if trained is None:
+            rows.append(tokenize_by_prefixes(tokenizer, messages, max_len))
+        else:
+            rows.append(truncated(ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, trained, strict=True)],
+                                  max_len))  # fmt: skip
+    return rows
+
+
+def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> dict:
+    """One conversation's tokens and labels (tokenize_conversations, for a single one)."""
+    return tokenize_conversations(tokenizer, [messages], max_len, TurnLayout.of(tokenizer))[0]
