@@ -317,6 +317,23 @@ def test_dtype_aliases_people_type_are_accepted():
     assert parse(LLAMA3_FFT, "llama3_fft", ["--chat_template", "none"]).data.chat_template is None  # the tokenizer's
 
 
+def test_rank_zero_reports_a_shared_mistake_and_a_lone_rank_its_own(monkeypatch, capsys):
+    """The launcher ends the job when its first process exits: the other ranks leave rank 0 time to print the
+    mistake (a race CI lost with 8 ranks), then print it themselves only if still alive (a mistake rank 0 never
+    met)."""
+    from toolkit import errors
+
+    monkeypatch.setattr(errors, "PEER_GRACE_S", 0.2)
+    monkeypatch.setenv("RANK", "0")
+    assert errors.report(errors.DataError("bad row")) == 2
+    assert capsys.readouterr().err == "error: bad row\n"
+    monkeypatch.setenv("RANK", "3")
+    slept = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    assert errors.report(errors.DataError("bad row")) == 2
+    assert slept == [0.2] and capsys.readouterr().err == "error (rank 3): bad row\n"
+
+
 # Launchers: the same mistakes through `python -m toolkit launch`, make and the SLURM script. One message however many
 # processes, the rank's own exit code, and no launcher traceback after it.
 def launched(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

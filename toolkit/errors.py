@@ -3,7 +3,9 @@
 Every mistake a user can make (a setting, a file, a launch, a budget) raises a `ToolkitError` subclass before
 anything expensive happens; the recipe runner and every command turn it into one line, `error: <what is wrong,
 and the fix>`, and exit code 2, without a traceback (TOOLKIT_DEBUG=1 adds it, for a bug report). In a
-multi-process job every rank meets the same mistake, so rank 0 alone prints it. Anything else that escapes is a
+multi-process job every rank meets the same mistake, so rank 0 alone prints it; the other ranks wait a moment
+before they exit, since the launcher kills the whole job when its first process ends and rank 0 must get to
+say why (a mistake only one rank met is printed by that rank after the wait). Anything else that escapes is a
 bug in the toolkit, and keeps its traceback.
 
 Exit codes: 2 bad input (fix and relaunch); 3 the loss diverged; 4 the budget is spent; 75 preempted (resume).
@@ -14,10 +16,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
 USER_ERROR = 2  # exit code of a refused launch or command
+PEER_GRACE_S = 15.0  # how long a rank > 0 leaves rank 0 to report the mistake they share
 
 
 class ToolkitError(Exception):
@@ -57,6 +61,9 @@ def report(error: Exception, label: str = "error") -> int:
         traceback.print_exception(error, file=sys.stderr)
     if is_main_process():
         print(f"{label}: {error}", file=sys.stderr, flush=True)
+    elif isinstance(error, ToolkitError):  # rank 0 prints it and ends the job, unless it never meets it
+        time.sleep(PEER_GRACE_S)
+        print(f"{label} (rank {os.environ['RANK']}): {error}", file=sys.stderr, flush=True)
     return error.exit_code
 
 
