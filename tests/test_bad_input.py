@@ -303,8 +303,10 @@ def test_rows_skipped_on_request_are_counted(files, tmp_path, capsys):
                                 files["no_assistant.jsonl"], "--skip_bad_rows", "true", "--packing", "false",
                                 "--output_dir", str(tmp_path / "run")], "llama3_fft")  # fmt: skip
     assert len(result.trainer.train_dataset) == 2
-    assert "left out 1 of 3 rows of the train split (--skip_bad_rows); the first, row 2: it has no assistant" in (
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        f"left out 1 of 3 rows of the train split of {files['no_assistant.jsonl']} (--skip_bad_rows); the first, "
+        "row 2: it has no assistant" in err
     )
 
 

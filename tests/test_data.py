@@ -65,7 +65,7 @@ def test_truncation_drops_conversations_without_assistant_tokens(llama_tokenizer
     assert len(data.train) == 1
     assert all(len(ids) <= 64 for ids in data.train["input_ids"])
     args.max_seq_length = 8
-    with pytest.raises(DataError, match="No training conversation has an assistant token"):
+    with pytest.raises(DataError, match="No training row has a token to learn"):
         prepare(load_raw(args), llama_tokenizer, args, no_lock)
 
 
@@ -230,7 +230,7 @@ def test_prepared_data_is_kept_and_found_again_and_remade_when_anything_changes(
     flags = ["--tiny", "--max_train_samples", "300"]
     assert entry("prepare")(["llama3_fft", *flags]) == 0
     first = capsys.readouterr().out
-    assert "300 training rows (packed); tokenized 300 rows in" in first
+    assert "300 training rows (packed) from " in first and "(messages, detected); tokenized 300 rows in" in first
     folder = first.rsplit("kept in ", 1)[1].strip()
     assert entry("prepare")(["llama3_fft", *flags]) == 0
     assert f"from the cache {folder}" in capsys.readouterr().out

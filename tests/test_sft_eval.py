@@ -71,7 +71,7 @@ def test_sharded_evaluation_and_samples_equal_one_process(config, one_process, t
     prepared = capsys.readouterr().out
     launched = check(launch(config, "llama3_fft", *flags, "--output_dir", str(out), cwd=tmp_path))
     folder = re.search(r"(?:kept in|from the cache) (\S+)", prepared).group(1)
-    assert f"data          from the cache {folder}" in launched.stdout
+    assert re.search(rf"data          \S+ \(messages, detected\); from the cache {re.escape(folder)}", launched.stdout)
     samples, expected = read_samples(out), read_samples(reference_out)
     assert [s["step"] for s in samples] == [0, 0, 4, 4]
     assert [s["answer"] for s in samples[:2]] == [s["answer"] for s in expected[:2]]

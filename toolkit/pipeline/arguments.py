@@ -95,8 +95,23 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     task: str = field(metadata={"help": "classification or sft."})
-    dataset_name: str = field(
-        metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."}
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},
+    )
+    dataset_mixture: str | None = field(
+        default=None,
+        metadata={
+            "help": "Several data sets, each with the fraction of its training rows to use (above 1 repeats it): "
+            "'name=0.5,other=1' (a recipe may give a dict). Replaces dataset_name; the same splits in each."
+        },  # fmt: skip
+    )
+    data_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "sft: messages, sharegpt, alpaca, prompt_completion or text (continued pre-training). "
+            "Default: detected from the columns.",
+        },  # fmt: skip
     )
     dataset_config: str | None = None
     train_split: str = "train"
@@ -136,7 +151,34 @@ class DataArguments:
                               f"{self.eval_fraction}: pass 0.1, say, or --eval_split <name>.")  # fmt: skip
         for name in ("max_train_samples", "max_eval_samples"):
             at_least(name, getattr(self, name), 1, " (leave it unset to use every row)")
-        check_local_path(self.dataset_name, "data set", "--dataset_name")
+        from .formats import FORMATS
+
+        if self.data_format is not None and self.data_format not in FORMATS:
+            raise ConfigError(f"data_format '{self.data_format}' is not one of {', '.join(FORMATS)}: pick one, or "
+                              "leave it unset to detect it from the columns.")  # fmt: skip
+        for name in self.sources():
+            check_local_path(name, "data set", "--dataset_mixture" if self.dataset_mixture else "--dataset_name")
+
+    def sources(self) -> dict[str, float]:
+        """The data sets to train on, each with the fraction of its training rows to use."""
+        mixture = self.dataset_mixture
+        if not mixture:
+            if not self.dataset_name:
+                raise ConfigError("No data set: set dataset_name (or dataset_mixture) in the recipe, or pass "
+                                  "--dataset_name.")  # fmt: skip
+            return {self.dataset_name: 1.0}
+        if isinstance(mixture, str):
+            pairs = [part.strip().rpartition("=") for part in mixture.split(",") if part.strip()]
+            mixture = {name.strip(): weight for name, _, weight in pairs} if all(eq for _, eq, _ in pairs) else {}
+        try:
+            weights = {str(name): float(weight) for name, weight in mixture.items()}
+        except (AttributeError, TypeError, ValueError):
+            weights = {}
+        if not weights or any(w <= 0 for w in weights.values()):
+            raise ConfigError(f"dataset_mixture {self.dataset_mixture!r} must name data sets with positive "
+                              "fractions of their rows: 'org/chat=0.5,local.jsonl=1' (or a dict in the "
+                              "recipe).")  # fmt: skip
+        return weights
 
 
 @dataclass

@@ -61,14 +61,16 @@ def conversation_problem(messages: Any) -> str | None:
     return None
 
 
-def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None,
+                                required: bool = True) -> None:  # fmt: skip
+    """The recipe's template (named or Jinja) on the tokenizer; an error if conversations need one and it has none."""
     if template and template not in CHAT_TEMPLATES and "{" not in template:
         named = ", ".join(CHAT_TEMPLATES)
         raise DataError(f"chat_template '{template}' is neither a named template ({named}) nor a Jinja template: "
                         "pass --chat_template llama3, or leave it unset for the tokenizer's own.")  # fmt: skip
     if template:
         tokenizer.chat_template = CHAT_TEMPLATES.get(template, template)
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and required:
         raise DataError(
             f"The tokenizer has no chat template. Set one with --chat_template ({', '.join(CHAT_TEMPLATES)}, "
             "or a Jinja string)."

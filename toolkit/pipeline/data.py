@@ -17,18 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
+from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from ..errors import DataError, warn
 from ..project import cache_root
 from .arguments import DataArguments
-from .conversations import (
-    TurnLayout,
-    apply_chat_template_setting,
-    conversation_problem,
-    tokenize_conversations,
-)
+from .conversations import TurnLayout, apply_chat_template_setting
+from .formats import CONVERSATIONAL, PROBLEMS, columns_of, detect, kind, to_messages, tokenize_rows
 from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
 from .sources import check_hub_dataset, resolve
@@ -47,29 +43,90 @@ class PreparedData:
 
 
 def load_raw(args: DataArguments) -> DatasetDict:
-    """Load the data set named by the recipe; eval split by name or held out from train."""
-    name = resolve(args.dataset_name)
-    path = Path(name)
+    """The recipe's data: its train rows (and eval rows, by split name or held out from train), checked."""
+    return load_data(args)[0]
+
+
+def load_data(args: DataArguments) -> tuple[DatasetDict, str]:
+    """The recipe's data set, or the mixture of several (each source's share of rows drawn with a fixed seed,
+    then shuffled together; eval rows of every source kept whole), and a line saying what was read, how."""
+    weights = args.sources()
+    parts = {name: load_source(name, args) for name in weights}
+    formats = {name: data_format for name, (_, data_format) in parts.items()}
+    if len({kind_of(f) for f in formats.values()}) > 1:
+        raise DataError(f"The mixture's data sets are of formats that do not mix: {formats}. Mix conversations "
+                        "(messages, sharegpt, alpaca) with conversations, text with text.")  # fmt: skip
+    how = "" if args.data_format else ", detected"
+    described = []
+    for name, (part, data_format) in parts.items():
+        described.append(name + (f" ({data_format}{how})" if data_format else ""))
+        if len(parts) > 1:
+            described[-1] += f" x{weights[name]:g} = {round(weights[name] * len(part['train'])):,} rows"
+    if len(parts) == 1:
+        ds = next(iter(parts.values()))[0]
+    else:
+        ds = mixed({name: part for name, (part, _) in parts.items()}, weights)
+    out = DatasetDict({"train": _head(ds["train"], args.max_train_samples)})
+    if "eval" in ds:
+        out["eval"] = _head(ds["eval"], args.max_eval_samples)
+    mixture = "a mixture of " if len(parts) > 1 else ""
+    return out, mixture + ", ".join(described)
+
+
+def kind_of(data_format: str | None) -> str | None:
+    return "messages" if data_format in CONVERSATIONAL else data_format
+
+
+def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None]:
+    """One data set's train and eval splits, its rows checked and read in its format (conversations as
+    messages), only the columns the task uses kept; and that format (sft) or None."""
+    resolved = resolve(name)
+    path = Path(resolved)
     if path.is_dir() and not any(path.glob("*.json*")) and _class_folders(path):
         ds = DatasetDict({"train": _load_class_folders(path, args.text_encoding)})
     elif path.is_file():
         ds = DatasetDict({"train": _load_file(path)})
     else:
-        check_hub_dataset(name)
-        ds = load_dataset(name, args.dataset_config)
+        check_hub_dataset(resolved)
+        ds = load_dataset(resolved, args.dataset_config)
+    data_format = None
+    if args.task == "sft":
+        train_columns = ds[args.train_split].column_names if args.train_split in ds else []
+        data_format = args.data_format or detect(train_columns, args.messages_column, f"Data set '{name}'")
     for split in {args.train_split, args.eval_split} - {None}:
         if split not in ds:
-            raise DataError(f"Data set '{args.dataset_name}' has no split '{split}'; it has {sorted(ds)}.")
-        ds[split] = checked_rows(ds[split], split, args)
+            raise DataError(f"Data set '{name}' has no split '{split}'; it has {sorted(ds)}.")
+        ds[split] = checked_rows(ds[split], split, name, args, data_format)
     train = ds[args.train_split]
     evaluation = ds[args.eval_split] if args.eval_split else None
     if evaluation is None and args.eval_fraction > 0:
         stratify = args.label_column if isinstance(train.features.get(args.label_column), ClassLabel) else None
         split = train.train_test_split(test_size=args.eval_fraction, seed=0, stratify_by_column=stratify)
         train, evaluation = split["train"], split["test"]
-    out = DatasetDict({"train": _head(train, args.max_train_samples)})
-    if evaluation is not None:
-        out["eval"] = _head(evaluation, args.max_eval_samples)
+    out = DatasetDict({"train": train} if evaluation is None else {"train": train, "eval": evaluation})
+    return out, data_format
+
+
+def mixed(parts: dict[str, DatasetDict], weights: dict[str, float]) -> DatasetDict:
+    """alignment-handbook's mixture: each source's fraction of its train rows (whole copies, then a seeded
+    sample), shuffled together; the eval rows of every source."""
+    trains = []
+    for name, part in parts.items():
+        rows = len(part["train"])
+        whole, remainder = divmod(round(weights[name] * rows), rows)
+        if whole == remainder == 0:
+            raise DataError(f"dataset_mixture's fraction {weights[name]:g} of the {rows} rows of {name} is no row: "
+                            "raise it.")  # fmt: skip
+        trains += [part["train"]] * whole + [part["train"].shuffle(seed=0).select(range(remainder))] * (remainder > 0)
+    evals = [part["eval"] for part in parts.values() if "eval" in part]
+    try:
+        out = DatasetDict({"train": concatenate_datasets(trains).shuffle(seed=0)})
+        if evals:
+            out["eval"] = concatenate_datasets(evals)
+    except ValueError as error:  # features that do not line up
+        features = {name: dict(part["train"].features) for name, part in parts.items()}
+        raise DataError(f"The mixture's data sets have columns of different types ({' '.join(str(error).split())}): "
+                        f"{features}. Make them agree, e.g. by saving each as jsonl.") from None  # fmt: skip
     return out
 
 
@@ -138,12 +195,16 @@ def label_problem(num_classes: int | None) -> Any:
     return problem
 
 
-def checked_rows(split: Dataset, name: str, args: DataArguments) -> Dataset:
-    """The rows of a split, each checked before tokenizing: the first unusable one is an error naming its index
-    (0-based, in the file's order) and the fix; with --skip_bad_rows the unusable ones are left out and counted."""
-    if args.task == "sft":
-        columns, problem_of = [args.messages_column], conversation_problem
-        require_columns(split, columns, "--messages_column")
+def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, data_format: str | None) -> Dataset:
+    """The rows of a split, each checked before tokenizing (the first unusable one is an error naming its index,
+    0-based in the file's order, and the fix; with --skip_bad_rows the unusable ones are left out and counted),
+    read as messages where the format is a conversation's, and only the task's columns kept."""
+    if data_format is not None:
+        columns = columns_of(data_format, args.messages_column)
+        flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
+        require_columns(split, columns, flag)
+        problem_of = PROBLEMS[data_format]
+        keep = [*columns, *(["input"] if data_format == "alpaca" and "input" in split.column_names else [])]
     else:
         text = [c.strip() for c in args.text_columns.split(",")][0]
         columns = [text, args.label_column]
@@ -151,21 +212,25 @@ def checked_rows(split: Dataset, name: str, args: DataArguments) -> Dataset:
         require_columns(split, [args.label_column], "--label_column")
         feature = split.features[args.label_column]
         problem_of = label_problem(feature.num_classes if isinstance(feature, ClassLabel) else None)
+        keep = [c for c in [*(c.strip() for c in args.text_columns.split(",")), args.label_column]
+                if c in split.column_names]  # fmt: skip
     bad: list[tuple[int, str]] = []
     for start, batch in zip(range(0, len(split), 1000), split.select_columns(columns).iter(1000), strict=False):
         for offset, row in enumerate(zip(*(batch[c] for c in columns), strict=True)):
             problem = problem_of(*row)
             if problem and not args.skip_bad_rows:
-                raise DataError(f"row {start + offset} of the {name} split of {args.dataset_name}: {problem}. Fix the "
-                                "data, or pass --skip_bad_rows true to leave such rows out.")  # fmt: skip
+                raise DataError(f"row {start + offset} of the {name} split of {source}: {problem}. Fix the data, "
+                                "or pass --skip_bad_rows true to leave such rows out.")  # fmt: skip
             if problem:
                 bad.append((start + offset, problem))
-    if not bad:
-        return split
-    warn(f"left out {len(bad)} of {len(split)} rows of the {name} split (--skip_bad_rows); the first, row "
-         f"{bad[0][0]}: {bad[0][1]}.")  # fmt: skip
-    dropped = {index for index, _ in bad}
-    return split.select([i for i in range(len(split)) if i not in dropped])
+    if bad:
+        warn(f"left out {len(bad)} of {len(split)} rows of the {name} split of {source} (--skip_bad_rows); the "
+             f"first, row {bad[0][0]}: {bad[0][1]}.")  # fmt: skip
+        dropped = {index for index, _ in bad}
+        split = split.select([i for i in range(len(split)) if i not in dropped])
+    if data_format in ("sharegpt", "alpaca"):
+        return to_messages(split, data_format, args.messages_column)
+    return split.select_columns(keep)
 
 
 def require_columns(ds: Dataset, columns: list[str], flag: str) -> None:
@@ -223,12 +288,11 @@ def workers(rows: int) -> int | None:
 
 def tokenized_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments,
                   packing: bool) -> DatasetDict:  # fmt: skip
-    for split in ds.values():
-        require_columns(split, [args.messages_column], "--messages_column")
-    layout = TurnLayout.of(tokenizer)  # learned once here, not in every worker
+    data_format = kind(ds["train"].column_names, args.messages_column)
+    layout = TurnLayout.of(tokenizer) if tokenizer.chat_template else None  # learned once here, not per worker
 
     def tokenize(batch):
-        rows = tokenize_conversations(tokenizer, batch[args.messages_column], args.max_seq_length, layout)
+        rows = tokenize_rows(tokenizer, batch, data_format, args.messages_column, args.max_seq_length, layout)
         out = {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
         return {**out, LENGTH: [len(ids) for ids in out["input_ids"]]}  # for length-grouped batching
 
@@ -237,11 +301,12 @@ def tokenized_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: Dat
                         desc=f"Tokenizing {name}")
         for name, split in ds.items()
     })  # fmt: skip
-    # A conversation whose assistant turns were all truncated away teaches nothing.
+    # A row whose trained tokens were all truncated away teaches nothing.
     tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
     if len(tokenized["train"]) == 0:
-        raise DataError(f"No training conversation has an assistant token within max_seq_length={args.max_seq_length}.")
-    if packing:  # several conversations per row (packing.py)
+        raise DataError(f"No training row has a token to learn (an assistant's, a completion's) within "
+                        f"max_seq_length={args.max_seq_length}: raise it.")  # fmt: skip
+    if packing:  # several rows per row (packing.py)
         tokenized = DatasetDict({split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()})
     return tokenized
 
@@ -270,8 +335,12 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there."""
     if len(ds["train"]) == 0:
         raise DataError(f"The training split of '{args.dataset_name}' is empty.")
-    if args.task == "sft":
-        apply_chat_template_setting(tokenizer, args.chat_template)  # it decides the tokens: before the key
+    if args.task == "sft":  # the template decides the tokens: set before the key; text needs none
+        rows = kind(ds["train"].column_names, args.messages_column)
+        conversational = rows == "messages" or (
+            rows == "prompt_completion" and isinstance(ds["train"][0]["prompt"], list)
+        )
+        apply_chat_template_setting(tokenizer, args.chat_template, required=conversational)
     folder = prepared_folder(ds, tokenizer, args, packing)
     with main_process_first(desc="preparing data"):
         if (folder / "meta.json").is_file():

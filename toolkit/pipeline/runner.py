@@ -29,7 +29,7 @@ from ..metrics.wandb_run import finish_run, redact_argv
 from ..project import is_recipe, load_recipe, recipe_names
 from . import checkpoints, tiny
 from .arguments import Arguments, global_batch_size
-from .data import load_raw, prepare
+from .data import load_data, prepare
 from .models import (
     ParameterCounts,
     add_lora,
@@ -67,8 +67,9 @@ def prepared(args: Arguments):
     check_model_settings(config, args.model, args.data.task)
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
-    raw = load_raw(args.data)
+    raw, read = load_data(args.data)
     data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
+    data.note = "; ".join(filter(None, [read, data.note]))
     return config, tokenizer, raw, data, packing
 
 
@@ -83,7 +84,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
     args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)
     _, _, _, data, packing = prepared(args)
     rows = f"{len(data.train):,} training rows" + (f", {len(data.eval):,} held out" if data.eval is not None else "")
-    print(f"{argv[0]}: {rows}{' (packed)' if packing else ''}; {data.note}")
+    print(f"{argv[0]}: {rows}{' (packed)' if packing else ''} from {data.note}")
     return 0
 
 
@@ -114,6 +115,9 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     config, tokenizer, raw, data, packing = prepared(args)
     prompts = []  # --generation_samples: held-out conversations cut before their last answer
     if args.run.generation_samples:
+        if args.data.messages_column not in raw["eval"].column_names:
+            raise ConfigError("generation_samples answers held-out conversations: this data set has none (it is "
+                              "prompt/completion or text): drop generation_samples.")  # fmt: skip
         prompts = held_out_prompts(raw["eval"].select(range(min(len(raw["eval"]), 8 * args.run.generation_samples)))
                                    [args.data.messages_column], args.run.generation_samples)  # fmt: skip
     load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step

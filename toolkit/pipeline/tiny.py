@@ -97,7 +97,7 @@ def is_encoder(model_name: str) -> bool:
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
     values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
-    values["dataset_name"] = str(write_tiny_dataset(task))
+    values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None)
     values["dataset_config"] = None
     values["train_split"] = "train"
     if task == "classification":
