@@ -68,3 +68,49 @@ def test_tied_embeddings_train_sharded_and_export_once(config, tied_reference, t
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=2e-4, msg=name)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+# transformers' config classes default to a published model of each family; their full-size configs stand in
+# for the Hub's config.json files here (offline). Published parameter counts where exact figures are public.
+FAMILIES = {
+    "gpt2": ("GPT2Config", 124_439_808),  # GPT-2 small: tied, Conv1D
+    "gpt_neox": ("GPTNeoXConfig", None),
+    "opt": ("OPTConfig", None),
+    "falcon": ("FalconConfig", None),  # head_dim a property
+    "phi3": ("Phi3Config", None),
+    "qwen2": ("Qwen2Config", None),
+    "qwen3": ("Qwen3Config", None),  # per-layer layer_types
+    "gemma2": ("Gemma2Config", 2_614_341_888),  # gemma-2-2b: tied, sliding/full layer_types
+    "gemma3": ("Gemma3TextConfig", None),
+    "mistral": ("MistralConfig", None),
+    "mixtral": ("MixtralConfig", 46_702_792_704),  # Mixtral-8x7B: MoE, all experts counted
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiny_mode_trains_any_family_from_its_full_size_config(family, tmp_path, capsys):
+    """Tiny mode scales any family's config down (it failed for every non-Llama decoder: layer_types, head_dim as
+    a property, GPT-2's n_embd names, experts); the tiny model trains, saves, and its export reloads to the
+    trained weights; `plan` counts the full-size model (published figures where exact)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.__main__ import entry
+
+    cls, published = FAMILIES[family]
+    folder = tmp_path / family
+    getattr(transformers, cls)().save_pretrained(folder)
+    assert entry("plan")([str(folder)]) == 0
+    counted = int(capsys.readouterr().out.split("parameters", 1)[1].split()[0].replace(",", ""))
+    assert counted == published or (published is None and counted > 10**8)
+    out = tmp_path / "run"
+    small = tiny.tiny_checkpoint(str(folder), "sft")  # what --tiny makes of a recipe naming this model
+    result = train(LLAMA3_FFT, ["--tiny", "--model_name_or_path", str(small), "--max_steps", "2", "--report_to",
+                                "none", "--output_dir", str(out)], "llama3_fft")  # fmt: skip
+    assert torch.isfinite(torch.tensor(result.metrics["train_loss"]))
+    model = result.trainer.model
+    assert model.config.model_type == getattr(transformers, cls).model_type  # the family, at toy size
+    assert sum(p.numel() for p in model.parameters()) < 10**7  # toy size, not the full model
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, msg=name)

@@ -61,6 +61,7 @@ LLAMA3_SPECIAL_TOKENS = [
     "<|eot_id|>",
     "<|finetune_right_pad_id|>",
 ]
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "deberta", "deberta-v2", "electra", "modernbert")
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -69,19 +70,35 @@ def cache_dir() -> Path:
 
 
 def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The model's config at toy size, whatever its family: sizes through transformers' standard names (which
+    each config maps to its own: GPT-2's n_embd, n_layer, n_head), and what must agree with them scaled too:
+    per-layer type lists, head_dim where it is a setting, experts, OPT's embedding projection."""
     config = stored_config(model_name)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None)
     for key, value in TINY_SIZES.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    for key in ("ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):  # other names of the MLP width
+        if getattr(config, key, None):
+            setattr(config, key, TINY_SIZES["intermediate_size"])
+    if getattr(config, "n_inner", None):  # GPT-2's; None means 4 x hidden
+        config.n_inner = TINY_SIZES["intermediate_size"]
+    if getattr(config, "word_embed_proj_dim", None):  # OPT: embeddings projected to the hidden size
+        config.word_embed_proj_dim = config.hidden_size
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer: keep the first pattern
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
     for key in NO_DROPOUT:
         if hasattr(config, key):
             setattr(config, key, 0.0)
     if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
         config.num_key_value_heads = max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads)
-    if getattr(config, "head_dim", None):
+    if getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = config.hidden_size // config.num_attention_heads
+    for key in ("num_local_experts", "num_experts"):  # a MoE stays a MoE, with few experts
+        if getattr(config, key, None):
+            setattr(config, key, min(getattr(config, key), 4))
+            config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))
     config.vocab_size = len(tokenizer)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token_id = getattr(tokenizer, name)
@@ -91,7 +108,7 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
 
 
 def is_encoder(model_name: str) -> bool:
-    return stored_config(model_name).model_type in ("bert", "roberta", "distilbert", "deberta", "deberta-v2")
+    return stored_config(model_name).model_type in ENCODERS
 
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
