@@ -89,7 +89,7 @@ def test_malformed_and_missing_yaml(tmp_path):
 
 
 def test_missing_required_and_bad_choice():
-    with pytest.raises(ConfigError, match=r"does not set \['dataset_name'\]"):
+    with pytest.raises(ConfigError, match=r"No data set: set dataset_name \(or dataset_mixture\)"):
         parse({k: v for k, v in RECIPE.items() if k != "dataset_name"}, "bert", [])
     with pytest.raises(ConfigError, match="task must be"):
         parse(RECIPE, "bert", ["--task", "regression"])
