@@ -24,7 +24,7 @@ from ..errors import DataError, warn
 from ..project import cache_root
 from .arguments import DataArguments
 from .conversations import TurnLayout, apply_chat_template_setting
-from .formats import CONVERSATIONAL, PROBLEMS, columns_of, detect, kind, to_messages, tokenize_rows
+from .formats import PROBLEMS, columns_of, detect, kind, kind_of, to_messages, tokenize_rows
 from .length_grouping import LENGTH
 from .packing import IGNORE_INDEX, PackedCollator, pack
 from .sources import check_hub_dataset, resolve
@@ -71,10 +71,6 @@ def load_data(args: DataArguments) -> tuple[DatasetDict, str]:
         out["eval"] = _head(ds["eval"], args.max_eval_samples)
     mixture = "a mixture of " if len(parts) > 1 else ""
     return out, mixture + ", ".join(described)
-
-
-def kind_of(data_format: str | None) -> str | None:
-    return "messages" if data_format in CONVERSATIONAL else data_format
 
 
 def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None]:
@@ -203,17 +199,15 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         columns = columns_of(data_format, args.messages_column)
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
         require_columns(split, columns, flag)
-        problem_of = PROBLEMS[data_format]
-        keep = [*columns, *(["input"] if data_format == "alpaca" and "input" in split.column_names else [])]
+        problem_of, keep = PROBLEMS[data_format], columns
     else:
-        text = [c.strip() for c in args.text_columns.split(",")][0]
-        columns = [text, args.label_column]
-        require_columns(split, [text], "--text_columns")
+        text_columns = [c.strip() for c in args.text_columns.split(",")]
+        columns = [text_columns[0], args.label_column]
+        require_columns(split, [text_columns[0]], "--text_columns")
         require_columns(split, [args.label_column], "--label_column")
         feature = split.features[args.label_column]
         problem_of = label_problem(feature.num_classes if isinstance(feature, ClassLabel) else None)
-        keep = [c for c in [*(c.strip() for c in args.text_columns.split(",")), args.label_column]
-                if c in split.column_names]  # fmt: skip
+        keep = [c for c in [*text_columns, args.label_column] if c in split.column_names]
     bad: list[tuple[int, str]] = []
     for start, batch in zip(range(0, len(split), 1000), split.select_columns(columns).iter(1000), strict=False):
         for offset, row in enumerate(zip(*(batch[c] for c in columns), strict=True)):
@@ -334,7 +328,8 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     """Tokenized (and packed) splits and their collator, from the cache when this exact preparation was made
     before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there."""
     if len(ds["train"]) == 0:
-        raise DataError(f"The training split of '{args.dataset_name}' is empty.")
+        names = "', '".join(args.sources())
+        raise DataError(f"The training split of '{names}' is empty.")
     if args.task == "sft":  # the template decides the tokens: set before the key; text needs none
         rows = kind(ds["train"].column_names, args.messages_column)
         conversational = rows == "messages" or (

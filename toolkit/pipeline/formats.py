@@ -103,6 +103,11 @@ def to_messages(split: Dataset, data_format: str, messages_column: str) -> Datas
                      desc=f"Reading {data_format} rows as messages")  # fmt: skip
 
 
+def kind_of(data_format: str | None) -> str | None:
+    """The tokenization a format's rows get: conversations (messages), prompt_completion or text."""
+    return "messages" if data_format in CONVERSATIONAL else data_format
+
+
 def kind(columns: list[str], messages_column: str) -> str:
     """The tokenization prepared rows need: conversations (messages), prompt_completion or text."""
     if messages_column in columns:

@@ -79,11 +79,10 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
     for key, value in TINY_SIZES.items():
         if hasattr(config, key):
             setattr(config, key, value)
-    for key in ("ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):  # other names of the MLP width
+    # other names of the MLP width (GPT-2's n_inner: None means 4 x hidden, left so)
+    for key in ("ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(config, key, None):
             setattr(config, key, TINY_SIZES["intermediate_size"])
-    if getattr(config, "n_inner", None):  # GPT-2's; None means 4 x hidden
-        config.n_inner = TINY_SIZES["intermediate_size"]
     if getattr(config, "word_embed_proj_dim", None):  # OPT: embeddings projected to the hidden size
         config.word_embed_proj_dim = config.hidden_size
     if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer: keep the first pattern
@@ -114,9 +113,8 @@ def is_encoder(model_name: str) -> bool:
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
     values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
-    values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None)
-    values["dataset_config"] = None
-    values["train_split"] = "train"
+    values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None,
+                  dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
         values.update(text_columns="text", label_column="label")
     else:
