@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT / "recipes"))
+
+
+def no_lock(desc):
+    """`main_process_first` of a single process: the data functions' lock, as a test needs none."""
+    return contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    """The tiny Llama 3 tokenizer with the toolkit's llama3 chat template."""
+    from toolkit.pipeline import tiny
+    from toolkit.pipeline.conversations import apply_chat_template_setting
+
+    tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
+    apply_chat_template_setting(tokenizer, "llama3")
+    return tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
+from conftest import no_lock
 from datasets import Dataset, DatasetDict
 
 from toolkit.errors import DataError
@@ -15,20 +15,6 @@ from toolkit.pipeline.conversations import tokenize_conversation
 from toolkit.pipeline.data import load_raw, prepare
 from toolkit.pipeline.packing import IGNORE_INDEX
 from toolkit.pipeline.sources import SourceUnavailable, resolve
-
-
-def no_lock(desc):
-    return contextlib.nullcontext()
-
-
-@pytest.fixture(scope="module")
-def llama_tokenizer():
-    tok = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
-    from toolkit.pipeline.conversations import apply_chat_template_setting
-
-    apply_chat_template_setting(tok, "llama3")
-    return tok
-
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

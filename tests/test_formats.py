@@ -3,31 +3,24 @@ mask against tokens built independently, detection, the mixture's proportions, a
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import Counter
 
 import pytest
+from conftest import no_lock
 from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit import train
 from toolkit.errors import ConfigError, DataError
-from toolkit.pipeline import tiny
 from toolkit.pipeline.arguments import DataArguments
-from toolkit.pipeline.conversations import apply_chat_template_setting, tokenize_conversation
+from toolkit.pipeline.conversations import tokenize_conversation
 from toolkit.pipeline.data import load_data, prepare
 from toolkit.pipeline.packing import IGNORE_INDEX
 
 
-def no_lock(desc):
-    return contextlib.nullcontext()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
-    apply_chat_template_setting(tokenizer, "llama3")
-    return tokenizer
+@pytest.fixture
+def tok(llama_tokenizer):
+    return llama_tokenizer
 
 
 def write(path, rows):

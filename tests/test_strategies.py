@@ -8,7 +8,6 @@ a checkpoint and from a preemption (SIGTERM at a random step) ends bit-identical
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
+from conftest import BIN, ROOT, check, free_port, launch, no_lock, rank_reports, run_cmd
 from safetensors.torch import load_file
 
 from toolkit import planner
@@ -77,7 +76,7 @@ def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
     defaults = {**tiny.tiny_training_defaults(task, model_name), **overrides}
     values = {k: v for k, v in defaults.items() if k in DataArguments.__dataclass_fields__}
     args = DataArguments(task=task, **values)
-    return prepare(load_raw(args), tokenizer, args, lambda desc: contextlib.nullcontext()).train["input_ids"]
+    return prepare(load_raw(args), tokenizer, args, no_lock).train["input_ids"]
 
 
 def row_hash(ids: list[int]) -> str:
