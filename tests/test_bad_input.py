@@ -78,14 +78,16 @@ def files(tmp_path_factory) -> dict[str, str]:
         paths[name] = str(root / name)
     (root / "no_config").mkdir()
     paths["no_config"] = str(root / "no_config")
-    from transformers import DebertaV2Config, Gemma2Config
+    from transformers import DebertaV2Config, Gemma2Config, T5Config
 
-    # Gemma-2 has no sdpa attention, which the Llama recipe asks for; DeBERTa-v2 has no causal-LM head.
+    # Gemma-2 has no sdpa attention, which the Llama recipe asks for; DeBERTa-v2 has no causal-LM head; T5 is
+    # an encoder-decoder, which the toolkit does not train.
     Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16).save_pretrained(root / "gemma2")  # fmt: skip
     DebertaV2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4).save_pretrained(root / "deberta")  # fmt: skip
-    paths["gemma2"], paths["deberta"] = str(root / "gemma2"), str(root / "deberta")
+    T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16).save_pretrained(root / "t5")
+    paths.update({name: str(root / name) for name in ("gemma2", "deberta", "t5")})
     paths["classification_rows"] = str(tiny.write_tiny_dataset("classification"))
     paths["chat_rows"] = str(tiny.write_tiny_dataset("sft"))
     paths["missing.jsonl"] = str(root / "missing.jsonl")
@@ -151,6 +153,8 @@ RUNS = [
     ("attention-name", "bert", ["--attn_implementation", "fast"], "--attn_implementation sdpa"),
     ("flash-attention-missing", "llama3_fft", ["--attn_implementation", "flash_attention_2"], "pip install flash-attn"),
     ("sdpa-unsupported", "llama3_fft", ["--model_name_or_path", "{gemma2}"], "--attn_implementation eager"),
+    ("encoder-for-sft", "llama3_fft", ["--model_name_or_path", "{deberta}"], "--task classification"),
+    ("encoder-decoder", "bert", ["--model_name_or_path", "{t5}"], "encoder-decoder"),
     ("model-missing", "bert", ["--model_name_or_path", "/nonexistent/model"], "pass an existing path"),
     ("model-no-config", "bert", ["--model_name_or_path", "{no_config}"], "save_pretrained"),
     ("model-no-weights", "bert", ["--model_name_or_path", "{no_weights}"], "model.save_pretrained"),
@@ -228,6 +232,7 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
     ("plan-gpus-0", "plan", ["llama3_fft", "--gpus", "0"], "--gpus must be at least 1"),
     ("plan-gpu-type", "plan", ["llama3_fft", "--gpu", "B300"], "Known:"),
     ("plan-wrong-task", "plan", ["{deberta}", "--task", "sft"], "--task classification"),
+    ("plan-encoder-decoder", "plan", ["{t5}"], "encoder-decoder"),
     ("check-missing", "check", ["accelerate_configs/nope.yaml"], "accelerate_configs/"),
     ("check-yaml-typo", "check", ["{typo.yaml}"], "Unknown key 'learning_rat'"),
     ("check-recipe", "check", ["accelerate_configs/ddp.yaml", "bertt"], "Known: bert"),

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..metrics.memory import nbytes
 from .arguments import ModelArguments
 from .sources import check_hub_model, resolve
-from .tasks import model_class, peft_model_class, peft_task_type
+from .tasks import check_task, model_class, peft_model_class, peft_task_type
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,6 +131,7 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     instance first (seconds, no weights)."""
     from transformers.utils import is_flash_attn_2_available
 
+    check_task(config, task)
     cls, attention = architecture(config, task), args.attn_implementation
     if cls is not None and attention in ATTENTION_SUPPORT and not getattr(cls, ATTENTION_SUPPORT[attention], True):
         has = ["eager"] + [name for name, flag in ATTENTION_SUPPORT.items() if getattr(cls, flag, False)]

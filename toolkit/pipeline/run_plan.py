@@ -8,7 +8,7 @@ accelerate really set up (distributed/layout.py) and the data really loaded, not
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from ..distributed.layout import Layout, describe
 from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, peak_tflops
 from ..metrics.memory import human_bytes
+from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape, meta_model
@@ -70,6 +71,8 @@ class RunPlan:
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
         dtype = next(model.parameters()).dtype
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
+        fit, _ = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention)
+        shape = replace(shape, activations=fit)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)

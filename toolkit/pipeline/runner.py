@@ -63,8 +63,8 @@ def prepared(args: Arguments):
     """The model's config, its tokenizer, the raw and the prepared data, whether packing: a run's steps up to
     the weights, shared with `python -m toolkit prepare`. Checks the model's settings before any data loads."""
     config = load_config(args.model)
-    check_sequence_length(config, args.data.max_seq_length)
     check_model_settings(config, args.model, args.data.task)
+    check_sequence_length(config, args.data.max_seq_length)
     packing = use_packing(args.data.task, args.data.packing, config)
     tokenizer = load_tokenizer(args.model)
     raw, read = load_data(args.data)

@@ -42,15 +42,36 @@ def task(name: str) -> Task:
     return TASKS[name]
 
 
+def kind_of_model(config) -> str:
+    """ "encoder-decoder" (T5, BART), "encoder" (BERT-like: transformers has a masked-LM head for it) or "decoder",
+    from the config alone: no family names to keep up to date."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    masked_lm = importlib.import_module("transformers").AutoModelForMaskedLM._model_mapping
+    return "encoder" if type(config) in masked_lm else "decoder"
+
+
 def infer_task(config) -> str:
-    """The task of a model given without a recipe, from its config: the heads it was saved with (`architectures`),
-    else sft where transformers has a causal LM for it, else classification."""
-    names = " ".join(getattr(config, "architectures", None) or [])
-    if "ForCausalLM" in names or "LMHeadModel" in names:
-        return "sft"
-    if any(head in names for head in ("ForSequenceClassification", "ForMaskedLM", "ForTokenClassification")):
-        return "classification"
-    return "sft" if type(config) in model_class("sft")._model_mapping else "classification"
+    """The task of a model given without a recipe: classification for an encoder, sft for a decoder."""
+    check_task(config, None)
+    return "classification" if kind_of_model(config) == "encoder" else "sft"
+
+
+def check_task(config, name: str | None) -> None:
+    """Refuse, in one line naming what works, a model the task cannot train: encoder-decoders for any task (the
+    toolkit trains decoders with sft and encoders with classification), and encoders for sft (transformers'
+    `...ForCausalLM` of an encoder is a decoder bolted on, not the model's pretraining)."""
+    from ..errors import ConfigError
+
+    kind = kind_of_model(config)
+    if kind == "encoder-decoder":
+        raise ConfigError(f"{config.model_type} is an encoder-decoder (sequence-to-sequence) model, which the toolkit "
+                          "does not train: it fine-tunes decoders (task sft: Llama, Qwen, Gemma, ...) and encoders "
+                          "(task classification: BERT, RoBERTa, DeBERTa, ...). Pick one of those.")  # fmt: skip
+    if kind == "encoder" and name == "sft":
+        raise ConfigError(f"{config.model_type} is an encoder (masked LM), not a chat model: fine-tune it with --task "
+                          "classification (as recipes/bert.py --model_name_or_path ... does), or bring a decoder "
+                          "for sft.")  # fmt: skip
 
 
 def model_class(name: str):

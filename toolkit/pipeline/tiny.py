@@ -25,7 +25,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from ..project import cache_root
 from .sources import stored_config
-from .tasks import model_class
+from .tasks import kind_of_model, model_class
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -61,7 +61,6 @@ LLAMA3_SPECIAL_TOKENS = [
     "<|eot_id|>",
     "<|finetune_right_pad_id|>",
 ]
-ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "deberta", "deberta-v2", "electra", "modernbert")
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -79,12 +78,13 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
     for key, value in TINY_SIZES.items():
         if hasattr(config, key):
             setattr(config, key, value)
-    # other names of the MLP width (GPT-2's n_inner: None means 4 x hidden, left so)
-    for key in ("ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size"):
+    # other names of the MLP width (GPT-2's n_inner: None means 4 x hidden, left so; DistilBERT's hidden_dim)
+    for key in ("ffn_dim", "n_inner", "hidden_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(config, key, None):
             setattr(config, key, TINY_SIZES["intermediate_size"])
-    if getattr(config, "word_embed_proj_dim", None):  # OPT: embeddings projected to the hidden size
-        config.word_embed_proj_dim = config.hidden_size
+    for key in ("word_embed_proj_dim", "pooler_hidden_size"):  # OPT's embedding projection, DeBERTa's pooler
+        if getattr(config, key, None):
+            setattr(config, key, config.hidden_size)
     if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer: keep the first pattern
         config.layer_types = config.layer_types[: config.num_hidden_layers]
     for key in NO_DROPOUT:
@@ -107,7 +107,7 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
 
 
 def is_encoder(model_name: str) -> bool:
-    return stored_config(model_name).model_type in ENCODERS
+    return kind_of_model(stored_config(model_name)) == "encoder"
 
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:

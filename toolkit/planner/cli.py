@@ -5,13 +5,14 @@ anything is launched, offline for the recipes' models.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 from ..distributed.layout import Layout
 from ..errors import ConfigError, command
 from ..pipeline.sources import model_config, stored_split_size
 from ..pipeline.tasks import TASKS, infer_task
 from ..project import is_recipe, load_recipe, strategy_files
+from .activations import measured_activations
 from .estimate import (
     ASSUMED_MFU,
     PREFERENCE,
@@ -54,6 +55,8 @@ def build_plan(args) -> dict:
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
     )
+    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
+    shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu)
     samples = args.samples or stored_split_size(values)
     epochs = args.epochs or values.get("num_train_epochs", 1)
@@ -93,6 +96,7 @@ def build_plan(args) -> dict:
             "headroom": args.headroom,
         },  # fmt: skip
         "workload": asdict(work),
+        "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "data": {"samples": samples, "epochs": epochs, "tokens_per_sample": tokens_per_sample} if samples else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length),
         "configs": results,
@@ -113,6 +117,7 @@ def render(plan: dict) -> str:
         f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB",
+        f"activations {plan['activations']}",
     ]
     if plan["data"]:
         d = plan["data"]

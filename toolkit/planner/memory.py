@@ -101,7 +101,8 @@ def model_state_bytes(
 
 
 def layer_activation_bytes(shape: Shape, work: Workload) -> int:
-    """Bytes one transformer layer keeps for its backward, tensor by tensor (e: bytes of an activation; t = s x b
+    """Bytes one transformer layer keeps for its backward: measured (shape.activations) where it could be, else
+    tensor by tensor (e: bytes of an activation; t = s x b
     tokens; every tensor counted once, though several ops save it):
       each of the 2 norms: its input (RMSNorm: an fp32 copy, plus the normalized tensor) and fp32 statistics;
       the inputs of the linear layers: q/k/v's and the MLP's (h wide), o's (q_size), the down projection's (i);
@@ -113,6 +114,8 @@ def layer_activation_bytes(shape: Shape, work: Workload) -> int:
     For a GPT/BERT layer (i = 4h, LayerNorm, GELU, dropout with bool masks, 16-bit) this is Korthikanti et al.
     2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1): s*b*h*(34 + 5*a*s/h), plus
     the norms' statistics; tests also check it against the tensors PyTorch really saves."""
+    if shape.activations is not None:
+        return shape.activations.layer_bytes(work.micro_batch, work.seq_length)
     s, b, e = work.seq_length, work.micro_batch, work.activation_dtype_bytes
     t, h, i, a, q = s * b, shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.q_size
     norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
@@ -131,7 +134,8 @@ def layer_activation_bytes(shape: Shape, work: Workload) -> int:
 
 
 def activation_bytes(shape: Shape, work: Workload) -> int:
-    """Activations kept for backward at the end of the forward pass, per device. Each layer keeps
+    """Activations kept for backward at the end of the forward pass, per device: measured on the architecture
+    (shape.activations, planner/activations.py) where it could be, else this formula. Each layer keeps
     layer_activation_bytes, or with activation checkpointing only its input (e*t*h; the layer is recomputed
     during its backward: the `recomputed_layer` component). Outside the layers: each extra norm (input,
     statistics, and its output or, followed by dropout, the mask), the head's input, and for a language model
@@ -139,6 +143,8 @@ def activation_bytes(shape: Shape, work: Workload) -> int:
     s, b, e = work.seq_length, work.micro_batch, work.activation_dtype_bytes
     t, h = s * b, shape.hidden_size
     layers = shape.num_layers * (e * t * h if work.activation_checkpointing else layer_activation_bytes(shape, work))
+    if shape.activations is not None:  # measured: outside the layers as the architecture really keeps it
+        return int(layers + shape.activations.outside_bytes(b, s))
     norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
     follower = work.dropout_mask_bytes if shape.hidden_dropout else e
     extra = shape.extra_norms * (norm + follower * t * h)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .activations import ActivationFit
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class Shape:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
+    # The activations measured on the architecture itself (activations.py); the formula fields above stand in
+    # where it could not be measured.
+    activations: ActivationFit | None = None
 
     @property
     def frozen(self) -> int:
@@ -84,8 +91,9 @@ def widest_linear(block: torch.nn.Module | None) -> int:
 def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
     """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
     from ..errors import ConfigError
-    from ..pipeline.tasks import TASKS, model_class, peft_task_type
+    from ..pipeline.tasks import TASKS, check_task, model_class, peft_task_type
 
+    check_task(config, task)
     auto = model_class(task)
     if type(config) not in auto._model_mapping and not getattr(config, "auto_map", None):
         other = next((t for t in TASKS if t != task and type(config) in model_class(t)._model_mapping), None)

@@ -1,0 +1,186 @@
+"""Activations of any architecture, measured: the bytes autograd saves for backward in scaled-down instances of
+the model itself, fitted and extrapolated to its real size. No per-family formula, no config attribute names
+beyond transformers' standard ones: whatever a family's layers keep (norms, gates, routers, rotary tables,
+attention scores) is counted because it is saved.
+
+Why the fit is exact in form: every tensor a layer saves is tokens x a width (hidden, intermediate, query, key,
+vocabulary: these scale with the instance), tokens x a count (heads, experts, per-token statistics: these do
+not), or, for eager attention, heads x sequence² (does not scale); a classifier's pooled row is per sample. So
+at width ratio r, L layers and sequence s, per sample: bytes = L x layer(r, s) + outside(r, s), each term
+(a r + b) s + (c r + d) s², the outside one plus (e r + f), and per micro-batch what its samples share (masks,
+rotary tables). Four instances (r in two ratios, L in 1 and 2), each at two batch sizes and three lengths, fit
+it by least squares; r = 1 is the model. A second on a CPU, cached.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..project import cache_root
+
+LAYERS = (1, 2)
+SEQUENCES = (16, 32, 64)
+BATCHES = (2, 4)  # not 1: some models skip a copy at batch 1 (Falcon's multi-query keys) that any larger batch makes
+# Widths scaled with the instance, under the names transformers' configs use (attribute_map gives GPT-2's n_embd
+# and the like). A width missed here is not an error: it stays full size in every instance and the fit counts it
+# with the terms that do not scale.
+WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "ffn_dim", "n_inner", "hidden_dim", "ffn_hidden_size",
+          "moe_intermediate_size", "shared_expert_intermediate_size", "embedding_size", "pooler_hidden_size",
+          "word_embed_proj_dim")  # fmt: skip
+VERSION = 1  # bump when the measurement changes: the cache key includes it
+
+
+@dataclass(frozen=True)
+class ActivationFit:
+    """Bytes saved for backward, as fitted: per sample inside each layer (a r + b) s + (c r + d) s², outside the
+    layers (embeddings, final norm, head, loss) the same plus (e r + f); and per micro-batch, shared by its
+    samples (causal masks, rotary tables), (g r + h) s + (i r + j) s². `coefficients` are a..d, a..f, g..j."""
+
+    coefficients: tuple[float, ...]
+    ratios: tuple[float, float]  # the width ratios measured, for the record
+
+    @property
+    def note(self) -> str:
+        widths = " and ".join(f"1/{round(1 / r)}" if r < 1 else f"{r:g}x" for r in self.ratios)
+        return f"measured: the bytes autograd saves in instances at {widths} of the width, extrapolated"
+
+    def saved(self, micro_batch: int, seq_length: int, layers: int, ratio: float = 1.0) -> int:
+        """All layers and the rest, at `ratio` of the real width (1: the model itself)."""
+        inside = self.layer_bytes(micro_batch, seq_length, ratio) * layers
+        return inside + self.outside_bytes(micro_batch, seq_length, ratio)
+
+    def layer_bytes(self, micro_batch: int, seq_length: int, ratio: float = 1.0) -> int:
+        terms = features(ratio, 1, seq_length, micro_batch)
+        return max(0, round(sum(c * t for c, t in zip(self.coefficients[:4], terms[:4], strict=True))))
+
+    def outside_bytes(self, micro_batch: int, seq_length: int, ratio: float = 1.0) -> int:
+        terms = features(ratio, 0, seq_length, micro_batch)
+        return max(0, round(sum(c * t for c, t in zip(self.coefficients[4:], terms[4:], strict=True))))
+
+
+def features(ratio: float, layers: int, s: int, b: int) -> list[float]:
+    """The multipliers of ActivationFit's coefficients, in order, for one instance and input."""
+    r = ratio
+    per_sample = [layers * r * s, layers * s, layers * r * s * s, layers * s * s, r * s, s, r * s * s, s * s, r, 1.0]
+    return [b * x for x in per_sample] + [r * s, s, r * s * s, s * s]
+
+
+def width_ratios(config) -> tuple[float, float]:
+    """Two ratios 1/k, 2/k that keep every head whole with an even head_dim of at least 4 (rotary embeddings rotate
+    pairs), as small as that allows: the instances take milliseconds."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
+    for k in (64, 32, 16, 8, 4, 2):
+        if hidden % k == 0 and head_dim % k == 0 and head_dim // k >= 4 and (head_dim // k) % 2 == 0:
+            return 1 / k, 2 / k
+    return 1.0, 2.0
+
+
+def scaled(config, ratio: float, layers: int, attention: str | None = None):
+    """The config with its widths times `ratio` and `layers` layers; heads, experts and everything else kept.
+    Under fused attention (`attention` None) without attention dropout: on a CPU, sdpa with dropout takes its
+    math path and keeps the scores, which a GPU's kernels do not."""
+    config = copy.deepcopy(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in WIDTHS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            setattr(text, key, max(1, round(value * ratio)))
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim and not isinstance(getattr(type(text), "head_dim", None), property):
+        text.head_dim = max(2, round(head_dim * ratio))
+    text.num_hidden_layers = layers
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:layers]
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the narrowed vocabulary
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value >= text.vocab_size:
+            setattr(text, key, 0)
+    if hasattr(text, "use_cache"):
+        text.use_cache = False
+    if attention is None:  # fused kernels (flash, memory-efficient) drop out without keeping the scores
+        for key in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+            if isinstance(getattr(text, key, None), float):
+                setattr(text, key, 0.0)
+    return config
+
+
+def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
+    """Bytes of the tensors autograd keeps for backward in one training forward pass, once per storage (ops share
+    them), the model's parameters excluded."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**inputs)
+    return sum(storages.values())
+
+
+def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float, layers: int,
+            inputs: list[tuple[int, int]]) -> list[int]:  # fmt: skip
+    """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
+    for each (micro-batch, sequence length) in `inputs`."""
+    from ..pipeline.tasks import model_class
+    from .shape import outside_zero3_init
+
+    small = scaled(config, ratio, layers, attention)
+    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    with torch.random.fork_rng(devices=[]), outside_zero3_init():  # the run's random state is left as it was
+        torch.manual_seed(0)
+        model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
+        out = []
+        for b, s in inputs:
+            ids = torch.randint(1, text.vocab_size, (b, s))
+            labels = ids if task == "sft" else torch.zeros(b, dtype=torch.long)
+            out.append(saved_bytes(model, {"input_ids": ids, "labels": labels}))
+        return out
+
+
+def fit(config, task: str, dtype: torch.dtype, attention: str | None) -> ActivationFit:
+    """Least squares over four instances at six inputs each (module docstring); the model's own size is r = 1."""
+    ratios = width_ratios(config)
+    inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
+    rows, measured = [], []
+    for r in ratios:
+        for layers in LAYERS:
+            measured += measure(config, task, dtype, attention, r, layers, inputs)
+            rows += [features(r, layers, s, b) for b, s in inputs]
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(measured, dtype=torch.float64).unsqueeze(1)
+    solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1)
+    return ActivationFit(tuple(solution.tolist()), ratios)
+
+
+def measured_activations(config, task: str, precision: str, flash_attention: bool) -> tuple[ActivationFit | None, str]:
+    """The fit for a model under a workload, from the cache or measured now; (None, why) when the architecture
+    cannot run on this CPU (the planner then falls back to its formula and says so)."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
+    key = json.dumps([config.to_dict(), task, str(dtype), attention, VERSION], sort_keys=True, default=str)
+    path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]))
+        return result, result.note
+    try:
+        result = fit(config, task, dtype, attention)
+    except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why
+        return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{id(result)}.tmp")
+    tmp.write_text(json.dumps(asdict(result)))
+    tmp.replace(path)
+    return result, result.note
