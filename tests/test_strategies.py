@@ -102,7 +102,12 @@ def exported_weights(folder, recipe: str) -> dict[str, torch.Tensor]:
 
     loader = {"bert": AutoModelForSequenceClassification, "llama3_fft": AutoModelForCausalLM,
               "llama3_lora": AutoPeftModelForCausalLM}[recipe]  # fmt: skip
-    return loader.from_pretrained(folder).state_dict()
+    model = loader.from_pretrained(folder)
+    if recipe != "llama3_lora":  # the file names its tensors as the model does (ZeRO-3 wrote BERT's as gamma/beta)
+        from safetensors.torch import load_file
+
+        assert set(load_file(Path(folder) / "model.safetensors")) <= set(model.state_dict()), folder
+    return model.state_dict()
 
 
 @pytest.fixture(scope="module")

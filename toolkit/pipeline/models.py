@@ -201,6 +201,12 @@ def load_model(
                 raise
             raise ConfigError(f"{args.model_name_or_path} has no loadable weights ({first_line(error)}): pass a "
                               "folder written by model.save_pretrained.") from None  # fmt: skip
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        # transformers' ZeRO-3 loader keeps every weight renaming it tried as the model's, where its other loaders
+        # keep those that matched; save_pretrained reverts them all, so a BERT-family export under ZeRO-3 named its
+        # LayerNorm weights by the legacy gamma/beta. Keep the ones that matched a checkpoint key.
+        model._weight_conversions = [c for c in conversions if c.was_used()]
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     return model

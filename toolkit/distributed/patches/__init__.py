@@ -36,6 +36,7 @@ PRIVATE_TRANSFORMERS = Reliance(
         Target("transformers:Trainer.get_batch_samples", ("self", "epoch_iterator", "num_batches", "device")),
         Target("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref"),  # planner.shape
         Target("transformers:AutoModelForCausalLM._model_mapping"),  # packing.supports_packing
+        Target("transformers.core_model_loading:WeightTransform.was_used", ("self",)),  # models.load_model
     ),
 )  # fmt: skip
 
