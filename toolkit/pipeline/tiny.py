@@ -74,12 +74,13 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
     per-layer type lists, head_dim where it is a setting, experts, OPT's embedding projection."""
     config = stored_config(model_name)
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)  # Falcon's
     for key, value in TINY_SIZES.items():
         if hasattr(config, key):
             setattr(config, key, value)
     # other names of the MLP width (GPT-2's n_inner: None means 4 x hidden, left so; DistilBERT's hidden_dim)
-    for key in ("ffn_dim", "n_inner", "hidden_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):
+    for key in ("ffn_dim", "n_inner", "hidden_dim", "ffn_hidden_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size"):  # fmt: skip
         if getattr(config, key, None):
             setattr(config, key, TINY_SIZES["intermediate_size"])
     for key in ("word_embed_proj_dim", "pooler_hidden_size"):  # OPT's embedding projection, DeBERTa's pooler
@@ -91,7 +92,8 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
         if hasattr(config, key):
             setattr(config, key, 0.0)
     if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
-        config.num_key_value_heads = max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads)
+        kv_name = "num_key_value_heads" if hasattr(config, "num_key_value_heads") else "num_kv_heads"
+        setattr(config, kv_name, max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads))
     if getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = config.hidden_size // config.num_attention_heads
     for key in ("num_local_experts", "num_experts"):  # a MoE stays a MoE, with few experts
@@ -226,14 +228,16 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
     """A save_pretrained folder (config, random weights, tokenizer) of the recipe's architecture at toy size."""
     tokenizer = tiny_tokenizer(model_name, task)
     data = write_tiny_dataset(task)
-    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}"  # data.stem: task-hash
-    if (path / "config.json").exists():
-        return path
     config = tiny_config(model_name, tokenizer)
     if task == "classification":
         labels = sorted({str(r["label"]) for r in classification_rows()})
         config.num_labels, config.id2label = len(labels), dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
+    # content-addressed: data.stem is task-hash; a change in how a config is scaled down makes a new folder
+    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:8]
+    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}-{digest}"
+    if (path / "config.json").exists():
+        return path
     torch.manual_seed(0)
     model = model_class(task).from_config(config)
     _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))

@@ -8,8 +8,8 @@ vocabulary: these scale with the instance), tokens x a count (heads, experts, pe
 not), or, for eager attention, heads x sequence² (does not scale); a classifier's pooled row is per sample. So
 at width ratio r, L layers and sequence s, per sample: bytes = L x layer(r, s) + outside(r, s), each term
 (a r + b) s + (c r + d) s², the outside one plus (e r + f), and per micro-batch what its samples share (masks,
-rotary tables). Four instances (r in two ratios, L in 1 and 2), each at two batch sizes and three lengths, fit
-it by least squares; r = 1 is the model. A second on a CPU, cached.
+rotary tables, relative-position projections). Four instances (r in two ratios, L in 1 and 2), each at two
+batch sizes and four lengths, fit it by least squares; r = 1 is the model. A second on a CPU, cached.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from ..project import cache_root
 
 LAYERS = (1, 2)
-SEQUENCES = (16, 32, 64)
+SEQUENCES = (16, 32, 64, 128)
 BATCHES = (2, 4)  # not 1: some models skip a copy at batch 1 (Falcon's multi-query keys) that any larger batch makes
 # Widths scaled with the instance, under the names transformers' configs use (attribute_map gives GPT-2's n_embd
 # and the like). A width missed here is not an error: it stays full size in every instance and the fit counts it
@@ -32,14 +32,15 @@ BATCHES = (2, 4)  # not 1: some models skip a copy at batch 1 (Falcon's multi-qu
 WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "ffn_dim", "n_inner", "hidden_dim", "ffn_hidden_size",
           "moe_intermediate_size", "shared_expert_intermediate_size", "embedding_size", "pooler_hidden_size",
           "word_embed_proj_dim")  # fmt: skip
-VERSION = 1  # bump when the measurement changes: the cache key includes it
+VERSION = 2  # bump when the measurement changes: the cache key includes it
 
 
 @dataclass(frozen=True)
 class ActivationFit:
-    """Bytes saved for backward, as fitted: per sample inside each layer (a r + b) s + (c r + d) s², outside the
-    layers (embeddings, final norm, head, loss) the same plus (e r + f); and per micro-batch, shared by its
-    samples (causal masks, rotary tables), (g r + h) s + (i r + j) s². `coefficients` are a..d, a..f, g..j."""
+    """Bytes saved for backward, as fitted (`coefficients` in the order of `features`): inside each layer, per
+    sample (a r + b) s + (c r + d) s² and per micro-batch e r + f (DeBERTa's relative-position projections);
+    outside the layers (embeddings, final norm, head, loss) per sample the same plus (g r + h), and per
+    micro-batch, shared by its samples (masks, rotary tables), the same again."""
 
     coefficients: tuple[float, ...]
     ratios: tuple[float, float]  # the width ratios measured, for the record
@@ -55,19 +56,24 @@ class ActivationFit:
         return inside + self.outside_bytes(micro_batch, seq_length, ratio)
 
     def layer_bytes(self, micro_batch: int, seq_length: int, ratio: float = 1.0) -> int:
-        terms = features(ratio, 1, seq_length, micro_batch)
-        return max(0, round(sum(c * t for c, t in zip(self.coefficients[:4], terms[:4], strict=True))))
+        terms = features(ratio, 1, seq_length, micro_batch)[:LAYER_TERMS]
+        return max(0, round(sum(c * t for c, t in zip(self.coefficients, terms, strict=False))))
 
     def outside_bytes(self, micro_batch: int, seq_length: int, ratio: float = 1.0) -> int:
-        terms = features(ratio, 0, seq_length, micro_batch)
-        return max(0, round(sum(c * t for c, t in zip(self.coefficients[4:], terms[4:], strict=True))))
+        terms = features(ratio, 0, seq_length, micro_batch)[LAYER_TERMS:]
+        return max(0, round(sum(c * t for c, t in zip(self.coefficients[LAYER_TERMS:], terms, strict=True))))
+
+
+LAYER_TERMS = 6
 
 
 def features(ratio: float, layers: int, s: int, b: int) -> list[float]:
-    """The multipliers of ActivationFit's coefficients, in order, for one instance and input."""
+    """The multipliers of ActivationFit's coefficients for one instance and input: per layer (per sample, then
+    shared by the micro-batch), then outside the layers (per sample, then shared)."""
     r = ratio
-    per_sample = [layers * r * s, layers * s, layers * r * s * s, layers * s * s, r * s, s, r * s * s, s * s, r, 1.0]
-    return [b * x for x in per_sample] + [r * s, s, r * s * s, s * s]
+    tokens = [r * s, s, r * s * s, s * s]
+    whole = [*tokens, r, 1.0]
+    return [layers * b * x for x in tokens] + [layers * r, layers] + [b * x for x in whole] + whole
 
 
 def width_ratios(config) -> tuple[float, float]:
@@ -116,16 +122,24 @@ def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
     them), the model's parameters excluded."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
+    alive: list[torch.Tensor] = []  # held through the forward pass, as autograd would: no address is reused
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
             storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        alive.append(tensor)
+        # Not the tensor: no backward runs, and an op's output packed as itself is a reference cycle through
+        # autograd's C++ graph that Python's collector cannot see (it leaked every instance measured).
+        return None
+
+    def unpack(_):
+        raise RuntimeError("saved_bytes measures a forward pass only: no backward through it.")
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         model(**inputs)
+    alive.clear()
     return sum(storages.values())
 
 
@@ -150,7 +164,7 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
 
 
 def fit(config, task: str, dtype: torch.dtype, attention: str | None) -> ActivationFit:
-    """Least squares over four instances at six inputs each (module docstring); the model's own size is r = 1."""
+    """Least squares over four instances at eight inputs each (module docstring); the model's own size is r = 1."""
     ratios = width_ratios(config)
     inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
     rows, measured = [], []
@@ -171,7 +185,7 @@ def measured_activations(config, task: str, precision: str, flash_attention: boo
     attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
     key = json.dumps([config.to_dict(), task, str(dtype), attention, VERSION], sort_keys=True, default=str)
     path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.is_file():
+    if path.is_file() and path.stat().st_size:
         stored = json.loads(path.read_text())
         result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]))
         return result, result.note

@@ -102,9 +102,13 @@ def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
     with torch.device("meta"), outside_zero3_init():
         model = auto.from_config(config)
         if lora:
+            import warnings
+
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
+            with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question: noise in `plan`
+                warnings.simplefilter("ignore", FutureWarning)
+                model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
     return model
 
 
