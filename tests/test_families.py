@@ -9,6 +9,7 @@ import torch
 from bert import RECIPE as BERT
 from conftest import check, launch, rank_reports
 from llama3_fft import RECIPE as LLAMA3_FFT
+from llama3_lora import RECIPE as LLAMA3_LORA
 from safetensors.torch import load_file
 
 from toolkit import train
@@ -108,12 +109,12 @@ def test_tiny_mode_trains_any_family(family, tmp_path, capsys):
     failed for every non-Llama decoder: layer_types, head_dim as a property, GPT-2's n_embd names, experts; for
     DeBERTa's pooler and DistilBERT's hidden_dim; and it trained the named model itself, not a tiny one). The
     export reloads to the trained weights; `plan` counts the full-size model as published, and the tiny one
-    exactly as the trained instance holds it (ties once)."""
+    exactly as the trained instance holds it (ties once). Activation checkpointing on: every family supports it."""
     hub_id, published = FAMILIES[family]
     task, recipe, name = task_of(family)
     out = tmp_path / "run"
-    result = train(recipe, ["--tiny", "--model_name_or_path", hub_id, "--max_steps", "2", "--report_to", "none",
-                            "--output_dir", str(out)], name)  # fmt: skip
+    result = train(recipe, ["--tiny", "--model_name_or_path", hub_id, "--max_steps", "2", "--activation_checkpointing",
+                            "true", "--report_to", "none", "--output_dir", str(out)], name)  # fmt: skip
     assert torch.isfinite(torch.tensor(result.metrics["train_loss"]))
     model = result.trainer.model
     assert model.config.model_type == tiny.stored_config(hub_id).model_type  # the family, at toy size
@@ -125,6 +126,20 @@ def test_tiny_mode_trains_any_family(family, tmp_path, capsys):
     reloaded = model_class(task).from_pretrained(out)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[key], value, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("family", "adapted"),
+    [("gpt2", {"c_attn", "c_proj", "c_fc"}), ("mixtral", {"q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts"})],
+)
+def test_lora_all_linear_finds_each_familys_layers(family, adapted, tmp_path):
+    """LoRA on all-linear (the LoRA recipe's) adapts GPT-2's Conv1D layers, which are not nn.Linear, and a MoE's
+    router and fused experts besides its attention."""
+    argv = ["--tiny", "--model_name_or_path", FAMILIES[family][0], "--max_steps", "1", "--report_to", "none",
+            "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    result = train(LLAMA3_LORA, argv, "llama3_lora")
+    names = [name for name, _ in result.trainer.model.named_parameters() if ".lora_A." in name]
+    assert {name.split(".lora_A.")[0].removesuffix(".base_layer").rsplit(".", 1)[-1] for name in names} == adapted
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
