@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,10 @@ def saved(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "run_summary.json").read_text())["summary"]
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("config", ["fsdp", "fsdp2", "fsdp_offload", "fsdp_shard_grad_op", "zero3"])
 def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_reference, tmp_path):
@@ -56,6 +61,8 @@ def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_refe
     check(launch(config, "llama3_fft", *smollm2_flags(out, 2), cwd=tmp_path))
     ours, reference, initial = saved(out), saved(smollm2_reference), saved(Path(resolve(SMOLLM2)))
     assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(smollm2_reference)[0]["losses"], rel=1e-5)
+    # the run's train loss averages every rank (it was rank 0's alone when the last step was not a logging step)
+    assert summary(out)["train_loss"] == pytest.approx(summary(smollm2_reference)["train_loss"], rel=1e-5)
     assert sorted(ours) == sorted(reference) == sorted(initial)  # 272 tensors: lm_head.weight stored by none
     assert max((reference[k] - initial[k]).abs().max() for k in reference) > 5e-5  # trained
     for name, value in reference.items():

@@ -108,7 +108,7 @@ class SafeStop(TrainerCallback):
             self.budget_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
-        if control.should_training_stop or state.global_step >= state.max_steps:
+        if state.global_step >= state.max_steps:
             # The last step always logs: the Trainer's final train_loss adds the loss since the last log as rank 0
             # alone saw it (2.539 for a 2-process FSDP run whose ranks averaged 2.675), a log averages all ranks.
             control.should_log = True
