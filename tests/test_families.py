@@ -112,22 +112,23 @@ def planned_parameters(model: str, capsys) -> int:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tiny_mode_trains_any_family(family, tmp_path, capsys):
-    """`--tiny --model_name_or_path <a Hub id of the family>` trains that architecture at toy size, offline (it
-    failed for every non-Llama decoder: layer_types, head_dim as a property, GPT-2's n_embd names, experts; for
-    DeBERTa's pooler and DistilBERT's hidden_dim; and it trained the named model itself, not a tiny one). The
+    """Tiny mode trains each family's architecture at toy size, offline, from its stored config (it failed for
+    every non-Llama decoder: layer_types, head_dim as a property, GPT-2's n_embd names, experts; and for
+    DeBERTa's pooler and DistilBERT's hidden_dim). The
     export reloads to the trained weights; `plan` counts the full-size model as published, and the tiny one
     exactly as the trained instance holds it (ties once). Activation checkpointing on: every family supports it."""
     hub_id, published = FAMILIES[family]
     task, recipe, name = task_of(family)
     out = tmp_path / "run"
-    result = train(recipe, ["--tiny", "--model_name_or_path", hub_id, "--max_steps", "2", "--activation_checkpointing",
+    small = str(tiny.tiny_checkpoint(hub_id, task))  # what --tiny makes of a recipe naming this model
+    result = train(recipe, ["--tiny", "--model_name_or_path", small, "--max_steps", "2", "--activation_checkpointing",
                             "true", "--report_to", "none", "--output_dir", str(out)], name)  # fmt: skip
     assert torch.isfinite(torch.tensor(result.metrics["train_loss"]))
     model = result.trainer.model
     assert model.config.model_type == tiny.stored_config(hub_id).model_type  # the family, at toy size
     held = sum(p.numel() for p in model.parameters())
     assert held < 10**7  # toy size, not the full model
-    assert planned_parameters(str(tiny.tiny_checkpoint(hub_id, task)), capsys) == held
+    assert planned_parameters(small, capsys) == held
     counted = planned_parameters(hub_id, capsys)
     assert counted == published or (published is None and counted > 5 * 10**7)
     reloaded = model_class(task).from_pretrained(out)
@@ -142,8 +143,9 @@ def test_tiny_mode_trains_any_family(family, tmp_path, capsys):
 def test_lora_all_linear_finds_each_familys_layers(family, adapted, tmp_path):
     """LoRA on all-linear (the LoRA recipe's) adapts GPT-2's Conv1D layers, which are not nn.Linear, and a MoE's
     router and fused experts besides its attention."""
-    argv = ["--tiny", "--model_name_or_path", FAMILIES[family][0], "--max_steps", "1", "--report_to", "none",
-            "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    small = str(tiny.tiny_checkpoint(FAMILIES[family][0], "sft"))
+    argv = ["--tiny", "--model_name_or_path", small, "--max_steps", "1", "--report_to", "none", "--output_dir",
+            str(tmp_path / "run")]  # fmt: skip
     result = train(LLAMA3_LORA, argv, "llama3_lora")
     names = [name for name, _ in result.trainer.model.named_parameters() if ".lora_A." in name]
     assert {name.split(".lora_A.")[0].removesuffix(".base_layer").rsplit(".", 1)[-1] for name in names} == adapted
@@ -187,7 +189,8 @@ def one_process(tmp_path_factory):
 
 
 def family_flags(model: str, out: Path, per_device_batch: int) -> list[str]:
-    return ["--tiny", "--model_name_or_path", model, "--max_steps", "4", "--per_device_train_batch_size",
+    small = tiny.tiny_checkpoint(model, "classification" if model in dict(ENCODERS.values()) else "sft")
+    return ["--tiny", "--model_name_or_path", str(small), "--max_steps", "4", "--per_device_train_batch_size",
             str(per_device_batch), "--record_rank_reports", "true", "--report_to", "none", "--output_dir",
             str(out)]  # fmt: skip
 

@@ -176,14 +176,10 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     overrides = load_overrides(flags.pop("config")) if "config" in flags else {}
 
     values: dict[str, Any] = {**toolkit_defaults(recipe_name), **recipe}
-    tiny_values = None
     if {**values, **overrides, **flags}.get("tiny") and tiny_defaults is not None:
-        tiny_values = tiny_defaults({**values, **overrides, **flags})
-        values.update(tiny_values)
+        values.update(tiny_defaults({**values, **overrides, **flags}))
     values.update(overrides)
     values.update(flags)
-    if tiny_values:  # --tiny --model_name_or_path X: X at toy size, not X itself
-        values["model_name_or_path"] = tiny_values["model_name_or_path"]
     missing = [k for k in required if values.get(k) is None]
     if missing:
         raise ConfigError(

@@ -26,6 +26,8 @@ from ..metrics.memory import HostMemoryPeak
 from ..metrics.rank_reports import LoadRecord
 from ..metrics.samples import held_out_prompts, side_by_side
 from ..metrics.wandb_run import finish_run, redact_argv
+from ..planner.activations import measured_activations
+from ..planner.estimate import workload_for
 from ..project import is_recipe, load_recipe, recipe_names
 from . import checkpoints, tiny
 from .arguments import Arguments, global_batch_size
@@ -36,6 +38,7 @@ from .models import (
     allocate_placeholders,
     check_model_settings,
     check_sequence_length,
+    checkpoint_dtype,
     load_config,
     load_model,
     load_tokenizer,
@@ -120,6 +123,10 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
                               "prompt/completion or text): drop generation_samples.")  # fmt: skip
         prompts = held_out_prompts(raw["eval"].select(range(min(len(raw["eval"]), 8 * args.run.generation_samples)))
                                    [args.data.messages_column], args.run.generation_samples)  # fmt: skip
+    # The activation fit the run's plan uses, measured (into the cache) before the weights load, not within the
+    # loading footprint the rank reports record.
+    work = workload_for(args, checkpoint_dtype(args.model.dtype, config), on_gpu=False)
+    measured_activations(config, args.data.task, work.precision, work.flash_attention)
     load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
