@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -194,7 +195,7 @@ def measured_activations(config, task: str, precision: str, flash_attention: boo
     except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why
         return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(result)}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once each write their own, then rename
     tmp.write_text(json.dumps(asdict(result)))
     tmp.replace(path)
     return result, result.note
