@@ -246,16 +246,3 @@ def test_chunked_loss_trains_as_the_plain_loss(tmp_path):
     assert runs["128"][0] == pytest.approx(runs["0"][0], rel=1e-5)
     for name, value in runs["0"][1].items():
         torch.testing.assert_close(runs["128"][1][name], value, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_chunked_loss_only_where_the_head_output_reaches_the_loss():
-    """Gemma soft-caps its logits between the head and the loss: passed through, the hidden states would be
-    soft-capped instead, so it keeps the plain loss (and the plan says so); Llama, GPT-2, Mixtral chunk."""
-    import transformers
-
-    from toolkit.pipeline.loss import head_output_reaches_the_loss
-
-    for name in ("LlamaForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3ForCausalLM"):
-        assert head_output_reaches_the_loss(getattr(transformers, name)), name
-    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        assert not head_output_reaches_the_loss(getattr(transformers, name)), name

@@ -74,36 +74,11 @@ class ChunkedLoss:
         return total / num_items_in_batch
 
 
-def head_output_reaches_the_loss(model: torch.nn.Module | type) -> bool:
-    """Whether the model's forward hands its head's output to `loss_function` unchanged. Gemma soft-caps the
-    logits in between (tanh): passed through, it would soft-cap the hidden states instead. Read off the
-    forward's source, the one place that says; a model whose source cannot be read keeps the plain loss."""
-    import inspect
-
-    cls = model if isinstance(model, type) else type(model)
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    after_head = source.split("self.lm_head(", 1)
-    if len(after_head) < 2 or "self.loss_function(" not in after_head[1]:
-        return False
-    between = after_head[1].split("self.loss_function(", 1)[0]
-    return "logits" not in between.partition("\n")[2]  # lines after the head's call: none touches the logits
-
-
-def chunk_tokens_in_effect(model: torch.nn.Module) -> int:
-    """The chunk size a model's training loss uses (0: the plain loss)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    loss = getattr(base, "_loss_function", None)
-    return loss.chunk_tokens if isinstance(loss, ChunkedLoss) else 0
-
-
 def install(model: torch.nn.Module, chunk_tokens: int) -> ChunkedLoss | None:
     """Make a causal LM (or the peft model around one) compute its training loss chunk by chunk; None where it
-    has no output head to chunk, or changes the logits before its loss (it keeps the plain loss)."""
+    has no output head to chunk."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if chunk_tokens <= 0 or base.get_output_embeddings() is None or not head_output_reaches_the_loss(base):
+    if chunk_tokens <= 0 or base.get_output_embeddings() is None:
         return None
     chunked = ChunkedLoss(base, chunk_tokens)
     chunked.head.forward = chunked.head_forward  # an instance attribute: nn.Module.__call__ finds it first

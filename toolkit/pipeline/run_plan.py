@@ -22,7 +22,6 @@ from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_f
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape, meta_model
 from .arguments import Arguments, global_batch_size
-from .loss import chunk_tokens_in_effect
 
 
 class OverBudget(ToolkitError, ValueError):
@@ -72,7 +71,6 @@ class RunPlan:
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
         dtype = next(model.parameters()).dtype
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        work = replace(work, loss_chunk_tokens=chunk_tokens_in_effect(model))  # 0 where the model kept the plain one
         fit, _ = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention)
         shape = replace(shape, activations=fit)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]

@@ -9,7 +9,6 @@ from dataclasses import asdict, fields, replace
 
 from ..distributed.layout import Layout
 from ..errors import ConfigError, command
-from ..pipeline.loss import head_output_reaches_the_loss
 from ..pipeline.sources import model_config, stored_split_size
 from ..pipeline.tasks import TASKS, infer_task
 from ..project import is_recipe, load_recipe, strategy_files
@@ -32,10 +31,6 @@ def recipe_values(model: str) -> dict:
     return load_recipe(model) if is_recipe(model) else {"model_name_or_path": model}
 
 
-def base_of(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def build_plan(args) -> dict:
     from ..metrics.cost import device_spec
     from ..pipeline.arguments import ModelArguments
@@ -48,8 +43,7 @@ def build_plan(args) -> dict:
     if chunk is None:
         chunk = values.get("loss_chunk_tokens", ModelArguments.__dataclass_fields__["loss_chunk_tokens"].default)
     lora = ModelArguments(**{k: v for k, v in values.items() if k in model_fields}).lora_settings()
-    meta = meta_model(config, task, lora)
-    shape = Shape.of(meta, config)
+    shape = Shape.of(meta_model(config, task, lora), config)
     low_precision = values.get("dtype") in ("bfloat16", "float16")
     mixed = values.get("bf16") or values.get("fp16")
     precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
@@ -62,7 +56,7 @@ def build_plan(args) -> dict:
         if args.activation_checkpointing is None
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
-        loss_chunk_tokens=chunk if task == "sft" and head_output_reaches_the_loss(base_of(meta)) else 0,
+        loss_chunk_tokens=chunk if task == "sft" else 0,
         cuda_context_gib=args.cuda_context_gib,
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
