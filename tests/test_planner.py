@@ -242,68 +242,6 @@ def test_measured_activations_equal_the_formula_at_full_size(name, task, seq_len
         assert activation_bytes(replace(shape, activations=fit), work) == pytest.approx(formula, rel=0.005), flash
 
 
-def narrow_llama(vocab_size: int = 32768):
-    from transformers import AutoModelForCausalLM
-
-    config = tiny.stored_config(LLAMA)
-    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab_size)  # fmt: skip
-    for key, value in narrow.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model, config
-
-
-@pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
-def test_chunked_loss_equals_the_plain_loss_and_drops_the_planned_bytes():
-    """SFT's chunked loss (pipeline/loss.py, 256 tokens of logits at a time here) against transformers' own loss
-    on the same model and batch: the same value and gradients (measured: equal, gradients within 4e-9), with and
-    without the Trainer's num_items_in_batch; real logits in eval mode. A step's peak (measured as in
-    test_step_peak_matches_live_memory) drops by what the plan says: 12 bytes x (tokens - chunk) x vocabulary
-    in fp32, the logits, their two gradients and the log-probabilities (measured 383 MiB of 384 planned)."""
-    from toolkit.pipeline import loss
-
-    ids = torch.randint(0, 32768, (4, 256))
-    labels = ids.clone()
-    labels[:, :10] = -100  # a prompt: no loss on it
-    items = torch.tensor(int((labels[:, 1:] != -100).sum()))
-    results = {}
-    for chunk in (0, 256):
-        model, config = narrow_llama()
-        if chunk:
-            assert loss.install(model, chunk) is not None
-        model.train()
-        for kwargs in ({}, {"num_items_in_batch": items}):
-            out = model(input_ids=ids, labels=labels, **kwargs)
-            out.loss.backward()
-            results[chunk, bool(kwargs)] = (out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
-            model.zero_grad(set_to_none=True)
-            del out
-        before, mode = live_heap_bytes(), _PeakLiveBytes()
-        with mode:
-            out = model(input_ids=ids, labels=labels)
-            out.loss.backward()
-        del out
-        results[chunk] = mode.peak - before
-        model.eval()
-        with torch.no_grad():
-            results[chunk, "eval"] = model(input_ids=ids, labels=labels)
-    for key in (False, True):
-        (plain, plain_grads), (chunked, chunked_grads) = results[0, key], results[256, key]
-        assert chunked == pytest.approx(plain, rel=1e-6)
-        for name, grad in plain_grads.items():
-            torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    assert results[256, "eval"].logits.shape[-1] == 32768  # eval: the head is itself again
-    torch.testing.assert_close(results[256, "eval"].logits, results[0, "eval"].logits)
-    shape = Shape.of(model, config)
-    works = [Workload(precision="fp32", micro_batch=4, seq_length=256, cuda_context_gib=0.0, loss_chunk_tokens=chunk)
-             for chunk in (0, 256)]  # fmt: skip
-    planned = [plan_memory(shape, layout("single_gpu"), work, 1).device_total for work in works]
-    assert results[0] - results[256] == pytest.approx(planned[0] - planned[1], rel=0.05)
-
-
 def test_layer_activations_are_korthikanti_equation_1():
     """A GPT/BERT layer (i = 4h, LayerNorm, GELU, dropout with 1-byte masks, 16-bit activations, attention
     scores stored): s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022, eq. 1), plus 16 bytes per token of

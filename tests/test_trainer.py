@@ -229,20 +229,3 @@ def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path
             callbacks=[plain_counter]).train()  # fmt: skip
     assert plain_counter.value() > 0  # the counter sees the Trainer's own reads
     assert recipe_counter.value() <= plain_counter.value(), (recipe_counter.value(), plain_counter.value())
-
-
-def test_chunked_loss_trains_as_the_plain_loss(tmp_path):
-    """A tiny SFT run with the chunked loss (tiny mode's 128 tokens of logits at a time, 4 chunks a micro-batch)
-    and with the plain one (--loss_chunk_tokens 0): the same losses, step by step, and the same weights."""
-    import torch
-    from llama3_fft import RECIPE as LLAMA3_FFT
-
-    runs = {}
-    for chunk in ("128", "0"):
-        result = train(LLAMA3_FFT, ["--tiny", "--max_steps", "3", "--loss_chunk_tokens", chunk, "--report_to", "none",
-                                    "--output_dir", str(tmp_path / chunk)], "llama3_fft")  # fmt: skip
-        losses = [e["loss"] for e in result.trainer.state.log_history if "loss" in e]
-        runs[chunk] = losses, result.trainer.model.state_dict()
-    assert runs["128"][0] == pytest.approx(runs["0"][0], rel=1e-5)
-    for name, value in runs["0"][1].items():
-        torch.testing.assert_close(runs["128"][1][name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -50,10 +50,6 @@ class ModelArguments:
     dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
     attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
-    loss_chunk_tokens: int = field(
-        default=1024,
-        metadata={"help": "sft: the loss projects this many tokens to logits at a time, never all (0: plain loss)."},
-    )
     use_lora: bool = field(default=False, metadata={"help": "Train a PEFT LoRA adapter instead of all weights."})
     lora_r: int = 16
     lora_alpha: int = 32
@@ -78,8 +74,6 @@ class ModelArguments:
             raise ConfigError(f"attn_implementation '{attention}' is not one of {', '.join(ATTENTION)}: pass "
                               "--attn_implementation sdpa, for example.")  # fmt: skip
         at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(f"loss_chunk_tokens must be 0 (the plain loss) or more, got {self.loss_chunk_tokens}.")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")
         if not 0 <= self.lora_dropout < 1:

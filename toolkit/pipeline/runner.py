@@ -30,7 +30,6 @@ from ..planner.activations import measured_activations
 from ..planner.estimate import workload_for
 from ..project import is_recipe, load_recipe, recipe_names
 from . import checkpoints, tiny
-from . import loss as chunked_loss
 from .arguments import Arguments, global_batch_size
 from .data import load_data, prepare
 from .models import (
@@ -135,8 +134,6 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     if args.model.use_lora:
         set_seed(training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
-    if args.data.task == "sft":
-        chunked_loss.install(model, args.model.loss_chunk_tokens)
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
         data.collator.flatten = "flash" in str(model.config._attn_implementation)
     # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)

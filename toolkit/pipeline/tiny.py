@@ -51,7 +51,6 @@ TINY_TRAINING = {
     "fp16": False,
     "attn_implementation": None,
     "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
-    "loss_chunk_tokens": 128,  # several chunks a micro-batch: every strategy's launch goes through them
 }
 
 LLAMA3_SPECIAL_TOKENS = [

@@ -39,9 +39,6 @@ def build_plan(args) -> dict:
     config = model_config(values["model_name_or_path"])
     task = args.task or values.get("task") or infer_task(config)
     model_fields = {f.name for f in fields(ModelArguments)}
-    chunk = args.loss_chunk_tokens  # the flag, else the recipe's, else the toolkit's default
-    if chunk is None:
-        chunk = values.get("loss_chunk_tokens", ModelArguments.__dataclass_fields__["loss_chunk_tokens"].default)
     lora = ModelArguments(**{k: v for k, v in values.items() if k in model_fields}).lora_settings()
     shape = Shape.of(meta_model(config, task, lora), config)
     low_precision = values.get("dtype") in ("bfloat16", "float16")
@@ -56,7 +53,6 @@ def build_plan(args) -> dict:
         if args.activation_checkpointing is None
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
-        loss_chunk_tokens=chunk if task == "sft" else 0,
         cuda_context_gib=args.cuda_context_gib,
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
@@ -120,8 +116,7 @@ def render(plan: dict) -> str:
         f"{int(h['headroom'] * 100)}% headroom",
         f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
-        + (f"loss in {w['loss_chunk_tokens']}-token chunks, " if w["loss_chunk_tokens"] else "")
-        + f"CUDA context {w['cuda_context_gib']} GiB",
+        f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",
     ]
     if plan["data"]:
@@ -175,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro_batch", type=int, help="per-device batch; default: the recipe's")
     parser.add_argument("--seq_length", type=int, help="default: the recipe's max_seq_length")
     parser.add_argument("--activation_checkpointing", type=lambda v: v.lower() in ("1", "true", "yes"))
-    parser.add_argument("--loss_chunk_tokens", type=int, help="sft: tokens of logits at a time (default: the "
-                        "recipe's, else the toolkit's, 1024); 0: the plain loss")  # fmt: skip
     parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
     parser.add_argument("--cuda_context_gib", type=float, default=Workload.cuda_context_gib)
     parser.add_argument("--samples", type=int, help="training samples (default: the recipe's split, when known)")
@@ -190,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {value}.")
-    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
-        raise ConfigError(f"--loss_chunk_tokens must be 0 (the plain loss) or more, got {args.loss_chunk_tokens}.")
     plan = build_plan(args)
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0

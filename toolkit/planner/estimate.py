@@ -60,7 +60,6 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
-                    loss_chunk_tokens=arguments.model.loss_chunk_tokens if d.task == "sft" else 0,
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0)  # fmt: skip
 
 

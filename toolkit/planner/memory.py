@@ -39,13 +39,6 @@ class Workload:
     # fused AdamW) on an H100 with torch 2.11 and CUDA 13; it varies with the driver, CUDA and the GPU.
     cuda_context_gib: float = 0.75
     dropout_mask_bytes: int = 1  # CUDA's fused dropout keeps a bool mask; on CPU it is the activation dtype
-    loss_chunk_tokens: int = 0  # SFT's chunked loss (pipeline/loss.py): logits for this many tokens at a time; 0: all
-
-    @property
-    def logit_tokens(self) -> int:
-        """Tokens whose vocabulary-wide logits exist at once: all of them, or one chunk under the chunked loss."""
-        tokens = self.seq_length * self.micro_batch
-        return min(tokens, self.loss_chunk_tokens) if self.loss_chunk_tokens else tokens
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -146,18 +139,17 @@ def activation_bytes(shape: Shape, work: Workload) -> int:
     layer_activation_bytes, or with activation checkpointing only its input (e*t*h; the layer is recomputed
     during its backward: the `recomputed_layer` component). Outside the layers: each extra norm (input,
     statistics, and its output or, followed by dropout, the mask), the head's input, and for a language model
-    the fp32 log-probabilities the cross-entropy keeps (t x vocabulary; one chunk's under the chunked loss)."""
+    the fp32 log-probabilities the cross-entropy keeps (t x vocabulary)."""
     s, b, e = work.seq_length, work.micro_batch, work.activation_dtype_bytes
     t, h = s * b, shape.hidden_size
     layers = shape.num_layers * (e * t * h if work.activation_checkpointing else layer_activation_bytes(shape, work))
-    unkept = 4 * (t - work.logit_tokens) * shape.vocab_size if shape.language_model else 0  # chunked loss
-    if shape.activations is not None:  # measured (with the plain loss): outside the layers as really kept
-        return int(layers + shape.activations.outside_bytes(b, s) - unkept)
+    if shape.activations is not None:  # measured: outside the layers as the architecture really keeps it
+        return int(layers + shape.activations.outside_bytes(b, s))
     norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
     follower = work.dropout_mask_bytes if shape.hidden_dropout else e
     extra = shape.extra_norms * (norm + follower * t * h)
     if shape.language_model:
-        head = 4 * t * shape.vocab_size - unkept  # the lm_head's input is the final norm's output, counted there
+        head = 4 * t * shape.vocab_size  # the lm_head's input is the final norm's output, counted there
     else:
         head = e * t * h  # a classifier keeps the last hidden states alive (the pooler's slice of them)
     return int(layers + extra + head)
@@ -169,11 +161,10 @@ def logits_bytes(shape: Shape, work: Workload) -> int:
     gradients alive together, nll_loss's of the log-probabilities and log_softmax's of the logits (the fp32
     log-probabilities themselves are in activation_bytes). Measured: one step of SmolLM2-135M on an H100, bf16,
     b=8, s=1024, peaks at 11.74 GiB = states + saved activations + bf16 logits + 2 x 1.5 GiB; tests check it
-    on CPU (test_planner.py::test_step_peak_matches_live_memory). Under the chunked loss all of these exist for
-    one chunk's tokens at a time (test_planner.py::test_chunked_loss_drops_the_planned_bytes)."""
+    on CPU (test_planner.py::test_step_peak_matches_live_memory)."""
     if not shape.language_model:
         return 0
-    return work.logit_tokens * shape.vocab_size * (work.activation_dtype_bytes + 2 * 4)
+    return work.seq_length * work.micro_batch * shape.vocab_size * (work.activation_dtype_bytes + 2 * 4)
 
 
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
