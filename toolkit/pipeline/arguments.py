@@ -181,6 +181,30 @@ class DataArguments:
         return weights
 
 
+# TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
+
+
+@dataclass
+class PreferenceArguments:
+    """task dpo: TRL's DPOConfig settings a recipe names (the rest of DPOConfig is TrainingArguments')."""
+
+    beta: float = field(default=0.1, metadata={"help": "dpo: how far the policy may move from the reference."})
+    loss_type: str = field(default="sigmoid", metadata={"help": f"dpo: {', '.join(DPO_LOSSES)}; comma-separated."})
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ConfigError(f"beta must be positive, got {self.beta:g}: 0.1 is TRL's default, 0.01 Zephyr's.")
+        unknown = [name for name in self.losses() if name not in DPO_LOSSES]
+        if unknown or not self.losses():
+            raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's DPO losses ({', '.join(DPO_LOSSES)}): "
+                              "pass --loss_type sigmoid for DPO itself.")  # fmt: skip
+
+    def losses(self) -> list[str]:
+        return [name.strip() for name in self.loss_type.split(",") if name.strip()]
+
+
 @dataclass
 class RunArguments:
     tiny: bool = field(default=False, metadata={"help": "Same architecture at toy size, random init, local data."})
@@ -282,13 +306,14 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
         raise ConfigError("generation_samples answers held-out prompts of an sft run: give it evaluation data "
                           "(--eval_split <split> or --eval_fraction 0.1), or drop it.")  # fmt: skip
     metric = training.metric_for_best_model
-    known = {"loss"} | ({"accuracy"} if data.task == "classification" else {"perplexity", "token_accuracy"})
+    known = {"loss"} | {"classification": {"accuracy"}, "sft": {"perplexity", "token_accuracy"},
+                        "dpo": {"rewards/accuracies", "rewards/margins"}}[data.task]  # fmt: skip
     if metric is not None and metric.removeprefix("eval_") not in known:
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
                           f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, RunArguments, TrainingArguments)
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, PreferenceArguments, RunArguments, TrainingArguments)
 
 
 def global_batch_size(training: TrainingArguments) -> int:
@@ -317,13 +342,15 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     run: RunArguments
-    training: TrainingArguments
+    training: TrainingArguments  # TRL's DPOConfig for task dpo
     recipe_name: str
+    preference: PreferenceArguments = field(default_factory=PreferenceArguments)
 
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""
         out = {"recipe": self.recipe_name}
-        for part in (self.model, self.data, self.run):
+        parts = (self.model, self.data, self.run) + ((self.preference,) if self.data.task == "dpo" else ())
+        for part in parts:
             out.update(vars(part))
         out.update(self.training.to_dict())
         return out

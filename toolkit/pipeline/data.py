@@ -195,7 +195,15 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     """The rows of a split, each checked before tokenizing (the first unusable one is an error naming its index,
     0-based in the file's order, and the fix; with --skip_bad_rows the unusable ones are left out and counted),
     read as messages where the format is a conversation's, and only the task's columns kept."""
-    if data_format is not None:
+    if args.task == "dpo":
+        from .preference import COLUMNS, kept_columns, pair_problem
+
+        if not set(COLUMNS) <= set(split.column_names):
+            raise DataError(f"task dpo trains on preference pairs, chosen and rejected columns (UltraFeedback-binarized's "
+                            f"layout); the {name} split of {source} has {split.column_names}: rename its columns, or "
+                            "point --dataset_name at preference data.")  # fmt: skip
+        columns, problem_of, keep = COLUMNS, pair_problem, kept_columns(split)
+    elif data_format is not None:
         columns = columns_of(data_format, args.messages_column)
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
         require_columns(split, columns, flag)
@@ -330,6 +338,10 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     if len(ds["train"]) == 0:
         names = "', '".join(args.sources())
         raise DataError(f"The training split of '{names}' is empty.")
+    if args.task == "dpo":  # TRL's DPOTrainer takes the prompt off the pairs and tokenizes them (preference.py)
+        apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(ds["train"][0]["chosen"],
+                                                                                           str))  # fmt: skip
+        return PreparedData(ds["train"], ds.get("eval"), None, None)
     if args.task == "sft":  # the template decides the tokens: set before the key; text needs none
         rows = kind(ds["train"].column_names, args.messages_column)
         conversational = rows == "messages" or (

@@ -21,6 +21,18 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from .arguments import global_batch_size
 
 LENGTH = "length"  # dataset column: tokens in the row (removed by the Trainer before the collator)
+PAIRED = "chosen_ids"  # a column of TRL's tokenized preference pairs
+
+
+def sample_lengths(dataset) -> list[int]:
+    """Tokens in each training sample: a row's, or a preference pair's two sequences (TRL's prompt, chosen and
+    rejected ids; the prompt in each)."""
+    if LENGTH in dataset.column_names:
+        return dataset[LENGTH]
+    if PAIRED in dataset.column_names:
+        return [2 * len(p) + len(c) + len(r) for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"],
+                                                            dataset["rejected_ids"], strict=True)]  # fmt: skip
+    return [len(row) for row in dataset["input_ids"]]
 
 
 class GlobalLengthGroupedSampler(LengthGroupedSampler):
@@ -46,9 +58,10 @@ class LengthGroupedSampling:
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset  # with its length column: the one passed here has had it removed
-        if self.args.train_sampling_strategy == "group_by_length" and LENGTH in getattr(dataset, "column_names", ()):
+        columns = getattr(dataset, "column_names", ())
+        if self.args.train_sampling_strategy == "group_by_length" and (LENGTH in columns or PAIRED in columns):
             self._length_sampler = GlobalLengthGroupedSampler(
-                dataset[LENGTH], global_batch_size(self.args), self.args.data_seed or self.args.seed
+                sample_lengths(dataset), global_batch_size(self.args), self.args.data_seed or self.args.seed
             )
             return self._length_sampler
         return super()._get_train_sampler(train_dataset)

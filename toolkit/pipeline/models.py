@@ -169,7 +169,10 @@ def load_model(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
     label_names: list[str] | None,
+    every_rank_reads: bool = False,
 ) -> PreTrainedModel:
+    """The model to train (or with `every_rank_reads`, a frozen reference: read whole on every rank, since TRL
+    shards it without FSDP's broadcast from rank 0)."""
     kwargs = {}
     if label_names is not None:
         kwargs = dict(
@@ -180,7 +183,7 @@ def load_model(
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
     common = dict(attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
-    if receives_weights_from_rank0():
+    if receives_weights_from_rank0() and not every_rank_reads:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters
         # on the meta device instead (buffers stay real: FSDP does not broadcast non-persistent ones); when FSDP

@@ -91,7 +91,8 @@ def use_packing(task: str, requested: bool | None, config) -> bool:
 
     if task != "sft":
         if requested:
-            raise ConfigError("--packing applies to sft recipes (a classification row is one example): drop it.")
+            raise ConfigError(f"--packing applies to sft recipes, not {task} ones (a row is one example, or one "
+                              "preference pair): drop it.")  # fmt: skip
         return False
     supported = supports_packing(config)
     if requested and not supported:
@@ -138,8 +139,11 @@ class PackedCollator:
 
 
 def examples_in(inputs: dict[str, Any]) -> int:
-    """Examples in a micro-batch: conversations when packed (counted by the collator, on the host), else rows."""
-    return inputs[SEQUENCES] if SEQUENCES in inputs else len(inputs["input_ids"])
+    """Examples in a micro-batch: conversations when packed (counted by the collator, on the host), preference
+    pairs (TRL's DPO batch: the chosen rows, then the rejected ones, with their completion_mask), else rows."""
+    if SEQUENCES in inputs:
+        return inputs[SEQUENCES]
+    return len(inputs["input_ids"]) // (2 if "completion_mask" in inputs else 1)
 
 
 class PackedInputs:

@@ -30,6 +30,7 @@ from .arguments import (
     Arguments,
     DataArguments,
     ModelArguments,
+    PreferenceArguments,
     RunArguments,
     check_together,
     check_training,
@@ -66,7 +67,8 @@ def known_fields() -> set[str]:
 def optional_settings() -> set[str]:
     """The toolkit's settings whose type admits None. (TrainingArguments' are transformers': there "none" can be a
     value of its own, as in --report_to none.)"""
-    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, RunArguments)]
+    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, PreferenceArguments,
+                                                            RunArguments)]  # fmt: skip
     return {name for items in hints for name, hint in items
             if isinstance(hint, types.UnionType) and type(None) in hint.__args__}  # fmt: skip
 
@@ -186,7 +188,7 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
             f"Recipe '{recipe_name}' does not set {missing}: add them to the recipe or pass --{missing[0]}."
         )
     try:
-        model, data, run, training = parser.parse_dict(values)
+        model, data, preference, run, training = parser.parse_dict(values)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -197,4 +199,8 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
-    return Arguments(model, data, run, training, recipe_name)
+    if data.task == "dpo":  # TRL's DPOTrainer takes its DPOConfig: these settings and the preference ones
+        from .preference import dpo_config
+
+        training = dpo_config(training, preference, data.max_seq_length, model.trust_remote_code)
+    return Arguments(model, data, run, training, recipe_name, preference)

@@ -22,6 +22,7 @@ from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_f
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape, meta_model
 from .arguments import Arguments, global_batch_size
+from .length_grouping import sample_lengths
 
 
 class OverBudget(ToolkitError, ValueError):
@@ -76,12 +77,12 @@ class RunPlan:
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
-        plan.cost_plan = plan.plan_cost(trainer.args, [len(row) for row in trainer.train_dataset["input_ids"]])
+        plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
-        return training_flops_per_token(self.shape, seq_length)
+        return training_flops_per_token(self.shape, seq_length, reference=self.recipe.data.task == "dpo")
 
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the

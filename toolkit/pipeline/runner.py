@@ -141,16 +141,21 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     set_fsdp_wrap_class(model)
     counts = ParameterCounts.of(model)
 
-    compute_metrics, preprocess_logits = metrics_for(args.data.task)
-    trainer = RecipeTrainer(
+    if args.data.task == "dpo":  # TRL's DPOTrainer: its own collator and metrics, and a reference model
+        from .preference import RecipeDPOTrainer, reference_model
+
+        trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, tokenizer)}
+    else:
+        compute_metrics, preprocess_logits = metrics_for(args.data.task)
+        trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,
+                                                        preprocess_logits_for_metrics=preprocess_logits)  # fmt: skip
+    trainer = trainer_class(
         model=model,
         args=training,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=data.collator,
         processing_class=tokenizer,
-        compute_metrics=compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits,
+        **task_parts,
         arguments=args,
         param_counts=counts,
         load=load,

@@ -30,7 +30,11 @@ TASKS = {
         token_normalised_loss=False,
     ),
     "sft": Task("AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True),
+    # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (pipeline/preference.py).
+    "dpo": Task("AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=False),
 }
+
+GENERATIVE = ("sft", "dpo")  # tasks that train a decoder's next-token head
 
 
 def task(name: str) -> Task:
@@ -38,7 +42,7 @@ def task(name: str) -> Task:
     from ..errors import ConfigError
 
     if name not in TASKS:
-        raise ConfigError(f"task must be {' or '.join(repr(t) for t in TASKS)}, got '{name}'.")
+        raise ConfigError(f"task must be one of {', '.join(repr(t) for t in TASKS)}, got '{name}'.")
     return TASKS[name]
 
 
@@ -68,7 +72,7 @@ def check_task(config, name: str | None) -> None:
         raise ConfigError(f"{config.model_type} is an encoder-decoder (sequence-to-sequence) model, which the toolkit "
                           "does not train: it fine-tunes decoders (task sft: Llama, Qwen, Gemma, ...) and encoders "
                           "(task classification: BERT, RoBERTa, DeBERTa, ...). Pick one of those.")  # fmt: skip
-    if kind == "encoder" and name == "sft":
+    if kind == "encoder" and name in GENERATIVE:
         raise ConfigError(f"{config.model_type} is an encoder (masked LM), not a chat model: fine-tune it with --task "
                           "classification (as recipes/bert.py --model_name_or_path ... does), or bring a decoder "
                           "for sft.")  # fmt: skip

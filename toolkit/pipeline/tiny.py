@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from ..errors import ConfigError
 from ..project import cache_root
+from .arguments import looks_like_path
 from .sources import stored_config
 from .tasks import kind_of_model, model_class
 
@@ -114,11 +116,20 @@ def is_encoder(model_name: str) -> bool:
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
-    values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
+    if looks_like_path(model_name) or Path(model_name).is_dir():  # a local folder: DPO from an SFT run's output
+        if not (Path(model_name).expanduser() / "config.json").is_file():
+            raise ConfigError(f"The recipe starts from {model_name}, which is not there yet: it is the output of an "
+                              "SFT run (make finetune MODEL=llama3_fft ARGS=--tiny makes runs/llama3_fft), or pass "
+                              "--model_name_or_path with a model folder or Hub id.")  # fmt: skip
+        values = dict(TINY_TRAINING)  # that folder as it is: tiny mode shortens the run and brings the data
+    else:
+        values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
     values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None,
                   dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
         values.update(text_columns="text", label_column="label")
+    elif task == "dpo":  # a pair's sequence is its whole conversation: up to 3 turns, ~100 tokens
+        values.update(chat_template="llama3", max_seq_length=128)
     else:
         values.update(messages_column="messages", chat_template="llama3")
     return values
@@ -167,8 +178,33 @@ def chat_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def preference_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+    """Preference pairs on the arithmetic conversations: the right sum, stated, against a wrong one, hedged. The
+    preference is learnable within a few steps (the hedge), and more slowly (the sum)."""
+    rng = random.Random(seed)
+    rows = []
+    for row in chat_rows(n, seed):
+        *context, answer = row["messages"]
+        a, b = (int(word) for word in context[-1]["content"].removesuffix("?").split() if word.isdigit())
+        wrong = a + b + rng.choice([-1, 1]) * rng.randint(1, 9)
+        rejected = {"role": "assistant", "content": f"{a} plus {b} is {wrong}, or maybe not."}
+        rows.append({"chosen": [*context, answer], "rejected": [*context, rejected]})
+    return rows
+
+
+def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The tiny data's text, to train its tokenizer on."""
+    if task == "classification":
+        return [r["text"] for r in rows]
+    return [m["content"] for r in rows for c in ([r["messages"]] if task == "sft" else [r["chosen"], r["rejected"]])
+            for m in c]  # fmt: skip
+
+
+TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows}
+
+
 def write_tiny_dataset(task: str) -> Path:
-    rows = classification_rows() if task == "classification" else chat_rows()
+    rows = TINY_ROWS[task]()
     text = "".join(json.dumps(r) + "\n" for r in rows)
     path = cache_dir() / f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.jsonl"
     if not path.exists():  # content-addressed: concurrent ranks write the same bytes
@@ -262,10 +298,5 @@ def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
     path = cache_dir() / f"tokenizer-{kind}-{data.stem}"
     if not (path / "tokenizer.json").exists():
         rows = [json.loads(line) for line in data.read_text().splitlines()]
-        texts = (
-            [r["text"] for r in rows]
-            if task == "classification"
-            else [m["content"] for r in rows for m in r["messages"]]
-        )
-        _save_atomically(path, train_tokenizer(encoder, texts).save_pretrained)
+        _save_atomically(path, train_tokenizer(encoder, texts_of(task, rows)).save_pretrained)
     return PreTrainedTokenizerFast.from_pretrained(path)

@@ -72,11 +72,13 @@ def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95)
             "configs and micro-batches that fit.")  # fmt: skip
 
 
-def training_flops_per_token(shape: Shape, seq_length: int) -> float:
+def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = False) -> float:
     """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
     to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
-    appendix B: 6N + 12LHQT)."""
-    return 6 * shape.trainable + 4 * shape.frozen + 12 * shape.num_layers * shape.hidden_size * seq_length
+    appendix B: 6N + 12LHQT). `reference`: DPO's forward of the reference model too (2N + 4LHT)."""
+    attention = 12 * shape.num_layers * shape.hidden_size * seq_length
+    flops = 6 * shape.trainable + 4 * shape.frozen + attention
+    return flops + (2 * shape.total + attention / 3 if reference else 0)
 
 
 @dataclass(frozen=True)

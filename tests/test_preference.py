@@ -1,0 +1,117 @@
+"""Preference tuning (task dpo) on TRL's DPOTrainer with the toolkit's parts: the learnable preference is learnt,
+2 processes under DDP, ZeRO-3 (reference partitioned too) and FSDP2 train as 1 process does, LoRA scores the
+reference with the adapter off, a preempted run resumes bit-identically, and bad preference data is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check, launch, rank_reports
+from llama3_dpo import RECIPE as DPO
+from llama3_dpo_lora import RECIPE as DPO_LORA
+from safetensors.torch import load_file
+
+from toolkit import run, train
+from toolkit.errors import DataError
+from toolkit.pipeline import tiny
+
+
+def dpo_flags(out: Path, per_device_batch: int, steps: int = 6) -> list[str]:
+    model = tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B", "dpo")
+    return ["--tiny", "--model_name_or_path", str(model), "--max_steps", str(steps), "--per_device_train_batch_size",
+            str(per_device_batch), "--record_rank_reports", "true", "--report_to", "none", "--output_dir",
+            str(out)]  # fmt: skip
+
+
+def logged(out: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dpo") / "one"
+    train(DPO, dpo_flags(out, 8), "llama3_dpo")
+    return out
+
+
+def test_dpo_learns_a_learnable_preference(one_process):
+    """The synthetic pairs (right sum stated against a wrong one hedged): the reward margin, measured on each new
+    batch before its update, grows from 0 (policy = reference) step after step, and the loss falls from ln 2."""
+    margins, losses = logged(one_process, "rewards/margins"), logged(one_process, "loss")
+    assert margins[0] == 0 and losses[0] == pytest.approx(0.6931, abs=1e-4)
+    assert all(later > earlier for earlier, later in zip(margins[1:], margins[2:], strict=False)), margins
+    assert margins[-1] > 0.04 and logged(one_process, "rewards/accuracies")[-1] >= 0.75  # beta 0.01: small rewards
+    summary = json.loads((one_process / "run_summary.json").read_text())["summary"]
+    assert summary["status"] == "completed" and summary["steps"] == 6
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["ddp", "zero3", "fsdp2"])
+def test_dpo_trains_sharded_as_on_one_process(config, one_process, tmp_path):
+    """Policy and reference sharded alike (ZeRO-3 partitions both; FSDP2 shards the reference read whole on every
+    rank, RAM-efficient loading on): each step's loss and the exported weights equal the 1-process run's."""
+    out = tmp_path / "run"
+    check(launch(config, "llama3_dpo", *dpo_flags(out, 4), cwd=tmp_path))
+    assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(one_process)[0]["losses"], rel=1e-5)
+    assert logged(out, "rewards/margins") == pytest.approx(logged(one_process, "rewards/margins"), rel=1e-3, abs=1e-6)
+    ours, reference = load_file(out / "model.safetensors"), load_file(one_process / "model.safetensors")
+    assert sorted(ours) == sorted(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
+def test_dpo_lora_scores_the_reference_with_the_adapter_off(tmp_path):
+    """No second model: the reference is the base with the adapter off (equal to the start, the adapter's B being
+    0), so the first step's margin is 0 and the loss ln 2; the preference is then learnt by the adapter alone."""
+    out = tmp_path / "lora"
+    trainer = train(DPO_LORA, [*dpo_flags(out, 8), "--learning_rate", "5e-3"], "llama3_dpo_lora").trainer
+    assert trainer.ref_model is None
+    margins = logged(out, "rewards/margins")
+    assert margins[0] == 0 and all(b > a for a, b in zip(margins, margins[1:], strict=False)), margins
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+
+
+def test_preempted_dpo_run_resumes_bit_identically(one_process, tmp_path, monkeypatch, capsys):
+    """SIGTERM at step 3: checkpoint-3, exit 75; resumed, the same losses and bit-identical weights as the
+    uninterrupted run (the reference, its log-probabilities and the data order all come back)."""
+    from toolkit.pipeline.stopping import PREEMPTED, SafeStop
+
+    class KilledAtStep3(SafeStop):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    monkeypatch.setattr("toolkit.pipeline.trainer.SafeStop", KilledAtStep3)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(DPO, dpo_flags(out, 8), "llama3_dpo")
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]
+    train(DPO, [*dpo_flags(out, 8), "--resume", "auto"], "llama3_dpo")
+    full, resumed = rank_reports(one_process)[0], rank_reports(out)[0]
+    assert resumed["losses"] == full["losses"] and resumed["weights_sha256"] == full["weights_sha256"]
+    assert logged(out, "rewards/margins")[-3:] == logged(one_process, "rewards/margins")[-3:]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "chosen and rejected columns"),
+        ([{"chosen": [{"role": "user", "content": "hi"}], "rejected": [{"role": "user", "content": "hi"}]}],
+         "row 0 of the train split .* its chosen conversation: it has no assistant message"),
+        ([{"chosen": "an answer", "rejected": ""}], "row 0 .* must both be conversations .* or both text"),
+    ],
+)  # fmt: skip
+def test_bad_preference_data_is_one_line_naming_the_row(rows, message, tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(DataError, match=message):
+        train(DPO, [*dpo_flags(tmp_path / "out", 8), "--dataset_name", str(data)], "llama3_dpo")
