@@ -107,5 +107,5 @@ def test_make_finetune_checks_before_launching(tmp_path):
     result = subprocess.run(["make", "-s", "finetune", "MODEL=bertt", "CONFIG=ddp"], cwd=ROOT, capture_output=True,
                             text=True)  # fmt: skip
     assert result.returncode != 0
-    assert "error: No recipe 'bertt' in recipes/. Known: bert, llama3_fft" in result.stderr
+    assert "error: No recipe 'bertt' in recipes/. Known: bert, llama3_dpo" in result.stderr
     assert "No such file" not in result.stderr  # accelerate never started the missing script

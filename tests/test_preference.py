@@ -14,10 +14,11 @@ import torch
 from conftest import check, launch, rank_reports
 from llama3_dpo import RECIPE as DPO
 from llama3_dpo_lora import RECIPE as DPO_LORA
+from llama3_fft import RECIPE as SFT
 from safetensors.torch import load_file
 
 from toolkit import run, train
-from toolkit.errors import DataError
+from toolkit.errors import ConfigError, DataError
 from toolkit.pipeline import tiny
 
 
@@ -64,6 +65,19 @@ def test_dpo_trains_sharded_as_on_one_process(config, one_process, tmp_path):
     assert sorted(ours) == sorted(reference)
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
+def test_dpo_starts_from_an_sft_runs_output(tmp_path, monkeypatch):
+    """The recipes' chain: the SFT recipe's tiny run, then the DPO recipe from its output folder as the recipe
+    names it (./runs/llama3_fft), which tiny mode takes as it is; before the SFT run, one line naming it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="make finetune MODEL=llama3_fft ARGS=--tiny"):
+        train(DPO, ["--tiny"], "llama3_dpo")
+    sft = train(SFT, ["--tiny", "--max_steps", "2", "--report_to", "none", "--output_dir", str(tmp_path / "runs" /
+                      "llama3_fft")], "llama3_fft").trainer  # fmt: skip
+    dpo = train(DPO, ["--tiny", "--max_steps", "2", "--report_to", "none"], "llama3_dpo").trainer
+    assert dpo.param_counts.total == sft.param_counts.total
+    assert Path(dpo.model.name_or_path).resolve() == (tmp_path / "runs" / "llama3_fft").resolve()
 
 
 def test_dpo_lora_scores_the_reference_with_the_adapter_off(tmp_path):

@@ -199,9 +199,9 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         from .preference import COLUMNS, kept_columns, pair_problem
 
         if not set(COLUMNS) <= set(split.column_names):
-            raise DataError(f"task dpo trains on preference pairs, chosen and rejected columns (UltraFeedback-binarized's "
-                            f"layout); the {name} split of {source} has {split.column_names}: rename its columns, or "
-                            "point --dataset_name at preference data.")  # fmt: skip
+            raise DataError(f"task dpo trains on preference pairs, chosen and rejected columns (UltraFeedback-"
+                            f"binarized's layout); the {name} split of {source} has {split.column_names}: rename its "
+                            "columns, or point --dataset_name at preference data.")  # fmt: skip
         columns, problem_of, keep = COLUMNS, pair_problem, kept_columns(split)
     elif data_format is not None:
         columns = columns_of(data_format, args.messages_column)

@@ -4,9 +4,10 @@ The data is pairs in UltraFeedback-binarized's layout: `chosen` and `rejected`, 
 shared prompt turns, then the answer), or text with a `prompt` column. TRL takes the shared prompt off, applies
 the chat template and tokenizes; the toolkit checks every pair first, as it checks SFT rows.
 
-Imported only by preference runs (TRL takes a second to import). The reference model is a frozen copy of the starting weights, loaded on every rank and sharded like the policy
+The reference model is a frozen copy of the starting weights, loaded on every rank and sharded like the policy
 (TRL: ZeRO-3 partitions it, FSDP shards it, DDP keeps it whole); with LoRA there is no copy of the model: the
 reference is the base with the adapter off (TRL's frozen "ref" adapter, a copy of the untrained one).
+Imported only by preference runs: TRL takes a second to import.
 """
 
 from __future__ import annotations

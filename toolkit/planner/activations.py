@@ -148,7 +148,7 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
             inputs: list[tuple[int, int]]) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
     for each (micro-batch, sequence length) in `inputs`."""
-    from ..pipeline.tasks import model_class
+    from ..pipeline.tasks import GENERATIVE, model_class
     from .shape import outside_zero3_init
 
     small = scaled(config, ratio, layers, attention)
@@ -159,7 +159,7 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
         out = []
         for b, s in inputs:
             ids = torch.randint(1, text.vocab_size, (b, s))
-            labels = ids if task == "sft" else torch.zeros(b, dtype=torch.long)
+            labels = ids if task in GENERATIVE else torch.zeros(b, dtype=torch.long)
             out.append(saved_bytes(model, {"input_ids": ids, "labels": labels}))
         return out
 

@@ -18,6 +18,7 @@ from .estimate import (
     PREFERENCE,
     assumed_mfu,
     cost_from_throughput,
+    preference_workload,
     samples_per_second_at_mfu,
     training_flops_per_token,
     verdicts,
@@ -54,6 +55,7 @@ def build_plan(args) -> dict:
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
+        **preference_workload(task, lora is not None),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
     shape = replace(shape, activations=fit)
@@ -69,7 +71,8 @@ def build_plan(args) -> dict:
             layout = layouts[v.config]
             mfu = args.mfu or assumed_mfu(layout)
             peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
-            rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak)
+            rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
+                                             work.sequences_per_sample, task == "dpo")  # fmt: skip
             cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
             row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
@@ -98,7 +101,7 @@ def build_plan(args) -> dict:
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "data": {"samples": samples, "epochs": epochs, "tokens_per_sample": tokens_per_sample} if samples else None,
-        "flops_per_token": training_flops_per_token(shape, work.seq_length),
+        "flops_per_token": training_flops_per_token(shape, work.seq_length, task == "dpo"),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,

@@ -60,7 +60,13 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
-                    cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0)  # fmt: skip
+                    cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
+                    **preference_workload(d.task, arguments.model.use_lora))  # fmt: skip
+
+
+def preference_workload(task: str, lora: bool) -> dict:
+    """A DPO step's extra memory (Workload): its pairs' two sequences, and the reference copy without LoRA."""
+    return {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
 
 
 def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:
@@ -102,9 +108,12 @@ def cost_from_throughput(samples: int, epochs: float, samples_per_second: float,
     return CostEstimate(on_demand.unit_hours(seconds), on_demand.usd(seconds), spot)
 
 
-def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices: int, peak_tflops: float) -> float:
-    """MFU = achieved model FLOPs / peak: samples/s = MFU x devices x peak / (FLOPs per token x tokens per sample)."""
-    return mfu * devices * peak_tflops * 1e12 / (training_flops_per_token(shape, seq_length) * seq_length)
+def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices: int, peak_tflops: float,
+                              sequences: int = 1, reference: bool = False) -> float:  # fmt: skip
+    """MFU = achieved model FLOPs / peak: samples/s = MFU x devices x peak / (FLOPs per token x tokens per sample);
+    a DPO sample is `sequences` 2 of `seq_length` tokens, with the reference's forward (`reference`)."""
+    flops = training_flops_per_token(shape, seq_length, reference) * seq_length * sequences
+    return mfu * devices * peak_tflops * 1e12 / flops
 
 
 # Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides

@@ -6,7 +6,7 @@ the tensors autograd saves, malloc's live bytes, and the bytes each rank really 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..distributed.layout import Layout
 from ..metrics.memory import GIB
@@ -39,6 +39,10 @@ class Workload:
     # fused AdamW) on an H100 with torch 2.11 and CUDA 13; it varies with the driver, CUDA and the GPU.
     cuda_context_gib: float = 0.75
     dropout_mask_bytes: int = 1  # CUDA's fused dropout keeps a bool mask; on CPU it is the activation dtype
+    # DPO: a micro-batch's pairs go through the model as 2 sequences each, chosen and rejected in one forward;
+    # and without LoRA a frozen reference copy of the weights (with LoRA, the base with the adapter off).
+    sequences_per_sample: int = 1
+    reference_weights: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -174,6 +178,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # fsdp2_prepare_model): bf16 weights train as fp32 masters with bf16 compute.
     upcast = layout.engine == "torch" and layout.shard_params and work.precision == "bf16"
     states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast)
+    weight = 2 if work.precision == "bf16" else 4  # the weights' dtype as loaded
     split = {
         "parameters": layout.shard_params,
         "gradients": layout.shard_grads,
@@ -220,8 +225,13 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     else:
         copies = gpus_per_node
     mem.host_loading = int(copies * states["parameters"])
-    mem.device["activations"] = activation_bytes(shape, work)
-    mem.device["recomputed_layer"] = layer_activation_bytes(shape, work) if work.activation_checkpointing else 0
-    mem.device["logits"] = logits_bytes(shape, work)
+    # A frozen reference (DPO) in the weights' dtype, sharded as the policy's parameters are (TRL: ZeRO-3
+    # partitions it, FSDP shards it; DDP and ZeRO-1/2 hold it whole, as stage 0).
+    if work.reference_weights:
+        mem.device["reference_model"] = int(weight * shape.total / (shards if layout.shard_params else 1))
+    sequences = replace(work, micro_batch=work.micro_batch * work.sequences_per_sample)
+    mem.device["activations"] = activation_bytes(shape, sequences)
+    mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
+    mem.device["logits"] = logits_bytes(shape, sequences)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem
