@@ -138,7 +138,7 @@ RUNS = [
     ("seq-length-0", "llama3_fft", ["--max_seq_length", "0"], "max_seq_length must be at least 1"),
     ("eval-fraction", "bert", ["--eval_fraction", "1.5"], "--eval_split"),
     ("max-train-samples-0", "bert", ["--max_train_samples", "0"], "leave it unset"),
-    ("task", "bert", ["--task", "regression"], "'classification' or 'sft'"),
+    ("task", "bert", ["--task", "regression"], "task must be one of 'classification', 'sft', 'dpo'"),
     ("pricing", "bert", ["--pricing", "spot2"], "'on_demand' or 'spot'"),
     ("budget-negative", "bert", ["--budget_usd", "-5"], "budget_usd must be positive"),
     ("overhead", "bert", ["--cost_overhead", "0.5"], "at least 1"),
