@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toolkit.metrics.cost import device_spec
 from toolkit.metrics.memory import GIB
 from toolkit.pipeline import tiny
+from toolkit.pipeline.tasks import TASKS
 from toolkit.planner import (
     Layout,
     Shape,
@@ -28,6 +29,7 @@ from toolkit.planner import (
     verdicts,
 )
 from toolkit.planner.activations import saved_bytes as saved_for_backward
+from toolkit.planner.estimate import task_workload
 
 MIB = 2**20
 LLAMA, BERT = "meta-llama/Meta-Llama-3-8B", "google-bert/bert-base-cased"
@@ -219,14 +221,89 @@ def test_step_peak_matches_live_memory(checkpointing):
         assert measured == pytest.approx(at_peak, rel=0.03), (micro_batch, seq_length)
 
 
+@pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
+def test_dpo_step_peak_matches_live_memory(checkpointing, monkeypatch):
+    """A DPO step as TRL's DPOTrainer takes it (its fused log-prob head on the policy and a frozen reference;
+    chosen and rejected rows in one forward; the sigmoid loss), measured as the SFT step above. Without full
+    logits the peak moves into the last layer's backward, with the head's weight gradient alive: the planner's
+    components without the other gradients. With activation checkpointing the step's own memory is smaller than
+    the gradients at the end of backward, so the peak is theirs, and the plan's total bounds it.
+    TRL's tiles (4,096 x 32,768 logits) are shrunk to 64 x 1,024 in TRL and the planner alike: TRL's CPU fallback
+    makes several fp32 copies of a tile, its GPU kernel none."""
+    import copy
+
+    import torch.nn.functional as F
+    import trl.kernels.chunked_logprob as trl_kernel
+    import trl.trainer.utils as trl_utils
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.planner import memory
+
+    assert memory.FUSED_HEAD_TILE == (trl_kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+    monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 64)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 1024)
+    monkeypatch.setattr(memory, "FUSED_HEAD_TILE", (64, 1024))
+    config = tiny.stored_config(LLAMA)
+    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32768)  # fmt: skip
+    for key, value in narrow.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    shape = Shape.of(model, config)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # DPOTrainer's
+    trl_utils.add_fused_lm_head(reference)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step(ids, labels):
+        outputs = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        with torch.no_grad():
+            ref = reference(input_ids=ids, labels=labels, fused_lm_head=True)
+            ref_chosen, ref_rejected = ref.log_probs.sum(1).chunk(2)
+        chosen, rejected = outputs.log_probs.sum(1).chunk(2)
+        F.logsigmoid(0.1 * ((chosen - ref_chosen) - (rejected - ref_rejected))).neg().mean().backward()
+        return outputs
+
+    for micro_batch, seq_length in [(2, 256), (1, 512)]:
+        ids = torch.randint(0, config.vocab_size, (2 * micro_batch, seq_length))  # the pairs' chosen, then rejected
+        labels = ids.masked_fill(torch.arange(seq_length) < seq_length // 4, -100)  # the prompt is not scored
+        step(ids, labels)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        before, mode = live_heap_bytes(), _PeakLiveBytes()
+        with mode:
+            outputs = step(ids, labels)
+        del outputs
+        optimizer.zero_grad(set_to_none=True)
+        measured = mode.peak - before
+        work = Workload(precision="fp32", micro_batch=micro_batch, seq_length=seq_length, cuda_context_gib=0.0,
+                        activation_checkpointing=checkpointing, dropout_mask_bytes=4,
+                        **task_workload("dpo", lora=False))  # fmt: skip
+        planned = plan_memory(shape, layout("single_gpu"), work, 1).device
+        held = ("parameters", "optimizer_states", "reference_model")  # before the step
+        step_total = sum(v for k, v in planned.items() if k not in held)
+        if checkpointing:
+            assert planned["gradients"] < measured < step_total, (micro_batch, seq_length)
+        else:
+            at_peak = step_total - planned["gradients"]
+            assert measured == pytest.approx(at_peak, rel=0.03), (micro_batch, seq_length)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
-@pytest.mark.parametrize(("name", "task", "seq_length"), [(LLAMA, "sft", 2048), (BERT, "classification", 128)])
+@pytest.mark.parametrize(
+    ("name", "task", "seq_length"), [(LLAMA, "sft", 2048), (LLAMA, "dpo", 2048), (BERT, "classification", 128)]
+)
 def test_measured_activations_equal_the_formula_at_full_size(name, task, seq_length, checkpointing, precision):
     """Two independent routes to the activations of Llama-3-8B and BERT-base at their real sizes, fused and eager
     attention: the formula, tensor by tensor from the architecture (checked above against instances), and the
-    fit on scaled-down instances that any family gets (activations.py). They agree within 0.5% (measured:
-    0.9999-1.0025)."""
+    fit on scaled-down instances that any family gets (activations.py); for DPO, through TRL's fused head. They
+    agree within 0.5% (measured: 0.9999-1.0025)."""
     from dataclasses import replace
 
     from toolkit.planner import activations
@@ -237,7 +314,8 @@ def test_measured_activations_equal_the_formula_at_full_size(name, task, seq_len
     for flash in (True, False):
         fit = activations.fit(config, task, dtype, attention=None if flash else "eager")
         work = Workload(precision=precision, micro_batch=4, seq_length=seq_length, flash_attention=flash,
-                        activation_checkpointing=checkpointing, dropout_mask_bytes=dtype.itemsize)  # fmt: skip
+                        activation_checkpointing=checkpointing, dropout_mask_bytes=dtype.itemsize,
+                        fused_head=TASKS[task].fused_head)  # fmt: skip
         formula = activation_bytes(shape, work)
         assert activation_bytes(replace(shape, activations=fit), work) == pytest.approx(formula, rel=0.005), flash
 

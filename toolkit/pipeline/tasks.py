@@ -20,6 +20,9 @@ class Task:
     # that mean as token-normalised and multiplies loss and gradients by the number of processes, and skips the
     # division by gradient-accumulation steps.
     token_normalised_loss: bool
+    # Whether the loss is scored by TRL's fused log-prob head (trl.trainer.utils.add_fused_lm_head), in tiles,
+    # without the full logits: DPOTrainer's. The planner and the activation measurement follow it.
+    fused_head: bool = False
 
 
 TASKS = {
@@ -31,7 +34,9 @@ TASKS = {
     ),
     "sft": Task("AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True),
     # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (pipeline/preference.py).
-    "dpo": Task("AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=False),
+    "dpo": Task(
+        "AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=False, fused_head=True
+    ),
 }
 
 GENERATIVE = ("sft", "dpo")  # tasks that train a decoder's next-token head

@@ -33,7 +33,7 @@ BATCHES = (2, 4)  # not 1: some models skip a copy at batch 1 (Falcon's multi-qu
 WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "ffn_dim", "n_inner", "hidden_dim", "ffn_hidden_size",
           "moe_intermediate_size", "shared_expert_intermediate_size", "embedding_size", "pooler_hidden_size",
           "word_embed_proj_dim")  # fmt: skip
-VERSION = 2  # bump when the measurement changes: the cache key includes it
+VERSION = 3  # bump when the measurement changes: the cache key includes it
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
             inputs: list[tuple[int, int]]) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
     for each (micro-batch, sequence length) in `inputs`."""
-    from ..pipeline.tasks import GENERATIVE, model_class
+    from ..pipeline.tasks import GENERATIVE, TASKS, model_class
     from .shape import outside_zero3_init
 
     small = scaled(config, ratio, layers, attention)
@@ -156,11 +156,17 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
     with torch.random.fork_rng(devices=[]), outside_zero3_init():  # the run's random state is left as it was
         torch.manual_seed(0)
         model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
+        fused = {}
+        if TASKS[task].fused_head:  # the loss as the run computes it: TRL's head saves its input, not log-probs
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(model)
+            fused = {"fused_lm_head": True}
         out = []
         for b, s in inputs:
             ids = torch.randint(1, text.vocab_size, (b, s))
             labels = ids if task in GENERATIVE else torch.zeros(b, dtype=torch.long)
-            out.append(saved_bytes(model, {"input_ids": ids, "labels": labels}))
+            out.append(saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}))
         return out
 
 

@@ -18,8 +18,8 @@ from .estimate import (
     PREFERENCE,
     assumed_mfu,
     cost_from_throughput,
-    preference_workload,
     samples_per_second_at_mfu,
+    task_workload,
     training_flops_per_token,
     verdicts,
 )
@@ -55,7 +55,7 @@ def build_plan(args) -> dict:
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
-        **preference_workload(task, lora is not None),
+        **task_workload(task, lora is not None),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
     shape = replace(shape, activations=fit)

@@ -61,12 +61,17 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
-                    **preference_workload(d.task, arguments.model.use_lora))  # fmt: skip
+                    **task_workload(d.task, arguments.model.use_lora))  # fmt: skip
 
 
-def preference_workload(task: str, lora: bool) -> dict:
-    """A DPO step's extra memory (Workload): its pairs' two sequences, and the reference copy without LoRA."""
-    return {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
+def task_workload(task: str, lora: bool) -> dict:
+    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy; a
+    fused head (TRL's, under DPO) instead of the full logits."""
+    from ..pipeline.tasks import TASKS
+
+    fused = {"fused_head": TASKS[task].fused_head} if task in TASKS else {}
+    pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
+    return {**pairs, **fused}
 
 
 def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:

@@ -43,6 +43,9 @@ class Workload:
     # and without LoRA a frozen reference copy of the weights (with LoRA, the base with the adapter off).
     sequences_per_sample: int = 1
     reference_weights: bool = False
+    # The loss scored in tiles by a fused head that never holds the full logits (TRL's chunked log-prob head,
+    # which DPO uses): fused_head_bytes instead of the logits.
+    fused_head: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -152,7 +155,11 @@ def activation_bytes(shape: Shape, work: Workload) -> int:
     norm = ((4 + e) if shape.rms_norm else e) * t * h + (4 if shape.rms_norm else 8) * t
     follower = work.dropout_mask_bytes if shape.hidden_dropout else e
     extra = shape.extra_norms * (norm + follower * t * h)
-    if shape.language_model:
+    if shape.language_model and work.fused_head:
+        # targets (int64), log-sum-exp and entropy (fp32); its input is a copy of the final norm's output, which
+        # then nothing else keeps: counted with the norm
+        head = 16 * t
+    elif shape.language_model:
         head = 4 * t * shape.vocab_size  # the lm_head's input is the final norm's output, counted there
     else:
         head = e * t * h  # a classifier keeps the last hidden states alive (the pooler's slice of them)
@@ -168,7 +175,27 @@ def logits_bytes(shape: Shape, work: Workload) -> int:
     on CPU (test_planner.py::test_step_peak_matches_live_memory)."""
     if not shape.language_model:
         return 0
+    if work.fused_head:
+        return fused_head_bytes(shape, work)
     return work.seq_length * work.micro_batch * shape.vocab_size * (work.activation_dtype_bytes + 2 * 4)
+
+
+# TRL's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py) projects TOKEN_CHUNK_SIZE tokens by
+# _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary entries at a time (trl/trainer/utils.py); tests compare with TRL's values.
+FUSED_HEAD_TILE = (4096, 32768)
+
+
+def fused_head_bytes(shape: Shape, work: Workload) -> int:
+    """A fused head's share of the backward peak. Its weight's fp32 gradient (vocabulary x hidden; none when the
+    head is frozen, as under LoRA) is made at the start of backward and stays: a full copy even where gradients
+    are sharded or 16-bit, so counted here beside `gradients`. With it, the larger of: the head's own working
+    set (its input's fp32 gradient, t x hidden, and one logits tile in the compute dtype: Triton's kernels work
+    in it in place on a GPU; TRL's CPU fallback makes a few fp32 copies), or, without full logits to dwarf it,
+    the last layer's MLP backward (two t x intermediate gradients), where a CPU step was measured to peak."""
+    t, e = work.seq_length * work.micro_batch, work.activation_dtype_bytes
+    tile = min(t, FUSED_HEAD_TILE[0]) * min(shape.vocab_size, FUSED_HEAD_TILE[1]) * e
+    weight = 4 * shape.vocab_size * shape.hidden_size if shape.head_trainable else 0
+    return weight + max(4 * t * shape.hidden_size + tile, 2 * e * t * shape.intermediate_size)
 
 
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:

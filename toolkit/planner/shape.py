@@ -34,6 +34,7 @@ class Shape:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
+    head_trainable: bool = True  # trained (full fine-tuning), or frozen (LoRA)
     # The activations measured on the architecture itself (activations.py); the formula fields above stand in
     # where it could not be measured.
     activations: ActivationFit | None = None
@@ -77,6 +78,7 @@ class Shape:
             attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0))
             or 0.0,
             language_model=head is not None and head_params == embeddings,
+            head_trainable=head is not None and head.weight.requires_grad,
         )
 
 
