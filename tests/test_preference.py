@@ -71,8 +71,10 @@ def test_dpo_starts_from_an_sft_runs_output(tmp_path, monkeypatch):
     """The recipes' chain: the SFT recipe's tiny run, then the DPO recipe from its output folder as the recipe
     names it (./runs/llama3_fft), which tiny mode takes as it is; before the SFT run, one line naming it."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="make finetune MODEL=llama3_fft ARGS=--tiny"):
+    with pytest.raises(ConfigError, match="make finetune MODEL=llama3_fft ARGS=--tiny makes it"):
         train(DPO, ["--tiny"], "llama3_dpo")
+    with pytest.raises(ConfigError, match=r"recipes/llama3_fft.py's output \(make finetune MODEL=llama3_fft makes"):
+        train(DPO, [], "llama3_dpo")
     sft = train(SFT, ["--tiny", "--max_steps", "2", "--report_to", "none", "--output_dir", str(tmp_path / "runs" /
                       "llama3_fft")], "llama3_fft").trainer  # fmt: skip
     dpo = train(DPO, ["--tiny", "--max_steps", "2", "--report_to", "none"], "llama3_dpo").trainer

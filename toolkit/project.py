@@ -27,6 +27,13 @@ def is_recipe(name: str) -> bool:
     return (RECIPES / f"{name}.py").is_file()
 
 
+def recipe_writing(path: str | Path) -> str | None:
+    """The recipe whose run writes `path` (its default output folder, runs/<recipe>), if any: a DPO recipe starts
+    from an SFT recipe's output."""
+    parts = Path(path).parts
+    return parts[-1] if len(parts) >= 2 and parts[-2] == "runs" and is_recipe(parts[-1]) else None
+
+
 def strategy_files() -> list[Path]:
     return sorted(STRATEGIES.glob("*.yaml"))
 

@@ -269,10 +269,14 @@ def check_local_path(name: str, what: str, flag: str, inside: str | None = None)
 
     if name.startswith(PACKAGE_PREFIX) or not looks_like_path(name):
         return
+    from ..project import recipe_writing
+
     path = Path(name).expanduser()
     if not path.exists():
-        raise ConfigError(f"The {what} path {name} does not exist: pass an existing path with {flag}, or a Hub id "
-                          "(org/name).")  # fmt: skip
+        recipe = recipe_writing(path)
+        made_by = f"it is recipes/{recipe}.py's output (make finetune MODEL={recipe} makes it); or " if recipe else ""
+        raise ConfigError(f"The {what} path {name} does not exist: {made_by}pass an existing path with {flag}, or a "
+                          "Hub id (org/name).")  # fmt: skip
     if inside and path.is_dir() and not (path / inside).is_file():
         raise ConfigError(f"{name} has no {inside}: pass a folder written by save_pretrained with {flag}.")
 

@@ -24,7 +24,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from ..errors import ConfigError
-from ..project import cache_root
+from ..project import cache_root, recipe_writing
 from .arguments import looks_like_path
 from .sources import stored_config
 from .tasks import kind_of_model, model_class
@@ -118,9 +118,12 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
     if looks_like_path(model_name) or Path(model_name).is_dir():  # a local folder: DPO from an SFT run's output
         if not (Path(model_name).expanduser() / "config.json").is_file():
-            raise ConfigError(f"The recipe starts from {model_name}, which is not there yet: it is the output of an "
-                              "SFT run (make finetune MODEL=llama3_fft ARGS=--tiny makes runs/llama3_fft), or pass "
-                              "--model_name_or_path with a model folder or Hub id.")  # fmt: skip
+            recipe = recipe_writing(model_name)
+            made_by = f" (make finetune MODEL={recipe} ARGS=--tiny makes it)" if recipe else ""
+            raise ConfigError(
+                f"The recipe starts from {model_name}, which is not there yet: it is an earlier run's "
+                f"output{made_by}; or pass --model_name_or_path with a model folder or Hub id."
+            )
         values = dict(TINY_TRAINING)  # that folder as it is: tiny mode shortens the run and brings the data
     else:
         values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
