@@ -4,6 +4,8 @@ estimators, the textbook cost example, and (in test_strategies.py) the bytes eac
 from __future__ import annotations
 
 import ctypes
+import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toolkit.metrics.cost import device_spec
 from toolkit.metrics.memory import GIB
 from toolkit.pipeline import tiny
-from toolkit.pipeline.tasks import TASKS
 from toolkit.planner import (
     Layout,
     Shape,
@@ -206,6 +207,7 @@ def test_step_peak_matches_live_memory(checkpointing):
         model(input_ids=ids, labels=ids).loss.backward()  # a first step creates the optimizer states
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        gc.collect()  # earlier tests' models, freed by a collection during the step, would hide its bytes
         before, mode = live_heap_bytes(), _PeakLiveBytes()
         with mode:
             outputs = model(input_ids=ids, labels=ids)  # kept through backward, as in the Trainer
@@ -223,12 +225,14 @@ def test_step_peak_matches_live_memory(checkpointing):
 
 @pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
-def test_dpo_step_peak_matches_live_memory(checkpointing, monkeypatch):
-    """A DPO step as TRL's DPOTrainer takes it (its fused log-prob head on the policy and a frozen reference;
-    chosen and rejected rows in one forward; the sigmoid loss), measured as the SFT step above. Without full
-    logits the peak moves into the last layer's backward, with the head's weight gradient alive: the planner's
-    components without the other gradients. With activation checkpointing the step's own memory is smaller than
-    the gradients at the end of backward, so the peak is theirs, and the plan's total bounds it.
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_fused_head_step_peak_matches_live_memory(task, checkpointing, monkeypatch):
+    """A step through TRL's fused log-prob head, measured as the SFT step above: SFT's (--fused_loss) and DPO's
+    as DPOTrainer takes it (the head on the policy and a frozen reference; chosen and rejected rows in one
+    forward; the sigmoid loss). Without full logits the peak moves into the last layer's backward, with the
+    head's weight gradient alive: the planner's components without the other gradients. With activation
+    checkpointing the step's own memory is below the gradients at the end of backward, so the peak is theirs,
+    and the plan's total bounds it. SFT's peak drops from the full-logits loss's by the planned amount.
     TRL's tiles (4,096 x 32,768 logits) are shrunk to 64 x 1,024 in TRL and the planner alike: TRL's CPU fallback
     makes several fp32 copies of a tile, its GPU kernel none."""
     import copy
@@ -259,9 +263,13 @@ def test_dpo_step_peak_matches_live_memory(checkpointing, monkeypatch):
     trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # DPOTrainer's
     trl_utils.add_fused_lm_head(reference)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sequences = 2 if task == "dpo" else 1  # a pair's chosen, then rejected
 
-    def step(ids, labels):
-        outputs = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    def step(ids, labels, fused=True):
+        outputs = model(input_ids=ids, labels=labels, fused_lm_head=fused)
+        if task == "sft":
+            outputs.loss.backward()
+            return outputs
         with torch.no_grad():
             ref = reference(input_ids=ids, labels=labels, fused_lm_head=True)
             ref_chosen, ref_rejected = ref.log_probs.sum(1).chunk(2)
@@ -269,53 +277,66 @@ def test_dpo_step_peak_matches_live_memory(checkpointing, monkeypatch):
         F.logsigmoid(0.1 * ((chosen - ref_chosen) - (rejected - ref_rejected))).neg().mean().backward()
         return outputs
 
-    for micro_batch, seq_length in [(2, 256), (1, 512)]:
-        ids = torch.randint(0, config.vocab_size, (2 * micro_batch, seq_length))  # the pairs' chosen, then rejected
-        labels = ids.masked_fill(torch.arange(seq_length) < seq_length // 4, -100)  # the prompt is not scored
-        step(ids, labels)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def peak(ids, labels, fused=True):
+        gc.collect()  # earlier tests' models, freed by a collection during the step, would hide its bytes
         before, mode = live_heap_bytes(), _PeakLiveBytes()
         with mode:
-            outputs = step(ids, labels)
+            outputs = step(ids, labels, fused)  # kept through backward, as in the Trainer
         del outputs
         optimizer.zero_grad(set_to_none=True)
-        measured = mode.peak - before
-        work = Workload(precision="fp32", micro_batch=micro_batch, seq_length=seq_length, cuda_context_gib=0.0,
-                        activation_checkpointing=checkpointing, dropout_mask_bytes=4,
-                        **task_workload("dpo", lora=False))  # fmt: skip
+        return mode.peak - before
+
+    def plan(work):
         planned = plan_memory(shape, layout("single_gpu"), work, 1).device
         held = ("parameters", "optimizer_states", "reference_model")  # before the step
-        step_total = sum(v for k, v in planned.items() if k not in held)
+        return planned, sum(v for k, v in planned.items() if k not in held)
+
+    for micro_batch, seq_length in [(2, 256), (1, 512)]:
+        ids = torch.randint(0, config.vocab_size, (sequences * micro_batch, seq_length))
+        labels = ids.masked_fill(torch.arange(seq_length) < seq_length // 4, -100)  # the prompt is not scored
+        for fused in (True, False) if task == "sft" else (True,):  # first calls allocate what later ones reuse
+            step(ids, labels, fused)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measured = peak(ids, labels)
+        work = Workload(precision="fp32", micro_batch=micro_batch, seq_length=seq_length, cuda_context_gib=0.0,
+                        activation_checkpointing=checkpointing, dropout_mask_bytes=4,
+                        **task_workload(task, lora=False, fused_loss=True))  # fmt: skip
+        planned, step_total = plan(work)
         if checkpointing:
             assert planned["gradients"] < measured < step_total, (micro_batch, seq_length)
-        else:
-            at_peak = step_total - planned["gradients"]
-            assert measured == pytest.approx(at_peak, rel=0.03), (micro_batch, seq_length)
+            continue
+        at_peak = step_total - planned["gradients"]
+        assert measured == pytest.approx(at_peak, rel=0.03), (micro_batch, seq_length)
+        if task == "sft":  # the full logits' loss: its peak at the start of backward (the SFT test above)
+            full, full_total = plan(replace(work, fused_head=False))
+            drop = full_total - full["gradients"] - at_peak
+            assert peak(ids, labels, fused=False) - measured == pytest.approx(drop, rel=0.05), (micro_batch, seq_length)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize(
-    ("name", "task", "seq_length"), [(LLAMA, "sft", 2048), (LLAMA, "dpo", 2048), (BERT, "classification", 128)]
-)
-def test_measured_activations_equal_the_formula_at_full_size(name, task, seq_length, checkpointing, precision):
+    ("name", "task", "seq_length", "fused"),
+    [(LLAMA, "sft", 2048, False), (LLAMA, "sft", 2048, True), (LLAMA, "dpo", 2048, True),
+     (BERT, "classification", 128, False)],
+    ids=["llama-sft", "llama-sft-fused", "llama-dpo", "bert"],
+)  # fmt: skip
+def test_measured_activations_equal_the_formula_at_full_size(name, task, seq_length, fused, checkpointing, precision):
     """Two independent routes to the activations of Llama-3-8B and BERT-base at their real sizes, fused and eager
     attention: the formula, tensor by tensor from the architecture (checked above against instances), and the
-    fit on scaled-down instances that any family gets (activations.py); for DPO, through TRL's fused head. They
-    agree within 0.5% (measured: 0.9999-1.0025)."""
-    from dataclasses import replace
-
+    fit on scaled-down instances that any family gets (activations.py); with the loss through TRL's fused head
+    too (SFT's --fused_loss, DPO's). They agree within 0.5% (measured: 0.9988-1.0025)."""
     from toolkit.planner import activations
 
     config = tiny.stored_config(name)
     shape = Shape.of(meta_model(config, task), config)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     for flash in (True, False):
-        fit = activations.fit(config, task, dtype, attention=None if flash else "eager")
+        fit = activations.fit(config, task, dtype, attention=None if flash else "eager", fused_head=fused)
         work = Workload(precision=precision, micro_batch=4, seq_length=seq_length, flash_attention=flash,
                         activation_checkpointing=checkpointing, dropout_mask_bytes=dtype.itemsize,
-                        fused_head=TASKS[task].fused_head)  # fmt: skip
+                        fused_head=fused)  # fmt: skip
         formula = activation_bytes(shape, work)
         assert activation_bytes(replace(shape, activations=fit), work) == pytest.approx(formula, rel=0.005), flash
 

@@ -2,8 +2,9 @@
 
 Each launch is checked for what really happened, not just its exit code: the strategy in effect, the bytes of
 parameters and optimizer state each rank holds, disjoint data across ranks, the tokens counted, the losses
-against a 1-process run with the same global batch, and the exported weights against that run's. Resume from
-a checkpoint and from a preemption (SIGTERM at a random step) ends bit-identical to the uninterrupted run.
+against a 1-process run with the same global batch, and the exported weights against that run's (SFT's
+launches with the fused loss, the references with the full logits). Resume from a checkpoint and from a
+preemption (SIGTERM at a random step) ends bit-identical to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -335,8 +336,11 @@ def test_packed_run_matches_one_process(tmp_path):
 
 
 def run_flags(recipe: str, processes: int, out) -> list[str]:
-    """One epoch with the matrix's global batch (16 x accumulation) split over the processes."""
-    return [*ONE_EPOCH, *recipe_flags(recipe), "--gradient_accumulation_steps", str(RECIPES[recipe][1]),
+    """One epoch with the matrix's global batch (16 x accumulation) split over the processes. SFT scores its loss
+    with TRL's fused head (the GPU default; the 1-process references take the full logits): the same losses
+    and weights under every strategy, ranks with unequal token counts gathering the head alike."""
+    fused = ["--fused_loss", "true"] if RECIPES[recipe][0] == "sft" else []
+    return [*ONE_EPOCH, *recipe_flags(recipe), *fused, "--gradient_accumulation_steps", str(RECIPES[recipe][1]),
             "--per_device_train_batch_size", str(16 // processes), "--output_dir", str(out)]  # fmt: skip
 
 

@@ -50,6 +50,13 @@ class ModelArguments:
     dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
     attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
+    fused_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": "sft: score the loss with TRL's fused log-prob head, in tiles, never holding the full "
+            "logits. Default: on with a GPU, off on CPU (docs/planner.md)."
+        },
+    )
     use_lora: bool = field(default=False, metadata={"help": "Train a PEFT LoRA adapter instead of all weights."})
     lora_r: int = 16
     lora_alpha: int = 32

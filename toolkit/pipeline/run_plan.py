@@ -72,7 +72,9 @@ class RunPlan:
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
         dtype = next(model.parameters()).dtype
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        fit, _ = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention)
+        fit, _ = measured_activations(
+            base.config, arguments.data.task, work.precision, work.flash_attention, work.fused_head
+        )
         shape = replace(shape, activations=fit)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])

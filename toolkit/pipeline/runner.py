@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import set_seed
 
@@ -125,8 +126,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
                                    [args.data.messages_column], args.run.generation_samples)  # fmt: skip
     # The activation fit the run's plan uses, measured (into the cache) before the weights load, not within the
     # loading footprint the rank reports record.
-    work = workload_for(args, checkpoint_dtype(args.model.dtype, config), on_gpu=False)
-    measured_activations(config, args.data.task, work.precision, work.flash_attention)
+    work = workload_for(args, checkpoint_dtype(args.model.dtype, config), on_gpu=torch.cuda.is_available())
+    measured_activations(config, args.data.task, work.precision, work.flash_attention, work.fused_head)
     load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
     model = load_model(args.model, args.data.task, tokenizer, data.label_names)
     load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
@@ -148,7 +149,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     else:
         compute_metrics, preprocess_logits = metrics_for(args.data.task)
         trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,
-                                                        preprocess_logits_for_metrics=preprocess_logits)  # fmt: skip
+                                                        preprocess_logits_for_metrics=preprocess_logits,
+                                                        fused_loss=work.fused_head)  # fmt: skip
     trainer = trainer_class(
         model=model,
         args=training,

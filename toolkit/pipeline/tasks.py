@@ -21,8 +21,9 @@ class Task:
     # division by gradient-accumulation steps.
     token_normalised_loss: bool
     # Whether the loss is scored by TRL's fused log-prob head (trl.trainer.utils.add_fused_lm_head), in tiles,
-    # without the full logits: DPOTrainer's. The planner and the activation measurement follow it.
-    fused_head: bool = False
+    # without the full logits: "always" (DPOTrainer's own), "gpu" (by default where TRL's Triton kernels run;
+    # --fused_loss decides) or "never" (no vocabulary-wide head). The planner and the activation fit follow it.
+    fused_head: str = "never"
 
 
 TASKS = {
@@ -32,10 +33,16 @@ TASKS = {
         "AutoPeftModelForSequenceClassification",
         token_normalised_loss=False,
     ),
-    "sft": Task("AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True),
+    "sft": Task(
+        "AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True, fused_head="gpu"
+    ),
     # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (pipeline/preference.py).
     "dpo": Task(
-        "AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=False, fused_head=True
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=False,
+        fused_head="always",
     ),
 }
 
@@ -49,6 +56,24 @@ def task(name: str) -> Task:
     if name not in TASKS:
         raise ConfigError(f"task must be one of {', '.join(repr(t) for t in TASKS)}, got '{name}'.")
     return TASKS[name]
+
+
+def fused_head(name: str, setting: bool | None, on_gpu: bool) -> bool:
+    """Whether the task's loss runs on TRL's fused head: `setting` is --fused_loss (None: the task's default).
+    On a GPU, Triton's kernels score each tile in place; on a CPU TRL's fallback makes several fp32 copies of a
+    4,096 x 32,768 tile, which saves memory only for a large vocabulary (one step of a 4-layer Llama, 2,048 tokens:
+    4.2 -> 1.4 GiB at 128k, 1.7 -> 1.9 GiB at 49k), so there it is on request."""
+    from ..errors import ConfigError
+
+    mode = task(name).fused_head
+    if mode == "never" and setting:
+        raise ConfigError(f"--fused_loss scores a language model's next-token loss; task {name} has no such head: "
+                          "drop --fused_loss.")  # fmt: skip
+    if mode == "always" and setting is False:
+        raise ConfigError(f"task {name} always scores with TRL's fused head (its trainer's own): drop --fused_loss.")
+    if mode in ("always", "never"):
+        return mode == "always"
+    return on_gpu if setting is None else setting
 
 
 def kind_of_model(config) -> str:

@@ -8,9 +8,10 @@ Each part is a small mixin with one job, in the module of its concern, and coope
   PackedInputs          packed batches reach the model without bookkeeping keys  pipeline/packing.py
   LengthGroupedSampling global length-grouped batches, seeded per epoch          pipeline/length_grouping.py
   StagedCheckpoints     checkpoints published whole, consolidated final save     pipeline/checkpoints.py
+  FusedLoss             SFT's loss on TRL's fused head (RecipeTrainer only)      pipeline/fused_loss.py
 `ToolkitTrainerMixin` stacks them and sets up what they share: the refusal of a degraded strategy, the run's
 plan (pipeline/run_plan.py), the tracker, health warnings, the SafeStop callback and W&B. It goes in front of
-any Trainer subclass: `class RecipeTrainer(ToolkitTrainerMixin, Trainer)`, or TRL's trainers, which override
+any Trainer subclass: `class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, Trainer)`, or TRL's trainers, which override
 the same methods with `super()` calls. The order matters where parts read the same batch: RankReports and
 Tracked read the packed-batch keys that PackedInputs then removes.
 """
@@ -32,6 +33,7 @@ from ..metrics.wandb_run import launch_environment, run_callback
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from .arguments import Arguments, global_batch_size, scale_learning_rate
 from .checkpoints import StagedCheckpoints
+from .fused_loss import FusedLoss
 from .length_grouping import LengthGroupedSampling
 from .models import ParameterCounts
 from .packing import PackedInputs
@@ -111,5 +113,5 @@ class ToolkitTrainerMixin(RankReports, Tracked, GenerationSamples, FiniteLossChe
         }
 
 
-class RecipeTrainer(ToolkitTrainerMixin, Trainer):
-    """The toolkit's parts on `transformers.Trainer`."""
+class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, Trainer):
+    """The toolkit's parts on `transformers.Trainer`, and SFT's fused loss (TRL's DPOTrainer brings its own)."""

@@ -145,10 +145,10 @@ def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
 
 
 def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float, layers: int,
-            inputs: list[tuple[int, int]]) -> list[int]:  # fmt: skip
+            inputs: list[tuple[int, int]], fused_head: bool = False) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
-    for each (micro-batch, sequence length) in `inputs`."""
-    from ..pipeline.tasks import GENERATIVE, TASKS, model_class
+    for each (micro-batch, sequence length) in `inputs`; `fused_head`: the loss through TRL's fused head."""
+    from ..pipeline.tasks import GENERATIVE, model_class
     from .shape import outside_zero3_init
 
     small = scaled(config, ratio, layers, attention)
@@ -157,7 +157,7 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
         torch.manual_seed(0)
         model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
         fused = {}
-        if TASKS[task].fused_head:  # the loss as the run computes it: TRL's head saves its input, not log-probs
+        if fused_head:  # the loss as the run computes it: TRL's head saves its input, not log-probabilities
             from trl.trainer.utils import add_fused_lm_head
 
             add_fused_lm_head(model)
@@ -170,14 +170,14 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
         return out
 
 
-def fit(config, task: str, dtype: torch.dtype, attention: str | None) -> ActivationFit:
+def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool = False) -> ActivationFit:
     """Least squares over four instances at eight inputs each (module docstring); the model's own size is r = 1."""
     ratios = width_ratios(config)
     inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
     rows, measured = [], []
     for r in ratios:
         for layers in LAYERS:
-            measured += measure(config, task, dtype, attention, r, layers, inputs)
+            measured += measure(config, task, dtype, attention, r, layers, inputs, fused_head)
             rows += [features(r, layers, s, b) for b, s in inputs]
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(measured, dtype=torch.float64).unsqueeze(1)
@@ -185,19 +185,20 @@ def fit(config, task: str, dtype: torch.dtype, attention: str | None) -> Activat
     return ActivationFit(tuple(solution.tolist()), ratios)
 
 
-def measured_activations(config, task: str, precision: str, flash_attention: bool) -> tuple[ActivationFit | None, str]:
+def measured_activations(config, task: str, precision: str, flash_attention: bool,
+                         fused_head: bool = False) -> tuple[ActivationFit | None, str]:  # fmt: skip
     """The fit for a model under a workload, from the cache or measured now; (None, why) when the architecture
     cannot run on this CPU (the planner then falls back to its formula and says so)."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
-    key = json.dumps([config.to_dict(), task, str(dtype), attention, VERSION], sort_keys=True, default=str)
+    key = json.dumps([config.to_dict(), task, str(dtype), attention, fused_head, VERSION], sort_keys=True, default=str)
     path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file() and path.stat().st_size:
         stored = json.loads(path.read_text())
         result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]))
         return result, result.note
     try:
-        result = fit(config, task, dtype, attention)
+        result = fit(config, task, dtype, attention, fused_head)
     except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why
         return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
     path.parent.mkdir(parents=True, exist_ok=True)

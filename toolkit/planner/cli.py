@@ -45,6 +45,7 @@ def build_plan(args) -> dict:
     low_precision = values.get("dtype") in ("bfloat16", "float16")
     mixed = values.get("bf16") or values.get("fp16")
     precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
+    fused = values.get("fused_loss") if args.fused_loss is None else args.fused_loss
     work = Workload(
         precision=precision,
         optimizer=args.optimizer,
@@ -55,9 +56,9 @@ def build_plan(args) -> dict:
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
-        **task_workload(task, lora is not None),
+        **task_workload(task, lora is not None, fused),
     )
-    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention)
+    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head)
     shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu)
     samples = args.samples or stored_split_size(values)
@@ -173,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro_batch", type=int, help="per-device batch; default: the recipe's")
     parser.add_argument("--seq_length", type=int, help="default: the recipe's max_seq_length")
     parser.add_argument("--activation_checkpointing", type=lambda v: v.lower() in ("1", "true", "yes"))
+    parser.add_argument(
+        "--fused_loss",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        help="sft: score the loss with TRL's fused head, no full logits (default on GPUs)",
+    )
     parser.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free")
     parser.add_argument("--cuda_context_gib", type=float, default=Workload.cuda_context_gib)
     parser.add_argument("--samples", type=int, help="training samples (default: the recipe's split, when known)")

@@ -61,15 +61,15 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
-                    **task_workload(d.task, arguments.model.use_lora))  # fmt: skip
+                    **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu))  # fmt: skip
 
 
-def task_workload(task: str, lora: bool) -> dict:
-    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy; a
-    fused head (TRL's, under DPO) instead of the full logits."""
-    from ..pipeline.tasks import TASKS
+def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True) -> dict:
+    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy; TRL's
+    fused head instead of the full logits where the task uses it (tasks.fused_head; --fused_loss)."""
+    from ..pipeline.tasks import TASKS, fused_head
 
-    fused = {"fused_head": TASKS[task].fused_head} if task in TASKS else {}
+    fused = {"fused_head": fused_head(task, fused_loss, on_gpu)} if task in TASKS else {}
     pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
     return {**pairs, **fused}
 

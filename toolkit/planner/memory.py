@@ -259,6 +259,6 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     sequences = replace(work, micro_batch=work.micro_batch * work.sequences_per_sample)
     mem.device["activations"] = activation_bytes(shape, sequences)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
-    mem.device["logits"] = logits_bytes(shape, sequences)
+    mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem
