@@ -17,8 +17,15 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_config_passes_with_every_recipe(config):
+    """Every pair passes but QLoRA's under a sharding engine, which is refused by name (its 4-bit base is
+    replicated)."""
+    sharding = "distributed_type: FSDP" in config.read_text() or "distributed_type: DEEPSPEED" in config.read_text()
     for recipe in RECIPES:
-        assert check(config, recipe).endswith(": ok")
+        if recipe == "llama3_qlora" and sharding:
+            with pytest.raises(ConfigError, match="QLoRA \\(--load_in_4bit\\) trains under single_gpu.yaml or ddp"):
+                check(config, recipe)
+        else:
+            assert check(config, recipe).endswith(": ok")
 
 
 def edited(tmp_path, name: str, edit) -> str:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import yaml
 
 from ..errors import ConfigError, command
-from ..project import PROJECT_ROOT, is_recipe, project_path, recipe_names, strategy_files
+from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
 
@@ -101,7 +101,6 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
         return  # the toolkit takes the model's own repeated layer class
     from ..pipeline.sources import model_config
     from ..planner.shape import meta_model
-    from ..project import load_recipe
     from .strategy import layer_class
 
     values = load_recipe(recipe)
@@ -149,6 +148,10 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
         summary += f", ZeRO-{zero.get('stage', 0)} ({json_path.name})"
     if recipe is not None:
         check_wrap_class(config, path, recipe)
+        if load_recipe(recipe).get("load_in_4bit"):
+            from .strategy import check_4bit_engine
+
+            check_4bit_engine(kind if kind in ("FSDP", "DEEPSPEED") else "replicated")
         summary += f", recipe {recipe}"
     return summary + ": ok"
 

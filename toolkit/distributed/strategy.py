@@ -37,6 +37,17 @@ def resolve_config_paths() -> None:
     os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(candidate)
 
 
+def check_4bit_engine(engine: str) -> None:
+    """QLoRA's 4-bit base (bitsandbytes) is replicated, not sharded: refused under FSDP and DeepSpeed (engine as
+    Requested.engine names it), by `toolkit check` and by the run, before the weights load."""
+    from ..errors import ConfigError
+
+    if engine != "replicated":
+        raise ConfigError("QLoRA (--load_in_4bit) trains under single_gpu.yaml or ddp.yaml: its 4-bit base is small "
+                          "enough to replicate (Llama-3-8B: 5.7 GB per device); sharding it under FSDP or DeepSpeed "
+                          "is not supported yet.")  # fmt: skip
+
+
 def check_processes(num_processes: int, requested: Requested | None = None) -> None:
     """Run as soon as the process group exists, before any weights are loaded."""
     requested = requested or Requested.from_env()

@@ -69,6 +69,13 @@ class ModelArguments:
         default=False,
         metadata={"help": "LoRA: also save base + adapter merged into one standalone model in OUTPUT_DIR/merged."},
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: the base's linear layers in 4-bit NF4 with double quantization (bitsandbytes), "
+            "the LoRA adapter trained over them. Needs --use_lora true."
+        },
+    )
 
     def __post_init__(self) -> None:
         optional_fields_unset(self)
@@ -88,6 +95,20 @@ class ModelArguments:
         if not self.lora_target_modules.replace(",", " ").strip():
             raise ConfigError("lora_target_modules is empty: pass all-linear, or module names like q_proj,v_proj.")
         check_local_path(self.model_name_or_path, "model", "--model_name_or_path", "config.json")
+        if self.load_in_4bit:
+            check_qlora(self)
+
+    def quantization(self):
+        """transformers' BitsAndBytesConfig for QLoRA (the QLoRA paper's NF4 with double quantization), computing
+        in the weights' dtype (bf16 for auto); None without --load_in_4bit."""
+        if not self.load_in_4bit:
+            return None
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        compute = getattr(torch, self.dtype) if self.dtype != "auto" else torch.bfloat16
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute)  # fmt: skip
 
     def lora_settings(self) -> dict[str, Any] | None:
         """The peft LoraConfig arguments that decide the adapter's shape (dropout aside), or None without LoRA."""
@@ -268,6 +289,21 @@ class RunArguments:
         at_least("lr_reference_batch_size", self.lr_reference_batch_size, 1)
         at_least("generation_samples", self.generation_samples, 0)
         at_least("generation_max_new_tokens", self.generation_max_new_tokens, 1)
+
+
+def check_qlora(model: ModelArguments) -> None:
+    """--load_in_4bit: an adapter over frozen 4-bit weights, with bitsandbytes installed."""
+    import importlib.util
+
+    if not model.use_lora:
+        raise ConfigError("--load_in_4bit freezes the base in 4-bit, which cannot be trained directly: add --use_lora "
+                          "true (QLoRA), or drop --load_in_4bit.")  # fmt: skip
+    if model.merge_lora:
+        raise ConfigError("--merge_lora would merge the adapter into 4-bit rounded weights: drop it, and merge the "
+                          "saved adapter into the 16-bit base (peft's merge_and_unload on the base loaded without "
+                          "4-bit).")  # fmt: skip
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes (make install does).")
 
 
 def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:

@@ -30,12 +30,29 @@ class ParameterCounts:
     def of(cls, model: torch.nn.Module) -> ParameterCounts:
         # parameters() yields a tied weight once, so tied embeddings are not counted twice
         params = list(model.parameters())
-        numel = [getattr(p, "ds_numel", p.numel()) for p in params]  # ZeRO-3 partitions at load: ds_numel is whole
+        numel = [logical_numel(p) for p in params]
         return cls(
             total=sum(numel),
             trainable=sum(n for n, p in zip(numel, params, strict=True) if p.requires_grad),
-            held_bytes=sum(nbytes(p) for p in params),
+            held_bytes=sum(nbytes(p) + quant_state_bytes(p) for p in params),
         )
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """A parameter's element count as the model defines it: whole under ZeRO-3, which partitions at load
+    (ds_numel), and unpacked for a 4-bit weight (two to a byte: its quant_state keeps the shape)."""
+    state = getattr(p, "quant_state", None)
+    return getattr(p, "ds_numel", None) or (state.shape.numel() if state is not None else p.numel())
+
+
+def quant_state_bytes(p: torch.Tensor) -> int:
+    """The block scales of a bitsandbytes 4-bit weight (8-bit absmax per block, fp32 scales of those, and the
+    quantization tables); 0 for any other tensor."""
+    state, total = getattr(p, "quant_state", None), 0
+    while state is not None:
+        total += sum(nbytes(t) for t in (state.absmax, state.code, getattr(state, "offset", None)) if t is not None)
+        state = getattr(state, "state2", None)
+    return total
 
 
 def receives_weights_from_rank0() -> bool:
@@ -197,6 +214,10 @@ def load_model(
         # loaded by from_pretrained, does not, and accelerate's FSDP2 parameter mapping fails on it.
         model.tie_weights()
     else:
+        quantization = args.quantization()
+        if quantization is not None:  # bitsandbytes quantizes as the weights load onto this rank's device
+            device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+            kwargs.update(quantization_config=quantization, device_map={"": device})
         try:
             model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)
         except OSError as error:  # a local folder without weights, or with unreadable ones

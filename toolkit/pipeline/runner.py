@@ -19,7 +19,7 @@ from transformers import set_seed
 
 from ..distributed import op_builds, patches
 from ..distributed.launch import Requested, is_local_main_process
-from ..distributed.strategy import check_processes, resolve_config_paths, set_fsdp_wrap_class
+from ..distributed.strategy import check_4bit_engine, check_processes, resolve_config_paths, set_fsdp_wrap_class
 from ..errors import ConfigError, ToolkitError, command, report
 from ..metrics.cost import check_device_name
 from ..metrics.evaluation import metrics_for
@@ -103,6 +103,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     args = parse(recipe, name, argv, tiny_defaults=tiny_layer)
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
+    if args.model.load_in_4bit:
+        check_4bit_engine(Requested.from_env().engine)
     training = args.training
     resume, resume_note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint,
                                                    training.output_dir)  # fmt: skip

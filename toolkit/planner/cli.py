@@ -56,6 +56,7 @@ def build_plan(args) -> dict:
         else args.activation_checkpointing,
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
+        weights_4bit=bool(values.get("load_in_4bit")),
         **task_workload(task, lora is not None, fused),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head)

@@ -61,6 +61,7 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
+                    weights_4bit=arguments.model.load_in_4bit,
                     **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu))  # fmt: skip
 
 

@@ -46,11 +46,17 @@ class Workload:
     # The loss scored in tiles by a fused head that never holds the full logits (TRL's chunked log-prob head,
     # which DPO uses): fused_head_bytes instead of the logits.
     fused_head: bool = False
+    # QLoRA: the frozen linear weights in 4-bit NF4 with double quantization (bitsandbytes).
+    weights_4bit: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+
+# Bytes per 4-bit NF4 weight under double quantization (bitsandbytes, Dettmers et al. 2023, QLoRA, section 3): two
+# weights a byte, an 8-bit scale per block of 64, and an fp32 scale of those scales per 256 blocks.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 MODEL_STATES = ("parameters", "gradients", "fp32_gradients", "master_weights", "optimizer_states", "gathered_buffers")
 
@@ -79,10 +85,16 @@ class Memory:
 
 
 def model_state_bytes(
-    shape: Shape, layout: Layout, precision: str, optimizer: str, upcast_trainable: bool = False
+    shape: Shape,
+    layout: Layout,
+    precision: str,
+    optimizer: str,
+    upcast_trainable: bool = False,
+    weights_4bit: bool = False,
 ) -> dict[str, float]:
     """Bytes of the persistent states before sharding: {component: bytes}. `upcast_trainable`: trainable 16-bit
-    weights are kept in fp32 (accelerate's FSDP2 under mixed precision)."""
+    weights are kept in fp32 (accelerate's FSDP2 under mixed precision). `weights_4bit`: the frozen linear
+    weights in NF4 (QLoRA), the other frozen ones as loaded."""  # fmt: skip
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got '{precision}'.")
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -99,8 +111,9 @@ def model_state_bytes(
         }
     weight = 2 if precision == "bf16" else 4
     trained = 4 if upcast_trainable else weight
+    quantized = shape.quantizable if weights_4bit else 0
     return {
-        "parameters": weight * (P - T) + trained * T,
+        "parameters": weight * (P - T - quantized) + NF4_BYTES * quantized + trained * T,
         "gradients": trained * T,
         "master_weights": 0,
         "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](trained) * T,
@@ -204,7 +217,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # accelerate's FSDP2 upcasts trainable 16-bit weights to fp32 under mixed precision (one dtype per unit;
     # fsdp2_prepare_model): bf16 weights train as fp32 masters with bf16 compute.
     upcast = layout.engine == "torch" and layout.shard_params and work.precision == "bf16"
-    states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast)
+    states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast, work.weights_4bit)
     weight = 2 if work.precision == "bf16" else 4  # the weights' dtype as loaded
     split = {
         "parameters": layout.shard_params,

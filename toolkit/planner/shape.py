@@ -35,6 +35,7 @@ class Shape:
     attention_dropout: float = 0.0
     language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
     head_trainable: bool = True  # trained (full fine-tuning), or frozen (LoRA)
+    quantizable: int = 0  # frozen linear weights but the output head's: what QLoRA stores in 4 bits
     # The activations measured on the architecture itself (activations.py); the formula fields above stand in
     # where it could not be measured.
     activations: ActivationFit | None = None
@@ -79,6 +80,11 @@ class Shape:
             or 0.0,
             language_model=head is not None and head_params == embeddings,
             head_trainable=head is not None and head.weight.requires_grad,
+            quantizable=sum(
+                m.weight.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad
+            ),  # fmt: skip
         )
 
 

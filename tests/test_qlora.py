@@ -1,0 +1,99 @@
+"""QLoRA (--load_in_4bit): bitsandbytes' 4-bit NF4 base with double quantization under a LoRA adapter, on CPU.
+The planner's bytes for the 4-bit base equal what bitsandbytes really stores; a tiny run learns and saves its
+adapter; the combinations that cannot work are one line before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from llama3_qlora import RECIPE as QLORA
+
+from toolkit import train
+from toolkit.errors import ConfigError
+from toolkit.pipeline import tiny
+from toolkit.pipeline.arguments import ModelArguments
+from toolkit.pipeline.models import ParameterCounts, add_lora, load_model
+from toolkit.planner import Layout, Shape, Workload, meta_model, plan_memory
+from toolkit.project import PROJECT_ROOT
+
+pytest.importorskip("bitsandbytes")
+LLAMA = "meta-llama/Meta-Llama-3-8B"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planned_4bit_weights_are_what_bitsandbytes_stores(dtype, llama_tokenizer):
+    """Every parameter's storage plus each 4-bit weight's block scales (absmax and their fp32 scales, the NF4
+    tables), against the planner's NF4 bytes per weight for the linear layers and the loaded dtype for the rest
+    (embeddings, head, norms), the adapter in its own dtype; the counts are the unquantized model's."""
+    folder = tiny.tiny_checkpoint(LLAMA, "sft")
+    args = ModelArguments(model_name_or_path=str(folder), dtype=dtype, use_lora=True, load_in_4bit=True)
+    model = add_lora(load_model(args, "sft", llama_tokenizer, None), args, "sft")
+    assert type(model.base_model.model.model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    held = ParameterCounts.of(model)
+    shape = Shape.of(meta_model(model.config, "sft", args.lora_settings()), model.config)
+    assert (held.total, held.trainable) == (shape.total, shape.trainable)
+    assert shape.quantizable > 0.5 * shape.frozen
+    work = Workload(precision="fp32" if dtype == "float32" else "bf16", weights_4bit=True)
+    planned = plan_memory(shape, Layout.from_file(PROJECT_ROOT / "accelerate_configs" / "single_gpu.yaml"), work, 1)
+    # The frozen base, which is what 4 bits change (peft keeps the adapter in fp32 whatever the plan's dtype);
+    # less each 4-bit tensor's fixed tables (the NF4 and nested 8-bit codes: 1,092 bytes, 0.25 MB over
+    # Llama-3-8B's 224 weights), which only these 64 x 64 instances notice.
+    adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    tables = sum(1092 for p in model.parameters() if getattr(p, "quant_state", None) is not None)
+    planned_base = planned.device["parameters"] - shape.trainable * (4 if dtype == "float32" else 2)
+    assert held.held_bytes - adapter - tables == pytest.approx(planned_base, rel=0.001)
+
+
+def test_qlora_run_learns_and_saves_its_adapter(tmp_path):
+    """The recipe's tiny run: the loss falls, the adapter alone is saved, and the run's own memory plan holds
+    the 4-bit base it loaded."""
+    out = tmp_path / "run"
+    trainer = train(QLORA, ["--tiny", "--max_steps", "12", "--report_to", "none", "--output_dir", str(out)],
+                    "llama3_qlora").trainer  # fmt: skip
+    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0]
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == QLORA["lora_r"]
+    tables = sum(1092 for p in trainer.model.parameters() if getattr(p, "quant_state", None) is not None)
+    assert tables and trainer.memory_plan.device["parameters"] == pytest.approx(  # the run planned its 4-bit base
+        trainer.param_counts.held_bytes - tables, rel=0.001
+    )
+
+
+@pytest.mark.launch
+def test_qlora_under_ddp_trains_as_one_process(tmp_path):
+    """2 processes x 4 rows under DDP (the 4-bit base replicated on each, the adapter's gradients averaged) take
+    the losses and the adapter of 1 process x 8."""
+    from conftest import check, launch, rank_reports
+    from safetensors.torch import load_file
+
+    flags = ["--tiny", "--max_steps", "4", "--packing", "false", "--record_rank_reports", "true", "--report_to",
+             "none"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(QLORA, [*flags, "--per_device_train_batch_size", "8", "--output_dir", str(one)], "llama3_qlora")
+    check(launch("ddp", "llama3_qlora", *flags, "--per_device_train_batch_size", "4", "--output_dir", str(two),
+                 cwd=tmp_path))  # fmt: skip
+    assert rank_reports(two)[0]["losses"] == pytest.approx(rank_reports(one)[0]["losses"], rel=1e-4)
+    ours, reference = load_file(two / "adapter_model.safetensors"), load_file(one / "adapter_model.safetensors")
+    assert ours.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (["--use_lora", "false"], {}, "add --use_lora true \\(QLoRA\\), or drop --load_in_4bit"),
+        (["--merge_lora", "true"], {}, "--merge_lora would merge the adapter into 4-bit rounded weights"),
+        ([], {"ACCELERATE_USE_FSDP": "true"}, "QLoRA \\(--load_in_4bit\\) trains under single_gpu.yaml or ddp.yaml"),
+    ],
+    ids=["without-lora", "merge", "fsdp"],
+)
+def test_impossible_qlora_is_one_line(flags, env, message, tmp_path, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=message):
+        train(QLORA, ["--tiny", *flags, "--output_dir", str(tmp_path / "run")], "llama3_qlora")
