@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft chat prepare finetune plan report bench test test-fast lint format clean
+.PHONY: install demo demo-sft chat prepare finetune plan report bench bench-gpu test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -63,6 +63,10 @@ bench:
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/ram_loading.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/data_prep.py
+
+# On a GPU: tokens/s, MFU and peak memory against the plan at Llama-3.2-1B size (bench/mfu.py; --toy on a CPU).
+bench-gpu:
+	$(BIN)/python bench/mfu.py
 
 test:
 	$(BIN)/python -m pytest -q --durations=10

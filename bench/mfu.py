@@ -1,0 +1,207 @@
+"""MFU at a size people train: a Llama-3.2-1B-shaped model fine-tuned on packed 4,096-token rows, one GPU.
+
+  trainer      plain transformers.Trainer on the same packed rows: the full logits' loss, sdpa (the baseline)
+  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (pipeline/fused_loss.py)
+  full_logits  RecipeTrainer with --fused_loss false: what the fused loss changes
+  compile      RecipeTrainer with --torch_compile true
+  liger        RecipeTrainer with --use_liger_kernel true (where liger-kernel is installed: RMSNorm, SwiGLU, RoPE)
+
+Each row: non-padding tokens/s after WARMUP untimed steps, MFU (the planner's FLOPs per token x tokens/s over
+the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml), the peak memory torch.cuda.max_memory_allocated
+measured, and what the run's own plan predicted without the CUDA context (RecipeTrainer rows). Random init,
+bf16 weights and compute, AdamW (fused), activation checkpointing off. Each (variant, repeat) in a fresh
+process, variants interleaved, median of the repeats. Without a GPU it runs the same code at toy size (`--toy`,
+what the tests run): the figures then say nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("trainer", "toolkit", "full_logits", "compile", "liger")
+WARMUP = 3
+# Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json, public): tied embeddings, 128k vocabulary.
+LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                   rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu")  # fmt: skip
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, vocab_size=2048)  # fmt: skip
+
+
+def model_config(toy: bool):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**LLAMA_32_1B, **(TOY if toy else {})})
+
+
+def packed_rows(rows: int, row_length: int, vocab: int, seed: int = 0):
+    """Rows of row_length tokens packed from chat-shaped conversations (log-normal lengths, median 300 tokens,
+    the prompt's third unscored), as the toolkit's packing makes them: position ids restart per conversation."""
+    import math
+
+    import torch
+    from datasets import Dataset
+
+    from toolkit.pipeline.packing import pack
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(rows * row_length // 300, generator=g) * 0.7 + math.log(300))
+    data = {"input_ids": [], "labels": []}
+    for n in lengths.clamp(16, row_length).long().tolist():
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        data["input_ids"].append(ids)
+        data["labels"].append([-100] * (n // 3) + ids[n // 3 :])
+    return pack(Dataset.from_dict(data), row_length)
+
+
+def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool, out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from toolkit.metrics.cost import detect_device, peak_tflops
+    from toolkit.pipeline import tiny
+    from toolkit.pipeline.packing import PackedCollator
+    from toolkit.planner import Shape, meta_model
+    from toolkit.planner.estimate import training_flops_per_token
+
+    on_gpu = torch.cuda.is_available()
+    config = model_config(toy)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")  # for its pad id only
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    data = packed_rows(max(64, steps * batch * 2), row_length, config.vocab_size)
+    times: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == WARMUP:
+                times["start"], times["tokens0"] = time.perf_counter(), state.num_input_tokens_seen
+
+        def on_train_end(self, args, state, control, **kwargs):
+            times["seconds"] = time.perf_counter() - times["start"]
+            times["tokens"] = state.num_input_tokens_seen - times["tokens0"]
+
+    common = dict(output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-5,
+                  logging_steps=5, save_strategy="no", report_to="none", bf16=True, use_cpu=not on_gpu,
+                  dataloader_drop_last=True, disable_tqdm=True, seed=0,
+                  include_num_input_tokens_seen="non_padding")  # fmt: skip
+    collator = PackedCollator(tokenizer.pad_token_id)
+    planned = None
+    if variant == "trainer":
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
+                          processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+    else:
+        from toolkit.pipeline.models import ParameterCounts
+        from toolkit.pipeline.parser import parse
+        from toolkit.pipeline.tasks import fused_head
+        from toolkit.pipeline.trainer import RecipeTrainer
+
+        options = {"full_logits": {"fused_loss": False}, "compile": {"torch_compile": True},
+                   "liger": {"use_liger_kernel": True}}.get(variant, {})  # fmt: skip
+        recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "dtype": "bfloat16",
+                  "max_seq_length": row_length, **common, **options}  # fmt: skip
+        arguments = parse(recipe, "bench", [])
+        trainer = RecipeTrainer(model=model, args=arguments.training, train_dataset=data, data_collator=collator,
+                                processing_class=tokenizer, arguments=arguments, param_counts=ParameterCounts.of(model),
+                                fused_loss=fused_head("sft", arguments.model.fused_loss, on_gpu),
+                                callbacks=[Clock()])  # fmt: skip
+        plan = trainer.memory_plan.device
+        planned = sum(v for k, v in plan.items() if k != "cuda_context")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    tokens_per_second = times["tokens"] / times["seconds"]
+    flops = training_flops_per_token(Shape.of(meta_model(config, "sft"), config), row_length)
+    device = detect_device()
+    peak_flops = peak_tflops(device, "bf16")
+    return {"tokens_per_second": tokens_per_second, "mfu": flops * tokens_per_second / (peak_flops * 1e12)
+            if peak_flops else None, "peak_gib": peak / 2**30 if peak else None,
+            "planned_gib": planned / 2**30 if planned else None,
+            "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
+
+
+def available(variant: str) -> str | None:
+    """Why a variant cannot run here, or None."""
+    import importlib.util
+
+    if variant == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--row_length", type=int, default=4096)
+    parser.add_argument(
+        "--toy", action="store_true", help="toy size, for a CPU: the code runs, the speed means nothing"
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one variant in this process, JSON out
+    parser.add_argument("--output", default="runs/bench_mfu")
+    args = parser.parse_args(argv)
+    if args.toy:
+        args.row_length = min(args.row_length, 256)
+    if args.run:
+        result = run_variant(args.run, args.steps, args.batch, args.row_length, args.toy, Path(args.output) / args.run)
+        print("BENCH " + json.dumps(result))
+        return 0
+
+    requested = args.variants.split(",")
+    skipped = {v: available(v) for v in requested if available(v)}
+    variants = [v for v in requested if v not in skipped]
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for repeat in range(args.repeats):
+        for variant in variants:
+            cmd = [sys.executable, __file__, "--run", variant, "--steps", str(args.steps), "--batch", str(args.batch),
+                   "--row_length", str(args.row_length), "--output", args.output]  # fmt: skip
+            cmd += ["--toy"] if args.toy else []
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+            line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
+            if proc.returncode or not line:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{variant} failed (exit {proc.returncode})")
+            results[variant].append(json.loads(line[0][6:]))
+            print(f"repeat {repeat + 1}/{args.repeats} {variant:11s} {results[variant][-1]['tokens_per_second']:,.0f} "
+                  "tokens/s", file=sys.stderr, flush=True)  # fmt: skip
+
+    def median(v: str, key: str) -> float | None:
+        values = [r[key] for r in results[v] if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    base = median(variants[0], "tokens_per_second") if variants else None
+    device = results[variants[0]][0]["device"] if variants else "-"
+    print(
+        f"\n{device}, Llama-3.2-1B shape{' (toy size)' if args.toy else ''}, bf16, packed rows of "
+        f"{args.row_length} tokens x {args.batch}, {args.steps} steps ({WARMUP} untimed), median of {args.repeats}\n"
+    )
+    print("| variant | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for v in variants:
+        rate, mfu, peak, planned = (median(v, k) for k in ("tokens_per_second", "mfu", "peak_gib", "planned_gib"))
+        cells = [f"{rate:,.0f}", f"{rate / base:.2f}x" if base else "-", f"{100 * mfu:.1f}%" if mfu else "-",
+                 f"{peak:.2f}" if peak else "-", f"{planned:.2f}" if planned else "-"]  # fmt: skip
+        print(f"| {v} | " + " | ".join(cells) + " |")
+    for v, reason in skipped.items():
+        print(f"| {v} | not run: {reason} | | | | |")
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    (Path(args.output) / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
