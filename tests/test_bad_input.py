@@ -131,6 +131,7 @@ RUNS = [
     ("weight-decay-negative", "bert", ["--weight_decay", "-0.1"], "pass 0"),
     ("dtype-typo", "bert", ["--dtype", "bf17"], "--dtype bfloat16"),
     ("lora-r-0", "llama3_lora", ["--lora_r", "0"], "lora_r must be at least 1"),
+    ("liger-missing", "llama3_fft", ["--use_liger_kernel", "true"], "pip install liger-kernel"),
     ("lora-alpha-0", "llama3_lora", ["--lora_alpha", "0"], "twice lora_r"),
     ("lora-dropout", "llama3_lora", ["--lora_dropout", "1.5"], "pass 0.05"),
     ("lora-targets", "llama3_lora", ["--lora_target_modules", "q_projx"], "q_proj"),

@@ -334,6 +334,12 @@ def check_training(training: TrainingArguments) -> None:
     if training.max_steps <= 0 and training.num_train_epochs <= 0:
         raise ConfigError(f"Nothing to train: num_train_epochs is {training.num_train_epochs:g} and max_steps is "
                           "unset: pass --num_train_epochs 1 or --max_steps N.")  # fmt: skip
+    if training.use_liger_kernel:
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError("--use_liger_kernel needs liger-kernel (Triton kernels, for a GPU): pip install "
+                              "liger-kernel, or drop the flag.")  # fmt: skip
     if training.warmup_steps < 0 or training.weight_decay < 0:
         raise ConfigError("warmup_steps and weight_decay cannot be negative: pass 0 to turn them off.")
     if Path(training.output_dir).exists() and not Path(training.output_dir).is_dir():
