@@ -16,11 +16,12 @@ class FusedLoss:
         if fused_loss:  # before any wrapping (DDP, FSDP, DeepSpeed): the patched forward is the module's own
             from trl.trainer.utils import add_fused_lm_head
 
-            model, args = kwargs["model"], kwargs["args"]
+            model, training = kwargs["model"], kwargs["args"]
             add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
-            if args.use_liger_kernel:  # Liger's own fused cross-entropy would replace that forward: its other
+            if training.use_liger_kernel:  # Liger's own fused cross-entropy would replace that forward: its other
                 # kernels (RMSNorm, SwiGLU, RoPE) still apply, as under TRL's DPOTrainer
-                args.liger_kernel_config = {**(args.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
+                config = training.liger_kernel_config or {}
+                training.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
         super().__init__(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
