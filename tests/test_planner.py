@@ -176,6 +176,23 @@ def _glibc_mallinfo2() -> bool:
         return False
 
 
+def narrow_llama(vocab_size: int, checkpointing: bool):
+    """Llama-3-8B's architecture at 256 wide, 4 layers, fp32, sdpa, seeded: a step whose peak malloc can see."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny.stored_config(LLAMA)
+    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size)  # fmt: skip
+    for key, value in narrow.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, config
+
+
 @pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 def test_step_peak_matches_live_memory(checkpointing):
@@ -188,18 +205,8 @@ def test_step_peak_matches_live_memory(checkpointing):
     on an H100 (one step at b=8, s=1024: 11.74 GiB measured, 11.67 at the peak and 11.92 in total planned; the
     recipe's Trainer run peaked at 11.82). With one fp32 gradient counted, as before, the planner was 15% under
     the measured peak here and 1.3 GiB under on the H100."""
-    from transformers import AutoModelForCausalLM
 
-    config = tiny.stored_config(LLAMA)
-    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=8192)  # fmt: skip
-    for key, value in narrow.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, config = narrow_llama(8192, checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     shape = Shape.of(model, config)
     for micro_batch, seq_length in [(4, 256), (1, 512)]:
@@ -240,7 +247,6 @@ def test_fused_head_step_peak_matches_live_memory(task, checkpointing, monkeypat
     import torch.nn.functional as F
     import trl.kernels.chunked_logprob as trl_kernel
     import trl.trainer.utils as trl_utils
-    from transformers import AutoModelForCausalLM
 
     from toolkit.planner import memory
 
@@ -248,16 +254,7 @@ def test_fused_head_step_peak_matches_live_memory(task, checkpointing, monkeypat
     monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 64)
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 1024)
     monkeypatch.setattr(memory, "FUSED_HEAD_TILE", (64, 1024))
-    config = tiny.stored_config(LLAMA)
-    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=32768)  # fmt: skip
-    for key, value in narrow.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, config = narrow_llama(32768, checkpointing)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     shape = Shape.of(model, config)
     trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # DPOTrainer's
