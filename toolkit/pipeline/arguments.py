@@ -303,7 +303,7 @@ def check_qlora(model: ModelArguments) -> None:
                           "saved adapter into the 16-bit base (peft's merge_and_unload on the base loaded without "
                           "4-bit).")  # fmt: skip
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError('--load_in_4bit needs bitsandbytes: pip install -e ".[qlora]".')
+        raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes (make install does).")
 
 
 def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
