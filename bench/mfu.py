@@ -1,7 +1,9 @@
 """MFU at a size people train: a Llama-3.2-1B-shaped model fine-tuned on packed 4,096-token rows, one GPU.
 
   trainer      plain transformers.Trainer on the same packed rows: the full logits' loss, sdpa (the baseline)
-  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (pipeline/fused_loss.py)
+  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (pipeline/fused_loss.py), and
+               attention that skips what packing masks (flash-attn's varlen path where installed, else flex)
+  sdpa         RecipeTrainer with --attn_implementation sdpa: what the attention choice changes
   full_logits  RecipeTrainer with --fused_loss false: what the fused loss changes
   compile      RecipeTrainer with --torch_compile true
   liger        RecipeTrainer with --use_liger_kernel true (where liger-kernel is installed: RMSNorm, SwiGLU, RoPE)
@@ -28,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("trainer", "toolkit", "full_logits", "compile", "liger")
+VARIANTS = ("trainer", "toolkit", "sdpa", "full_logits", "compile", "liger")
 WARMUP = 3
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json, public): tied embeddings, 128k vocabulary.
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -70,6 +72,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
 
     from toolkit.metrics.cost import detect_device, peak_tflops
     from toolkit.pipeline import tiny
+    from toolkit.pipeline.models import choose_attention
     from toolkit.pipeline.packing import PackedCollator
     from toolkit.planner import Shape, meta_model
     from toolkit.planner.estimate import training_flops_per_token
@@ -77,7 +80,9 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     on_gpu = torch.cuda.is_available()
     config = model_config(toy)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    setting = "sdpa" if variant in ("trainer", "sdpa") else "auto"  # the runner's choice for packed rows
+    attention, _ = choose_attention(config, setting, "sft", packing=True, on_gpu=on_gpu)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")  # for its pad id only
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     data = packed_rows(max(64, steps * batch * 2), row_length, config.vocab_size)
@@ -96,7 +101,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
                   logging_steps=5, save_strategy="no", report_to="none", bf16=True, use_cpu=not on_gpu,
                   dataloader_drop_last=True, disable_tqdm=True, seed=0,
                   include_num_input_tokens_seen="non_padding")  # fmt: skip
-    collator = PackedCollator(tokenizer.pad_token_id)
+    collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention)
     planned = None
     if variant == "trainer":
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
@@ -107,7 +112,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
         from toolkit.pipeline.tasks import fused_head
         from toolkit.pipeline.trainer import RecipeTrainer
 
-        options = {"full_logits": {"fused_loss": False}, "compile": {"torch_compile": True},
+        options = {"sdpa": {"attn_implementation": "sdpa"}, "full_logits": {"fused_loss": False},
+                   "compile": {"torch_compile": True},
                    "liger": {"use_liger_kernel": True}}.get(variant, {})  # fmt: skip
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "dtype": "bfloat16",
                   "max_seq_length": row_length, **common, **options}  # fmt: skip
@@ -129,7 +135,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     return {"tokens_per_second": tokens_per_second, "mfu": flops * tokens_per_second / (peak_flops * 1e12)
             if peak_flops else None, "peak_gib": peak / 2**30 if peak else None,
             "planned_gib": planned / 2**30 if planned else None,
-            "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
+            "attention": attention, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
 
 
 def available(variant: str) -> str | None:
@@ -189,15 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{device}, Llama-3.2-1B shape{' (toy size)' if args.toy else ''}, bf16, packed rows of "
         f"{args.row_length} tokens x {args.batch}, {args.steps} steps ({WARMUP} untimed), median of {args.repeats}\n"
     )
-    print("| variant | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | attention | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         rate, mfu, peak, planned = (median(v, k) for k in ("tokens_per_second", "mfu", "peak_gib", "planned_gib"))
-        cells = [f"{rate:,.0f}", f"{rate / base:.2f}x" if base else "-", f"{100 * mfu:.1f}%" if mfu else "-",
-                 f"{peak:.2f}" if peak else "-", f"{planned:.2f}" if planned else "-"]  # fmt: skip
+        cells = [results[v][0]["attention"], f"{rate:,.0f}", f"{rate / base:.2f}x" if base else "-",
+                 f"{100 * mfu:.1f}%" if mfu else "-", f"{peak:.2f}" if peak else "-",
+                 f"{planned:.2f}" if planned else "-"]  # fmt: skip
         print(f"| {v} | " + " | ".join(cells) + " |")
     for v, reason in skipped.items():
-        print(f"| {v} | not run: {reason} | | | | |")
+        print(f"| {v} | not run: {reason} | | | | | |")
     Path(args.output).mkdir(parents=True, exist_ok=True)
     (Path(args.output) / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped}))
     return 0

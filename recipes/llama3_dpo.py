@@ -14,7 +14,6 @@ from toolkit import run
 RECIPE = dict(
     model_name_or_path="./runs/llama3_fft",  # the SFT recipe's output folder
     dtype="bfloat16",
-    attn_implementation="sdpa",
     task="dpo",
     dataset_name="HuggingFaceH4/ultrafeedback_binarized",  # chosen/rejected conversations, binarized by score
     train_split="train_prefs",

@@ -12,7 +12,6 @@ from toolkit import run
 RECIPE = dict(
     model_name_or_path="meta-llama/Meta-Llama-3-8B",
     dtype="bfloat16",
-    attn_implementation="sdpa",
     task="sft",
     dataset_name="HuggingFaceH4/ultrachat_200k",
     train_split="train_sft",

@@ -80,7 +80,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     paths["no_config"] = str(root / "no_config")
     from transformers import DebertaV2Config, Gemma2Config, T5Config
 
-    # Gemma-2 has no sdpa attention, which the Llama recipe asks for; DeBERTa-v2 has no causal-LM head; T5 is
+    # Gemma-2 has no sdpa attention (asked for by a flag); DeBERTa-v2 has no causal-LM head; T5 is
     # an encoder-decoder, which the toolkit does not train.
     Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16).save_pretrained(root / "gemma2")  # fmt: skip
@@ -153,7 +153,13 @@ RUNS = [
     ("best-metric", "bert", ["--metric_for_best_model", "f1"], "--metric_for_best_model loss"),
     ("attention-name", "bert", ["--attn_implementation", "fast"], "--attn_implementation sdpa"),
     ("flash-attention-missing", "llama3_fft", ["--attn_implementation", "flash_attention_2"], "pip install flash-attn"),
-    ("sdpa-unsupported", "llama3_fft", ["--model_name_or_path", "{gemma2}"], "--attn_implementation eager"),
+    (
+        "sdpa-unsupported",
+        "llama3_fft",
+        ["--model_name_or_path", "{gemma2}", "--attn_implementation", "sdpa"],
+        "--attn_implementation eager",
+    ),
+    ("flex-on-cpu", "llama3_fft", ["--attn_implementation", "flex_attention"], "pass --attn_implementation sdpa"),
     ("encoder-for-sft", "llama3_fft", ["--model_name_or_path", "{deberta}"], "--task classification"),
     ("encoder-decoder", "bert", ["--model_name_or_path", "{t5}"], "encoder-decoder"),
     ("model-missing", "bert", ["--model_name_or_path", "/nonexistent/model"], "pass an existing path"),

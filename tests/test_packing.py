@@ -43,10 +43,19 @@ def llama():
     return config
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["rows", "flattened"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, flatten):
+@pytest.mark.parametrize(("attention", "flatten"), [("sdpa", False), ("sdpa", True), ("eager", False),
+                                                    ("eager", True), ("flex_attention", False)])  # fmt: skip
+def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, flatten, monkeypatch):
     assert supports_packing(llama)
+    if attention == "flex_attention":
+        # What --attn_implementation auto gives packed rows on a GPU. torch's CPU compiler cannot build flex
+        # attention's kernel here (and has no backward for it): run it uncompiled, from the same BlockMask
+        # transformers builds from the position ids' restarts.
+        import transformers.integrations.flex_attention as flex
+        from torch.nn.attention.flex_attention import flex_attention
+
+        monkeypatch.setattr(flex, "compile_friendly_flex_attention",
+                            lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs))  # fmt: skip
     model = AutoModelForCausalLM.from_config(llama, attn_implementation=attention, dtype=torch.float32).eval()
     data = conversations(12, llama.vocab_size)
     packed = pack(data, max_seq_length=64)
@@ -94,3 +103,29 @@ def test_packing_only_where_it_is_correct(llama):
     with pytest.raises(ConfigError, match="applies to sft recipes"):
         use_packing("classification", True, llama)
     assert use_packing("classification", None, llama) is False
+
+
+@pytest.mark.parametrize(
+    ("model", "setting", "packing", "on_gpu", "flash", "chosen", "why"),
+    [
+        ("llama", "auto", True, True, False, "flex_attention", "document mask"),
+        ("llama", "auto", True, True, True, "flash_attention_2", "varlen"),
+        ("llama", "auto", True, False, False, "sdpa", "flex attention does not train"),
+        ("llama", "auto", False, True, True, "sdpa", "auto"),  # no packed rows: nothing masked to skip
+        ("gpt2", "auto", True, True, False, "sdpa", "no flex attention"),
+        ("gemma2", "auto", True, False, False, None, "no sdpa"),  # the model's own default: eager
+        ("gemma2", "auto", True, True, False, "flex_attention", "document mask"),
+        ("llama", "eager", True, True, True, "eager", ""),  # asked for: honoured
+    ],
+)
+def test_auto_attention_skips_masked_blocks_where_it_can(model, setting, packing, on_gpu, flash, chosen, why,
+                                                        monkeypatch):  # fmt: skip
+    import transformers.utils
+    from transformers import Gemma2Config, GPT2Config, LlamaConfig
+
+    from toolkit.pipeline.models import choose_attention
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
+    config = {"llama": LlamaConfig, "gpt2": GPT2Config, "gemma2": Gemma2Config}[model]()
+    name, note = choose_attention(config, setting, "sft", packing, on_gpu=on_gpu)
+    assert name == chosen and why in note and bool(note) == bool(why), note

@@ -319,7 +319,10 @@ def test_packed_run_matches_one_process(tmp_path):
         if processes == 1:
             check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *flags], cwd=tmp_path))
         else:
-            check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path))
+            result = check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path))
+            # auto's kernel for packed rows on CPU, and why (docs/recipes.md: on a GPU, one that skips their blocks)
+            why = "auto: packed rows on a CPU, where flex attention does not train"
+            assert f"attention     sdpa ({why})\n" in result.stdout
         runs[processes] = (rank_reports(out), exported_weights(out, "llama3_fft"))
     rows = tokenized_rows("llama3_fft", max_seq_length=256)
     (reference,), ref_weights = runs[1]
@@ -355,7 +358,7 @@ def check_run(config, recipe, out, result, reference) -> None:
         assert r["strategy"]["distributed_type"] == kind
         assert r["strategy"]["num_processes"] == processes
         assert r["strategy"]["sharding"] == sharding
-    assert f"sharding      {sharding}\n" in result.stdout
+    assert f"sharding      {sharding}\n" in result.stdout and "attention     sdpa (auto)\n" in result.stdout
     for name, warning in CPU_WARNINGS.items():
         assert result.stderr.count(warning) == (config == name), name
 

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 # What people type for a dtype, and the name torch and transformers use.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 NULLS = ("none", "null", "")  # how a command line says "unset" for an optional setting
 
 
@@ -48,7 +48,14 @@ def looks_like_path(name: str) -> bool:
 class ModelArguments:
     model_name_or_path: str = field(metadata={"help": "Hub id, local folder, or package:<module>/<path>."})
     dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
-    attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2."})
+    attn_implementation: str | None = field(
+        default="auto",
+        metadata={
+            "help": "auto, eager, sdpa, flash_attention_2, flex_attention. auto: packed rows on a GPU get "
+            "flash-attn's varlen path where installed, else flex attention; other runs sdpa (docs/recipes.md)."
+        },
+    )
+    attention_note: str = field(default="", init=False, repr=False)  # why auto chose: the run's header
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
     fused_loss: bool | None = field(
         default=None,

@@ -134,6 +134,34 @@ ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_f
                      "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}  # fmt: skip
 
 
+# Flex attention's compiled backward exists for GPUs only: torch's CPU template is inference-only (pytorch#169646).
+FLEX_ON_CPU = ("flex_attention trains on a GPU only (torch's CPU compiler has no backward for it, pytorch#169646): "
+               "pass --attn_implementation sdpa, or auto.")  # fmt: skip
+
+
+def choose_attention(config: PretrainedConfig, setting: str | None, task: str, packing: bool, *,
+                     on_gpu: bool) -> tuple[str | None, str]:  # fmt: skip
+    """The attention kernel and why, for the run's header. `auto` (the default): packed rows on a GPU get a kernel
+    that skips the blocks packing masks out, flash-attention's varlen path where flash-attn is installed, else flex
+    attention with a document mask (transformers builds one from the position ids' restarts, as for sdpa); any
+    other run gets sdpa, which computes the block-diagonal mask densely. None: the model's own default."""
+    if setting != "auto":
+        return setting, ""
+    from transformers.utils import is_flash_attn_2_available
+
+    cls = architecture(config, task)
+    supports = lambda name: cls is not None and getattr(cls, ATTENTION_SUPPORT[name], False)  # noqa: E731
+    if packing and on_gpu:
+        if is_flash_attn_2_available() and supports("flash_attention_2"):
+            return "flash_attention_2", "auto: packed rows on a GPU, flash-attn's varlen path"
+        if supports("flex_attention"):
+            return "flex_attention", "auto: packed rows on a GPU, a document mask that skips other rows' blocks"
+    why = "auto"
+    if packing:
+        why += ": packed rows on a CPU, where flex attention does not train" if not on_gpu else ": no flex attention"
+    return ("sdpa", why) if supports("sdpa") else (None, "auto: the model's default, it has no sdpa")
+
+
 def architecture(config: PretrainedConfig, task: str) -> type[PreTrainedModel] | None:
     """The class transformers builds for this config and task; None for models with their own code."""
     try:

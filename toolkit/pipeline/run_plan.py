@@ -56,6 +56,7 @@ class RunPlan:
     memory: Memory
     cost_plan: dict[str, float] | None  # None without a peak or a price
     budget: Budget | None
+    attention: str = ""  # the kernel the model runs (config._attn_implementation)
 
     @classmethod
     def of(cls, trainer, arguments: Arguments) -> RunPlan:
@@ -81,6 +82,7 @@ class RunPlan:
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
         plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
+        plan.attention = str(base.config._attn_implementation)
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
@@ -146,6 +148,7 @@ class RunPlan:
             f"machine(s), {s['device']}, backend {s['backend']}",
             f"sharding      {s['sharding']}",
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}",
+            f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
             f"accumulation x {s['num_processes']} processes = {global_batch_size(training)} global",
             f"learning rate {lr}",

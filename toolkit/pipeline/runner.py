@@ -34,12 +34,14 @@ from . import checkpoints, tiny
 from .arguments import Arguments, global_batch_size
 from .data import load_data, prepare
 from .models import (
+    FLEX_ON_CPU,
     ParameterCounts,
     add_lora,
     allocate_placeholders,
     check_model_settings,
     check_sequence_length,
     checkpoint_dtype,
+    choose_attention,
     load_config,
     load_model,
     load_tokenizer,
@@ -70,6 +72,10 @@ def prepared(args: Arguments):
     check_model_settings(config, args.model, args.data.task)
     check_sequence_length(config, args.data.max_seq_length)
     packing = use_packing(args.data.task, args.data.packing, config)
+    # --attn_implementation auto becomes the kernel it picks, here where packing is known
+    m = args.model
+    m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,
+                                                               packing, on_gpu=torch.cuda.is_available())  # fmt: skip
     tokenizer = load_tokenizer(args.model)
     raw, read = load_data(args.data)
     data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
@@ -105,6 +111,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     if args.model.load_in_4bit:
         check_4bit_engine(Requested.from_env().engine)
+    if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError(FLEX_ON_CPU)
     training = args.training
     resume, resume_note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint,
                                                    training.output_dir)  # fmt: skip

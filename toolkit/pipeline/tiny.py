@@ -51,7 +51,7 @@ TINY_TRAINING = {
     "dtype": "float32",  # fp32 on any device: tiny runs are compared number for number in tests
     "bf16": False,
     "fp16": False,
-    "attn_implementation": None,
+    "attn_implementation": "auto",  # the recipe's kernel may not exist in the tiny family (Gemma-2: no sdpa)
     "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
 }
 
