@@ -1,6 +1,12 @@
 """Fine-tuning recipes for Hugging Face Transformers."""
 
+import logging
+
 __all__ = ["run", "train"]
+
+# bitsandbytes (QLoRA) warns on import, on any CPU with AVX-512 BF16, that an optional kernel package is missing,
+# then uses its own kernel: nothing for a user to act on, printed before every command.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def __getattr__(name: str):

@@ -87,10 +87,14 @@ def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95)
 def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = False) -> float:
     """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
     to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
-    appendix B: 6N + 12LHQT). `reference`: DPO's forward of the reference model too (2N + 4LHT)."""
+    appendix B: 6N + 12LHQT). Embedding tables that are only looked up cost nothing (a tied output head's
+    weights count as the head's matmul), as in torchtitan's MFU. `reference`: DPO's forward of the reference
+    model too (2N + 4LHT)."""
     attention = 12 * shape.num_layers * shape.hidden_size * seq_length
-    flops = 6 * shape.trainable + 4 * shape.frozen + attention
-    return flops + (2 * shape.total + attention / 3 if reference else 0)
+    trainable = shape.trainable - shape.lookups_trainable
+    frozen = shape.frozen - (shape.lookups - shape.lookups_trainable)
+    flops = 6 * trainable + 4 * frozen + attention
+    return flops + (2 * (shape.total - shape.lookups) + attention / 3 if reference else 0)
 
 
 @dataclass(frozen=True)
@@ -126,9 +130,11 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 # what fits; this order only breaks ties between configs that fit.
 PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
               "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
-# Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides): typical figures
-# for well-tuned transformer fine-tuning on A100/H100-class GPUs; offload runs are bound by host transfers.
-ASSUMED_MFU = {"replicated": 0.40, "sharded": 0.35, "offload": 0.15}
+# Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides). sharded:
+# torchtitan's published Llama 3.1 8B FSDP run on 8 x H100 without torch.compile (docs/performance.md, Table 1:
+# 5,762 tokens/s per GPU, 33.7% by this module's FLOPs per token; tests/test_planner.py). replicated: above it,
+# since nothing is gathered (an assumption; not yet measured); offload: bound by host transfers (an assumption).
+ASSUMED_MFU = {"replicated": 0.40, "sharded": 0.34, "offload": 0.15}
 
 
 def assumed_mfu(layout: Layout) -> float:

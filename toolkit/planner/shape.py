@@ -36,6 +36,9 @@ class Shape:
     language_model: bool = True  # a vocabulary-wide output head (and cross-entropy over it)
     head_trainable: bool = True  # trained (full fine-tuning), or frozen (LoRA)
     quantizable: int = 0  # frozen linear weights but the output head's: what QLoRA stores in 4 bits
+    # Embedding tables only looked up (all but a tied output head's): no FLOPs forward or backward
+    lookups: int = 0
+    lookups_trainable: int = 0
     # The activations measured on the architecture itself (activations.py); the formula fields above stand in
     # where it could not be measured.
     activations: ActivationFit | None = None
@@ -58,6 +61,8 @@ class Shape:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         names = [name for name, _ in model.named_modules()]
+        tables = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
         norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
         return cls(
             total=sum(p.numel() for p in params),
@@ -85,6 +90,8 @@ class Shape:
                 for m in model.modules()
                 if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad
             ),  # fmt: skip
+            lookups=sum(p.numel() for p in tables),
+            lookups_trainable=sum(p.numel() for p in tables if p.requires_grad),
         )
 
 
