@@ -288,9 +288,9 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     """fsdp2.yaml (RAM-efficient loading) on a bf16 checkpoint trained in bf16 mixed precision, whose fp32 master
     weights accelerate makes on rank 0: from loading to the first step, the ranks together hold about one fp32
     copy of anonymous memory. Measured here: rank 0 1.01, rank 1 0.53-0.72 (what else the rank allocates before
-    the first step varies), both at once about 1.2 when nothing else runs. With accelerate's own loading: 1.72, 1.91 and 3.62 (rank 0
-    kept its full copy to the end, rank 1 upcast its placeholders and received every full tensor before its
-    shard); see fsdp_loading.py and models.allocate_placeholders."""
+    the first step varies), both at once about 1.2 when nothing else runs. With accelerate's own loading: 1.72,
+    1.91 and 3.62 (rank 0 kept its full copy to the end, rank 1 upcast its placeholders and received every full
+    tensor before its shard); see fsdp_loading.py and models.allocate_placeholders."""
     out = tmp_path / "out"
     check(launch("fsdp2", "llama3_fft", "--tiny", "--model_name_or_path", str(bf16_checkpoint), "--dtype",
                  "bfloat16", "--bf16", "true", "--max_steps", "1", "--report_to", "none", "--packing", "false",

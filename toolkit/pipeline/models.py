@@ -134,7 +134,6 @@ ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_f
                      "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}  # fmt: skip
 
 
-# Flex attention's compiled backward exists for GPUs only: torch's CPU template is inference-only (pytorch#169646).
 FLEX_ON_CPU = ("flex_attention trains on a GPU only (torch's CPU compiler has no backward for it, pytorch#169646): "
                "pass --attn_implementation sdpa, or auto.")  # fmt: skip
 
@@ -156,9 +155,12 @@ def choose_attention(config: PretrainedConfig, setting: str | None, task: str, p
             return "flash_attention_2", "auto: packed rows on a GPU, flash-attn's varlen path"
         if supports("flex_attention"):
             return "flex_attention", "auto: packed rows on a GPU, a document mask that skips other rows' blocks"
-    why = "auto"
-    if packing:
-        why += ": packed rows on a CPU, where flex attention does not train" if not on_gpu else ": no flex attention"
+    if not packing:
+        why = "auto"
+    elif on_gpu:
+        why = "auto: packed rows, but the model has no flex attention"
+    else:
+        why = "auto: packed rows on a CPU, where flex attention does not train"
     return ("sdpa", why) if supports("sdpa") else (None, "auto: the model's default, it has no sdpa")
 
 
