@@ -229,7 +229,9 @@ def load_model(
         )
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
-    common = dict(attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
+    # auto not yet resolved (a caller without the runner, so no packing): the model's default, as for unpacked rows
+    attention = None if args.attn_implementation == "auto" else args.attn_implementation
+    common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
     if receives_weights_from_rank0() and not every_rank_reads:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters
