@@ -287,8 +287,9 @@ def bf16_checkpoint(tmp_path_factory) -> Path:
 def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     """fsdp2.yaml (RAM-efficient loading) on a bf16 checkpoint trained in bf16 mixed precision, whose fp32 master
     weights accelerate makes on rank 0: from loading to the first step, the ranks together hold about one fp32
-    copy of anonymous memory. Measured here: rank 0 1.01, rank 1 0.53-0.72 (what else the rank allocates before
-    the first step varies), both at once about 1.2 when nothing else runs. With accelerate's own loading: 1.72,
+    copy of anonymous memory. Measured here: rank 0 1.01-1.23, rank 1 0.53-0.72 (what else the rank allocates
+    before the first step varies: some 20 MB, a fifth of this 92 MB copy), both at once about 1.2 when nothing
+    else runs. With accelerate's own loading: 1.72,
     1.91 and 3.62 (rank 0 kept its full copy to the end, rank 1 upcast its placeholders and received every full
     tensor before its shard); see fsdp_loading.py and models.allocate_placeholders."""
     out = tmp_path / "out"
@@ -300,7 +301,7 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     assert copy == 4 * sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
     rank0, rank1 = (r["load_host"]["anon"] / copy for r in reports)
     together = memory.peak_over_ranks([r["load_host"]["series"] for r in reports], 1) / copy
-    assert 0.9 <= rank0 <= 1.2, rank0  # its fp32 copy, freed tensor by tensor as the shards go out
+    assert 0.9 <= rank0 <= 1.4, rank0  # its fp32 copy, freed tensor by tensor as the shards go out (not 1.72)
     assert 0.45 <= rank1 <= 1.0, rank1  # its shard: half a copy, and no fp32 upcast of its placeholders
     # Less than the one copy per rank loading without it holds at the least (accelerate's own: 3.62). How far
     # below depends on when the ranks peak: 1.2 alone, 1.86 with another test session on the same 2 cores.
