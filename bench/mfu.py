@@ -143,7 +143,7 @@ def available(variant: str) -> str | None:
     import importlib.util
 
     if variant == "liger" and importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install liger-kernel)"
+        return "liger-kernel is not installed (pip install -e '.[liger]')"
     return None
 
 

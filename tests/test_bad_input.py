@@ -131,7 +131,7 @@ RUNS = [
     ("weight-decay-negative", "bert", ["--weight_decay", "-0.1"], "pass 0"),
     ("dtype-typo", "bert", ["--dtype", "bf17"], "--dtype bfloat16"),
     ("lora-r-0", "llama3_lora", ["--lora_r", "0"], "lora_r must be at least 1"),
-    ("liger-missing", "llama3_fft", ["--use_liger_kernel", "true"], "pip install liger-kernel"),
+    ("liger-on-cpu", "llama3_fft", ["--use_liger_kernel", "true"], "Triton kernels for a GPU"),
     ("lora-alpha-0", "llama3_lora", ["--lora_alpha", "0"], "twice lora_r"),
     ("lora-dropout", "llama3_lora", ["--lora_dropout", "1.5"], "pass 0.05"),
     ("lora-targets", "llama3_lora", ["--lora_target_modules", "q_projx"], "q_proj"),
@@ -320,6 +320,24 @@ def test_rows_skipped_on_request_are_counted(files, tmp_path, capsys):
         f"left out 1 of 3 rows of the train split of {files['no_assistant.jsonl']} (--skip_bad_rows); the first, "
         "row 2: it has no assistant" in err
     )
+
+
+def test_liger_on_a_gpu_without_its_package_names_the_extra(monkeypatch, tmp_path):
+    """On a GPU the missing package is the fix (this machine has none, so that path is reached with CUDA faked)."""
+    import importlib.util
+
+    import torch
+    from transformers import TrainingArguments
+
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline.arguments import check_training
+
+    training = TrainingArguments(str(tmp_path), use_liger_kernel=True, report_to="none")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else found(name))
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[liger\]'"):
+        check_training(training)
 
 
 def test_dtype_aliases_people_type_are_accepted():

@@ -344,9 +344,13 @@ def check_training(training: TrainingArguments) -> None:
     if training.use_liger_kernel:
         import importlib.util
 
+        import torch
+
+        if not torch.cuda.is_available():  # else the first forward ends in Triton's "0 active drivers"
+            raise ConfigError("--use_liger_kernel: Liger's kernels are Triton kernels for a GPU and this machine "
+                              "has none: drop the flag.")  # fmt: skip
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ConfigError("--use_liger_kernel needs liger-kernel (Triton kernels, for a GPU): pip install "
-                              "liger-kernel, or drop the flag.")  # fmt: skip
+            raise ConfigError("--use_liger_kernel needs liger-kernel: pip install -e '.[liger]', or drop the flag.")
     if training.warmup_steps < 0 or training.weight_decay < 0:
         raise ConfigError("warmup_steps and weight_decay cannot be negative: pass 0 to turn them off.")
     if Path(training.output_dir).exists() and not Path(training.output_dir).is_dir():
