@@ -142,6 +142,10 @@ def available(variant: str) -> str | None:
     """Why a variant cannot run here, or None."""
     import importlib.util
 
+    import torch
+
+    if variant == "liger" and not torch.cuda.is_available():
+        return "Liger's kernels are Triton kernels for a GPU"
     if variant == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install -e '.[liger]')"
     return None
