@@ -12,8 +12,9 @@ Each row: non-padding tokens/s after WARMUP untimed steps, MFU (the planner's FL
 the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml), the peak memory torch.cuda.max_memory_allocated
 measured, and what the run's own plan predicted without the CUDA context (RecipeTrainer rows). Random init,
 bf16 weights and compute, AdamW (fused), activation checkpointing off. Each (variant, repeat) in a fresh
-process, variants interleaved, median of the repeats. Without a GPU it runs the same code at toy size (`--toy`,
-what the tests run): the figures then say nothing about speed.
+process, variants interleaved, median of the repeats; each run's row is appended to rows.jsonl as it ends, and a
+variant that fails is reported in the table and not repeated while the others go on. Without a GPU it runs the
+same code at toy size (`--toy`, what the tests run): the figures then say nothing about speed.
 """
 
 from __future__ import annotations
@@ -172,46 +173,63 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     requested = args.variants.split(",")
+    unknown = [v for v in requested if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {', '.join(unknown)}: pick from {','.join(VARIANTS)}")
     skipped = {v: available(v) for v in requested if available(v)}
     variants = [v for v in requested if v not in skipped]
     results: dict[str, list[dict]] = {v: [] for v in variants}
+    failed: dict[str, str] = {}
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    rows = output / "rows.jsonl"  # one line per finished run, so a run cut short (a time limit) keeps what it had
+    rows.write_text("")
     for repeat in range(args.repeats):
-        for variant in variants:
+        for variant in [v for v in variants if v not in failed]:
             cmd = [sys.executable, __file__, "--run", variant, "--steps", str(args.steps), "--batch", str(args.batch),
                    "--row_length", str(args.row_length), "--output", args.output]  # fmt: skip
             cmd += ["--toy"] if args.toy else []
+            start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+            seconds = time.perf_counter() - start
             line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
-            if proc.returncode or not line:
+            if proc.returncode or not line:  # the other variants still run: a variant that fails is a finding
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{variant} failed (exit {proc.returncode})")
-            results[variant].append(json.loads(line[0][6:]))
-            print(f"repeat {repeat + 1}/{args.repeats} {variant:11s} {results[variant][-1]['tokens_per_second']:,.0f} "
-                  "tokens/s", file=sys.stderr, flush=True)  # fmt: skip
+                last = (proc.stderr.strip().splitlines() or [""])[-1]
+                failed[variant] = f"exit {proc.returncode}: {last[:200]}"
+                row = {"variant": variant, "repeat": repeat, "error": failed[variant]}
+            else:
+                results[variant].append(json.loads(line[0][6:]))
+                row = {"variant": variant, "repeat": repeat, **results[variant][-1]}
+            with rows.open("a") as f:
+                f.write(json.dumps({**row, "wall_seconds": round(seconds, 1)}) + "\n")
+            outcome = "failed" if variant in failed else f"{results[variant][-1]['tokens_per_second']:,.0f} tokens/s"
+            print(f"repeat {repeat + 1}/{args.repeats} {variant:11s} {outcome} ({seconds:.0f} s with start-up)",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def median(v: str, key: str) -> float | None:
         values = [r[key] for r in results[v] if r[key] is not None]
         return statistics.median(values) if values else None
 
-    base = median(variants[0], "tokens_per_second") if variants else None
-    device = results[variants[0]][0]["device"] if variants else "-"
+    measured = [v for v in variants if results[v]]
+    base = median("trainer", "tokens_per_second") if results.get("trainer") else None
+    device = results[measured[0]][0]["device"] if measured else "-"
     print(
         f"\n{device}, Llama-3.2-1B shape{' (toy size)' if args.toy else ''}, bf16, packed rows of "
         f"{args.row_length} tokens x {args.batch}, {args.steps} steps ({WARMUP} untimed), median of {args.repeats}\n"
     )
     print("| variant | attention | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for v in variants:
+    for v in measured:
         rate, mfu, peak, planned = (median(v, k) for k in ("tokens_per_second", "mfu", "peak_gib", "planned_gib"))
         cells = [results[v][0]["attention"], f"{rate:,.0f}", f"{rate / base:.2f}x" if base else "-",
                  f"{100 * mfu:.1f}%" if mfu else "-", f"{peak:.2f}" if peak else "-",
                  f"{planned:.2f}" if planned else "-"]  # fmt: skip
         print(f"| {v} | " + " | ".join(cells) + " |")
-    for v, reason in skipped.items():
-        print(f"| {v} | not run: {reason} | | | | | |")
-    Path(args.output).mkdir(parents=True, exist_ok=True)
-    (Path(args.output) / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped}))
-    return 0
+    for v, reason in {**skipped, **failed}.items():
+        print(f"| {v} | {'failed' if v in failed else 'not run'}: {reason} | | | | | |")
+    (output / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped, "failed": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
