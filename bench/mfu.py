@@ -7,6 +7,8 @@
   full_logits  RecipeTrainer with --fused_loss false: what the fused loss changes
   compile      RecipeTrainer with --torch_compile true
   liger        RecipeTrainer with --use_liger_kernel true (where liger-kernel is installed: RMSNorm, SwiGLU, RoPE)
+  qlora        RecipeTrainer with llama3_qlora's settings: LoRA r=16 on every linear layer over a 4-bit NF4 base
+               (bitsandbytes), loaded from a checkpoint as the runner loads it; MFU counts 4 FLOPs per frozen weight
 
 Each row: non-padding tokens/s after WARMUP untimed steps, MFU (the planner's FLOPs per token x tokens/s over
 the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml), the peak memory torch.cuda.max_memory_allocated
@@ -31,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("trainer", "toolkit", "sdpa", "full_logits", "compile", "liger")
+VARIANTS = ("trainer", "toolkit", "sdpa", "full_logits", "compile", "liger", "qlora")
 WARMUP = 3
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json, public): tied embeddings, 128k vocabulary.
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -65,6 +67,14 @@ def packed_rows(rows: int, row_length: int, vocab: int, seed: int = 0):
         data["input_ids"].append(ids)
         data["labels"].append([-100] * (n // 3) + ids[n // 3 :])
     return pack(Dataset.from_dict(data), row_length)
+
+
+def qlora_settings() -> dict:
+    """llama3_qlora's adapter over its 4-bit base, read from the recipe."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from llama3_qlora import RECIPE
+
+    return {k: v for k, v in RECIPE.items() if k.startswith("lora_") or k in ("use_lora", "load_in_4bit")}
 
 
 def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool, out: Path) -> dict:
@@ -103,7 +113,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
                   dataloader_drop_last=True, disable_tqdm=True, seed=0,
                   include_num_input_tokens_seen="non_padding")  # fmt: skip
     collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention)
-    planned = None
+    planned, lora = None, None
     if variant == "trainer":
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
                           processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
@@ -114,11 +124,21 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
         from toolkit.pipeline.trainer import RecipeTrainer
 
         options = {"sdpa": {"attn_implementation": "sdpa"}, "full_logits": {"fused_loss": False},
-                   "compile": {"torch_compile": True},
-                   "liger": {"use_liger_kernel": True}}.get(variant, {})  # fmt: skip
+                   "compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True},
+                   "qlora": {"model_name_or_path": str(out / "checkpoint")}}.get(variant, {})  # fmt: skip
+        if variant == "qlora":
+            options.update(qlora_settings())
+            model.save_pretrained(out / "checkpoint")
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "dtype": "bfloat16",
                   "max_seq_length": row_length, **common, **options}  # fmt: skip
         arguments = parse(recipe, "bench", [])
+        if variant == "qlora":  # bitsandbytes quantizes as a checkpoint's weights load, as in the runner
+            from toolkit.pipeline.models import add_lora, load_model
+
+            del model
+            arguments.model.attn_implementation = attention
+            model = add_lora(load_model(arguments.model, "sft", tokenizer, None), arguments.model, "sft")
+            lora = arguments.model.lora_settings()  # for the FLOPs: 4 per frozen weight, not 6
         trainer = RecipeTrainer(model=model, args=arguments.training, train_dataset=data, data_collator=collator,
                                 processing_class=tokenizer, arguments=arguments, param_counts=ParameterCounts.of(model),
                                 fused_loss=fused_head("sft", arguments.model.fused_loss, on_gpu),
@@ -130,7 +150,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     trainer.train()
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
     tokens_per_second = times["tokens"] / times["seconds"]
-    flops = training_flops_per_token(Shape.of(meta_model(config, "sft"), config), row_length)
+    flops = training_flops_per_token(Shape.of(meta_model(config, "sft", lora), config), row_length)
     device = detect_device()
     peak_flops = peak_tflops(device, "bf16")
     return {"tokens_per_second": tokens_per_second, "mfu": flops * tokens_per_second / (peak_flops * 1e12)
@@ -149,6 +169,8 @@ def available(variant: str) -> str | None:
         return "Liger's kernels are Triton kernels for a GPU"
     if variant == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install -e '.[liger]')"
+    if variant == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed (pip install -e '.[qlora]')"
     return None
 
 
