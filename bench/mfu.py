@@ -93,7 +93,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     torch.manual_seed(0)
     setting = "sdpa" if variant in ("trainer", "sdpa") else "auto"  # the runner's choice for packed rows
     attention, _ = choose_attention(config, setting, "sft", packing=True, on_gpu=on_gpu)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
+    with torch.device("cuda" if on_gpu else "cpu"):  # random init on the GPU: seconds of a lent machine's time
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")  # for its pad id only
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     data = packed_rows(max(64, steps * batch * 2), row_length, config.vocab_size)
