@@ -5,8 +5,11 @@ accelerate or transformers is a conscious step (re-test, then widen the window o
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from toolkit.distributed.patches import PATCHES, PRIVATE_TRANSFORMERS
 from toolkit.distributed.patches.gate import Patch, Target
@@ -74,3 +77,12 @@ def test_a_patch_not_needed_is_not_checked_or_installed():
 def test_a_patch_inside_its_window_installs():
     installed = []
     assert outdated(installed).apply() is True and installed == [True]
+
+
+@pytest.mark.parametrize("reliance", RELIANCES, ids=lambda r: r.name)
+def test_the_install_keeps_each_library_inside_its_window(reliance):
+    """`make install` (pip -c constraints.txt) takes no release of a library a patch was not tested with."""
+    lines = (Path(__file__).parents[1] / "constraints.txt").read_text().splitlines()
+    pins = {r.name: r.specifier for r in map(Requirement, (ln for ln in lines if ln and not ln.startswith("#")))}
+    low, high = reliance.versions
+    assert pins[reliance.library] == SpecifierSet(f">={low},<{high}")

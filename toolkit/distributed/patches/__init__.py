@@ -21,7 +21,7 @@ PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP_LOADING)
 PRIVATE_TRANSFORMERS = Reliance(
     name="the toolkit's uses of private transformers API",
     library="transformers",
-    versions=("5.23", "5.24"),
+    versions=("5.23", "5.25"),
     targets=(
         Target("transformers:Trainer._get_output_dir", ("self", "trial")),  # checkpoints.StagedCheckpoints
         Target("transformers:Trainer._save_checkpoint", ("self", "model", "trial")),
