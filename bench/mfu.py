@@ -161,17 +161,17 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
 
 
 def available(variant: str) -> str | None:
-    """Why a variant cannot run here, or None."""
-    import importlib.util
+    """Why a variant cannot run here, or None: the toolkit's own refusal of its settings."""
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline.arguments import ModelArguments, check_liger
 
-    import torch
-
-    if variant == "liger" and not torch.cuda.is_available():
-        return "Liger's kernels are Triton kernels for a GPU"
-    if variant == "liger" and importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install -e '.[liger]')"
-    if variant == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        return "bitsandbytes is not installed (pip install -e '.[qlora]')"
+    try:
+        if variant == "liger":
+            check_liger()
+        elif variant == "qlora":
+            ModelArguments("bench", **qlora_settings())  # --load_in_4bit without bitsandbytes is refused
+    except ConfigError as refused:
+        return str(refused)
     return None
 
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in requested if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {', '.join(unknown)}: pick from {','.join(VARIANTS)}")
-    skipped = {v: available(v) for v in requested if available(v)}
+    skipped = {v: reason for v in requested if (reason := available(v))}
     variants = [v for v in requested if v not in skipped]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     failed: dict[str, str] = {}

@@ -16,8 +16,8 @@ import mfu  # noqa: E402
 
 @pytest.mark.parametrize("variant", ["trainer", "toolkit", "sdpa", "full_logits", "compile", "qlora"])
 def test_mfu_bench_variant_runs_at_toy_size(variant, tmp_path):
-    if mfu.available(variant):
-        pytest.skip(mfu.available(variant))
+    if reason := mfu.available(variant):
+        pytest.skip(reason)
     row = mfu.run_variant(variant, steps=mfu.WARMUP + 2, batch=2, row_length=128, toy=True, out=tmp_path)
     assert row["tokens_per_second"] > 0 and row["device"] == "cpu"
     assert row["attention"] == "sdpa"  # auto's choice on a CPU (flex and flash attention on a GPU)

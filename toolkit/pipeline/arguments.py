@@ -313,6 +313,19 @@ def check_qlora(model: ModelArguments) -> None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes (make install does).")
 
 
+def check_liger() -> None:
+    """--use_liger_kernel: a GPU for its Triton kernels, and liger-kernel installed."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():  # else the first forward ends in Triton's "0 active drivers"
+        raise ConfigError("--use_liger_kernel: Liger's kernels are Triton kernels for a GPU and this machine "
+                          "has none: drop the flag.")  # fmt: skip
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("--use_liger_kernel needs liger-kernel: pip install -e '.[liger]', or drop the flag.")
+
+
 def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
     """A setting that names a local path (not a Hub id, not a package: path) must exist, with `inside` in it."""
     from .sources import PACKAGE_PREFIX
@@ -342,15 +355,7 @@ def check_training(training: TrainingArguments) -> None:
         raise ConfigError(f"Nothing to train: num_train_epochs is {training.num_train_epochs:g} and max_steps is "
                           "unset: pass --num_train_epochs 1 or --max_steps N.")  # fmt: skip
     if training.use_liger_kernel:
-        import importlib.util
-
-        import torch
-
-        if not torch.cuda.is_available():  # else the first forward ends in Triton's "0 active drivers"
-            raise ConfigError("--use_liger_kernel: Liger's kernels are Triton kernels for a GPU and this machine "
-                              "has none: drop the flag.")  # fmt: skip
-        if importlib.util.find_spec("liger_kernel") is None:
-            raise ConfigError("--use_liger_kernel needs liger-kernel: pip install -e '.[liger]', or drop the flag.")
+        check_liger()
     if training.warmup_steps < 0 or training.weight_decay < 0:
         raise ConfigError("warmup_steps and weight_decay cannot be negative: pass 0 to turn them off.")
     if Path(training.output_dir).exists() and not Path(training.output_dir).is_dir():
