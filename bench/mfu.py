@@ -1,7 +1,7 @@
 """MFU at a size people train: a Llama-3.2-1B-shaped model fine-tuned on packed 4,096-token rows, one GPU.
 
   trainer      plain transformers.Trainer on the same packed rows: the full logits' loss, sdpa (the baseline)
-  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (pipeline/fused_loss.py), and
+  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (training/fused_loss.py), and
                attention that skips what packing masks (flash-attn's varlen path where installed, else flex)
   sdpa         RecipeTrainer with --attn_implementation sdpa: what the attention choice changes
   full_logits  RecipeTrainer with --fused_loss false: what the fused loss changes
@@ -57,7 +57,7 @@ def packed_rows(rows: int, row_length: int, vocab: int, seed: int = 0):
     import torch
     from datasets import Dataset
 
-    from toolkit.pipeline.packing import pack
+    from toolkit.data.packing import pack
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.exp(torch.randn(rows * row_length // 300, generator=g) * 0.7 + math.log(300))
@@ -82,9 +82,9 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from toolkit.metrics.cost import detect_device, peak_tflops
-    from toolkit.pipeline import tiny
-    from toolkit.pipeline.models import choose_attention
-    from toolkit.pipeline.packing import PackedCollator
+    from toolkit.models import tiny
+    from toolkit.models.loading import choose_attention
+    from toolkit.data.packing import PackedCollator
     from toolkit.planner import Shape, meta_model
     from toolkit.planner.estimate import training_flops_per_token
 
@@ -119,10 +119,10 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
                           processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
     else:
-        from toolkit.pipeline.models import ParameterCounts
-        from toolkit.pipeline.parser import parse
-        from toolkit.pipeline.tasks import fused_head
-        from toolkit.pipeline.trainer import RecipeTrainer
+        from toolkit.models.counts import ParameterCounts
+        from toolkit.settings.parser import parse
+        from toolkit.settings.tasks import fused_head
+        from toolkit.training.trainer import RecipeTrainer
 
         options = {"sdpa": {"attn_implementation": "sdpa"}, "full_logits": {"fused_loss": False},
                    "compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True},
@@ -134,7 +134,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
                   "max_seq_length": row_length, **common, **options}  # fmt: skip
         arguments = parse(recipe, "bench", [])
         if variant == "qlora":  # bitsandbytes quantizes as a checkpoint's weights load, as in the runner
-            from toolkit.pipeline.models import add_lora, load_model
+            from toolkit.models.loading import load_model
+            from toolkit.models.lora import add_lora
 
             del model
             arguments.model.attn_implementation = attention
@@ -163,7 +164,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
 def available(variant: str) -> str | None:
     """Why a variant cannot run here, or None: the toolkit's own refusal of its settings."""
     from toolkit.errors import ConfigError
-    from toolkit.pipeline.arguments import ModelArguments, check_liger
+    from toolkit.settings.arguments import ModelArguments, check_liger
 
     try:
         if variant == "liger":

@@ -39,7 +39,7 @@ def checkpoint(folder: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from toolkit.pipeline import tiny
+    from toolkit.models import tiny
 
     if (folder / "model.safetensors").exists():
         return

@@ -3,8 +3,8 @@
   baseline   plain transformers.Trainer, batches padded to their longest row
   recipe     RecipeTrainer with all its tracking (throughput, MFU, cost, health, budget guard), no packing,
              batches drawn at random as the baseline's: what the tracking costs
-  grouped    RecipeTrainer with length-grouped batches (its default without packing; pipeline/length_grouping.py)
-  packed     RecipeTrainer with packing (pipeline/packing.py), its SFT default
+  grouped    RecipeTrainer with length-grouped batches (its default without packing; data/length_grouping.py)
+  packed     RecipeTrainer with packing (data/packing.py), its SFT default
   trl        TRL's SFTTrainer with its packing (best fit decreasing, padding-free)
 
 Same model (SmolLM2-135M's architecture; on a machine without a GPU the same architecture scaled down so the
@@ -88,8 +88,8 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
     import torch
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    from toolkit.pipeline import tiny
-    from toolkit.pipeline.packing import PackedCollator, pack
+    from toolkit.models import tiny
+    from toolkit.data.packing import PackedCollator, pack
 
     on_gpu = torch.cuda.is_available()
     config = model_config(on_gpu)
@@ -123,10 +123,10 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
         trainer = Trainer(model=model, args=args, train_dataset=data.remove_columns("assistant_masks"),
                           data_collator=padded, processing_class=tokenizer, callbacks=[clock.callback])  # fmt: skip
     else:
-        from toolkit.pipeline.length_grouping import LENGTH
-        from toolkit.pipeline.models import ParameterCounts
-        from toolkit.pipeline.parser import parse
-        from toolkit.pipeline.trainer import RecipeTrainer
+        from toolkit.data.length_grouping import LENGTH
+        from toolkit.models.counts import ParameterCounts
+        from toolkit.settings.parser import parse
+        from toolkit.training.trainer import RecipeTrainer
 
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "max_seq_length": max_len,
                   **common, "include_num_input_tokens_seen": "non_padding"}  # fmt: skip

@@ -17,7 +17,7 @@ from llama3_fft import RECIPE as LLAMA3_FFT
 from llama3_lora import RECIPE as LLAMA3_LORA
 
 from toolkit import run, train
-from toolkit.pipeline import tiny
+from toolkit.models import tiny
 
 RECIPES = {"bert": BERT, "llama3_fft": LLAMA3_FFT, "llama3_lora": LLAMA3_LORA}
 TRAINED = ["--tiny", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
@@ -330,7 +330,7 @@ def test_liger_on_a_gpu_without_its_package_names_the_extra(monkeypatch, tmp_pat
     from transformers import TrainingArguments
 
     from toolkit.errors import ConfigError
-    from toolkit.pipeline.arguments import check_training
+    from toolkit.settings.arguments import check_training
 
     training = TrainingArguments(str(tmp_path), use_liger_kernel=True, report_to="none")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -341,7 +341,7 @@ def test_liger_on_a_gpu_without_its_package_names_the_extra(monkeypatch, tmp_pat
 
 
 def test_dtype_aliases_people_type_are_accepted():
-    from toolkit.pipeline.parser import parse
+    from toolkit.settings.parser import parse
 
     assert parse(BERT, "bert", ["--dtype", "bf16"]).model.dtype == "bfloat16"
     assert parse(BERT, "bert", ["--dtype", "FP32"]).model.dtype == "float32"

@@ -15,8 +15,8 @@ from conftest import ROOT, run_cmd
 from llama3_fft import RECIPE as LLAMA
 
 from toolkit import run, train
-from toolkit.pipeline.checkpoints import OWNER, STAGING
-from toolkit.pipeline.trainer import RecipeTrainer
+from toolkit.training.checkpoints import OWNER, STAGING
+from toolkit.training.trainer import RecipeTrainer
 
 EVERY_2 = ["--tiny", "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
 
@@ -49,7 +49,7 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, cap
     script.write_text(f"""
 import os, signal, sys
 sys.path.insert(0, {str(ROOT / "recipes")!r})
-from toolkit.pipeline.trainer import RecipeTrainer
+from toolkit.training.trainer import RecipeTrainer
 save = RecipeTrainer._save_optimizer_and_scheduler
 def killed(self, output_dir):
     if self.state.global_step == 4:
@@ -107,7 +107,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
     import os
     import signal
 
-    from toolkit.pipeline.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED, SafeStop
 
     flags = ["--tiny", "--max_steps", "8", "--report_to", "none"]
     reference = train(BERT, [*flags, "--output_dir", str(tmp_path / "reference")], "bert").trainer
@@ -124,7 +124,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while the checkpoint is being written
         save_optimizer(self, output_dir)
 
-    monkeypatch.setattr("toolkit.pipeline.trainer.SafeStop", KilledAtStep3)
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep3)
     monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", signalled_again)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -145,7 +145,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
 def test_nan_loss_stops_without_saving_over_good_checkpoints(tmp_path, monkeypatch, capsys):
     """The loss turns NaN at step 5: the run stops there with exit code 3 and a message naming the step, the
     newest good checkpoint and the likely causes; checkpoint-2 and -4 stay, nothing of step 5 or later is saved."""
-    from toolkit.pipeline.stopping import DIVERGED
+    from toolkit.training.stopping import DIVERGED
 
     compute_loss = RecipeTrainer.compute_loss
 
@@ -177,7 +177,7 @@ def test_nan_loss_stops_without_saving_over_good_checkpoints(tmp_path, monkeypat
 def test_resume_refusals_name_the_fix(tmp_path, engine, world, batch, message):
     """A ZeRO checkpoint of 2 processes, global batch 16: what cannot be resumed is refused before loading."""
     from toolkit.errors import ConfigError
-    from toolkit.pipeline.checkpoints import check_resumable
+    from toolkit.training.checkpoints import check_resumable
 
     checkpoint = tmp_path / "checkpoint-16"
     checkpoint.mkdir()

@@ -55,7 +55,7 @@ def bert_run(tmp_path, *flags):
 
 
 def test_budget_stops_with_a_checkpoint_that_resumes_and_carries_the_cost(tmp_path, capsys):
-    from toolkit.pipeline.stopping import BudgetSpent
+    from toolkit.training.stopping import BudgetSpent
 
     # $72,000 per vCPU-hour, $20 per vCPU-second: $5 is spent within an eighth of a second of training, long
     # before the 40 steps end, however fast this machine
@@ -87,7 +87,7 @@ def test_a_budget_below_the_plan_is_refused_before_training(tmp_path, capsys):
     from transformers import AutoConfig
 
     from toolkit import planner, run
-    from toolkit.pipeline import tiny
+    from toolkit.models import tiny
 
     rows = tokenized_rows("bert")
     mean_length = sum(map(len, rows)) / len(rows)

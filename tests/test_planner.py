@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.metrics.cost import device_spec
 from toolkit.metrics.memory import GIB
-from toolkit.pipeline import tiny
+from toolkit.models import tiny
 from toolkit.planner import (
     Layout,
     Shape,

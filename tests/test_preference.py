@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from toolkit import run, train
 from toolkit.errors import ConfigError, DataError
-from toolkit.pipeline import tiny
+from toolkit.models import tiny
 
 
 def dpo_flags(out: Path, per_device_batch: int, steps: int = 6) -> list[str]:
@@ -96,7 +96,7 @@ def test_dpo_lora_scores_the_reference_with_the_adapter_off(tmp_path):
 def test_preempted_dpo_run_resumes_bit_identically(one_process, tmp_path, monkeypatch, capsys):
     """SIGTERM at step 3: checkpoint-3, exit 75; resumed, the same losses and bit-identical weights as the
     uninterrupted run (the reference, its log-probabilities and the data order all come back)."""
-    from toolkit.pipeline.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED, SafeStop
 
     class KilledAtStep3(SafeStop):
         def on_step_end(self, args, state, control, **kwargs):
@@ -104,7 +104,7 @@ def test_preempted_dpo_run_resumes_bit_identically(one_process, tmp_path, monkey
                 os.kill(os.getpid(), signal.SIGTERM)
             return super().on_step_end(args, state, control, **kwargs)
 
-    monkeypatch.setattr("toolkit.pipeline.trainer.SafeStop", KilledAtStep3)
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep3)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         run(DPO, dpo_flags(out, 8), "llama3_dpo")

@@ -26,9 +26,10 @@ from safetensors.torch import load_file
 
 from toolkit import planner
 from toolkit.metrics import memory
-from toolkit.pipeline import tiny
-from toolkit.pipeline.arguments import DataArguments
-from toolkit.pipeline.data import load_raw, prepare
+from toolkit.models import tiny
+from toolkit.settings.arguments import DataArguments
+from toolkit.data.loading import load_raw
+from toolkit.data.preparation import prepare
 
 pytestmark = pytest.mark.launch
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModel
 
 from toolkit.errors import ConfigError
-from toolkit.pipeline import tiny
+from toolkit.models import tiny
 
 
 def meta_parameters(config) -> int:

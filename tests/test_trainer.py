@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from toolkit import planner, train
 from toolkit.metrics.cost import device_spec
 from toolkit.metrics.wandb_run import read_offline_run, redact
-from toolkit.pipeline.arguments import scaled_learning_rate
+from toolkit.settings.arguments import scaled_learning_rate
 
 
 def test_linear_lr_scaling_with_warmup(tmp_path, capsys):
@@ -181,8 +181,8 @@ def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path
     import torch
     from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
-    from toolkit.pipeline import tiny
-    from toolkit.pipeline.trainer import RecipeTrainer
+    from toolkit.models import tiny
+    from toolkit.training.trainer import RecipeTrainer
 
     reads = [0]
 

@@ -9,11 +9,11 @@ import json
 import pytest
 from llama3_fft import RECIPE as LLAMA3_FFT
 
-from toolkit.pipeline.checkpoints import OWNER
-from toolkit.pipeline.models import ParameterCounts
-from toolkit.pipeline.parser import parse
-from toolkit.pipeline.runner import tiny_layer
-from toolkit.pipeline.trainer import RecipeTrainer, ToolkitTrainerMixin
+from toolkit.training.checkpoints import OWNER
+from toolkit.models.counts import ParameterCounts
+from toolkit.settings.parser import parse
+from toolkit.models.tiny import tiny_layer
+from toolkit.training.trainer import RecipeTrainer, ToolkitTrainerMixin
 
 trl = pytest.importorskip("trl")
 
@@ -21,7 +21,8 @@ trl = pytest.importorskip("trl")
 def test_parts_compose_with_trls_sft_trainer(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.pipeline.data import load_raw, prepare
+    from toolkit.data.loading import load_raw
+    from toolkit.data.preparation import prepare
 
     class ToolkitSFTTrainer(ToolkitTrainerMixin, trl.SFTTrainer):
         pass

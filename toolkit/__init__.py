@@ -12,7 +12,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 def __getattr__(name: str):
     # Lazy: `python -m toolkit plan` should not import the Trainer stack.
     if name in __all__:
-        from .pipeline import runner
+        from . import runner
 
         return getattr(runner, name)
     raise AttributeError(f"module 'toolkit' has no attribute '{name}'")

@@ -6,7 +6,7 @@ import sys
 COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs no Trainer stack)
     "plan": "toolkit.planner.cli:main",  # memory, fit, time and cost, before launching
     "check": "toolkit.distributed.launch_check:main",  # a strategy file's mistakes, in a second
-    "prepare": "toolkit.pipeline.runner:prepare_main",  # tokenize (and pack) a recipe's data ahead of a launch
+    "prepare": "toolkit.runner:prepare_main",  # tokenize (and pack) a recipe's data ahead of a launch
     "launch": "toolkit.distributed.launcher:main",  # accelerate launch, ending on the run's own exit code
     "report": "toolkit.metrics.report:main",  # runs side by side: charts, pages, samples
     "generate": "toolkit.generate:generate_main",  # answers from a trained model

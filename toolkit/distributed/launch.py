@@ -18,10 +18,10 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def has_accelerator() -> bool:
-    import torch
-
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+def receives_weights_from_rank0() -> bool:
+    """FSDP with RAM-efficient loading on a rank other than 0: this rank starts empty and receives its shard."""
+    ram_efficient = env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    return ram_efficient and os.environ.get("RANK", "0") != "0"
 
 
 @dataclass

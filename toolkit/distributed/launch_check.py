@@ -15,8 +15,11 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..data.sources import model_config
 from ..errors import ConfigError, command
+from ..models.meta import meta_model
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
+from .strategy import check_4bit_engine, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
 
@@ -99,10 +102,6 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
     wrap = (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap")
     if not wrap:
         return  # the toolkit takes the model's own repeated layer class
-    from ..pipeline.sources import model_config
-    from ..planner.shape import meta_model
-    from .strategy import layer_class
-
     values = load_recipe(recipe)
     model = meta_model(model_config(values["model_name_or_path"]), values.get("task", "sft"))
     classes = {type(m).__name__ for m in model.modules()}
@@ -149,8 +148,6 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
     if recipe is not None:
         check_wrap_class(config, path, recipe)
         if load_recipe(recipe).get("load_in_4bit"):
-            from .strategy import check_4bit_engine
-
             check_4bit_engine(kind if kind in ("FSDP", "DEEPSPEED") else "replicated")
         summary += f", recipe {recipe}"
     return summary + ": ok"

@@ -15,8 +15,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..errors import ToolkitError
+from ..planner.layout import Layout
 from ..project import PROJECT_ROOT
-from .launch import Requested, env_flag
+from .launch import Requested, env_flag, num_machines
 
 
 class StrategyMismatch(ToolkitError, RuntimeError):
@@ -35,6 +36,20 @@ def resolve_config_paths() -> None:
             f"{Path.cwd()} nor from {PROJECT_ROOT}."
         )
     os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(candidate)
+
+
+def describe(accelerator, layout: Layout | None = None) -> dict[str, str | int]:
+    """The strategy in effect, as printed in the run header and logged to W&B."""
+    layout = layout or Layout.from_accelerator(accelerator)
+    return {
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "num_machines": num_machines(accelerator.num_processes),
+        "device": str(accelerator.device.type),
+        "mixed_precision": accelerator.mixed_precision,
+        "sharding": layout.sharding,
+        "backend": str(accelerator.state.backend) if accelerator.state.backend else "none",
+    }
 
 
 def check_4bit_engine(engine: str) -> None:

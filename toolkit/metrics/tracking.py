@@ -16,13 +16,12 @@ Every rank computes the same figures; rank 0's are logged. Over each logging int
                       resumed run spent (stored in each checkpoint); also the projected total at this pace and
                       dollars per million tokens.
 Nothing here waits on the device: the token count is the Trainer's own gather, the rest is host clocks.
-`Tracked` is the trainer part that feeds a RunTracker and writes the end-of-run summary.
+The trainer (training/trainer.py) feeds a RunTracker and writes the end-of-run summary from it.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 from transformers import TrainerState
 
 from .cost import CostModel
-from .memory import GIB, memory_fraction, peak_memory_bytes
+from .memory import GIB, peak_memory_bytes
 
 SPENT_FILE = "toolkit_cost.json"  # in every checkpoint: what the run had cost when it was written
 
@@ -174,71 +173,3 @@ class TimedIterator:
             return next(self.iterator)
         finally:
             self.tracker.count_data_wait(time.perf_counter() - start)
-
-
-class Tracked:
-    """Trainer part: live metrics on every log line (and OUTPUT/run_log.jsonl), health checks, the data wait, the
-    cost so far in every checkpoint, and the end-of-run summary. Needs `self.tracker` (RunTracker), `self.health`
-    (Health), `self.plan` (RunPlan) and `self.recipe` (Arguments), set by the trainer's set-up."""
-
-    def train(self, *args, **kwargs):
-        self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
-        self.tracker.start(self.state)
-        output = super().train(*args, **kwargs)
-        self.tracker.end_training()
-        return output
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        from ..pipeline.packing import examples_in
-
-        self.tracker.count_batch(examples_in(inputs))
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
-
-    def checkpoint_files(self) -> dict[str, str]:
-        return {**super().checkpoint_files(), SPENT_FILE: json.dumps(self.tracker.spent())}  # resumes add to it
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        training = "loss" in logs
-        logs.update(self.tracker.metrics(self.state, training))
-        if training:
-            self.health.check(logs, memory_fraction())
-        super().log(logs, start_time)
-        if self.args.should_save:  # the run's own log, read by `toolkit report`
-            with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
-                f.write(json.dumps(self.state.log_history[-1]) + "\n")
-
-    def end_of_run(self, status: str, metrics: dict[str, float]) -> dict[str, Any]:
-        """Printed, written to OUTPUT/run_summary.json and to the W&B run's summary (rank 0)."""
-        summary = self.tracker.summary(self.state)
-        strategy, cost = self.plan.strategy, self.plan.cost
-        summary.update(
-            status=status,
-            recipe=self.recipe.recipe_name,
-            strategy=f"{strategy['distributed_type']}, {strategy['sharding']}",
-            processes=strategy["num_processes"],
-            device=cost.device,
-            pricing=cost.pricing,
-            **{k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
-        )
-        if not self.is_world_process_zero():
-            return summary
-        wandb = sys.modules.get("wandb")
-        if wandb is not None and wandb.run is not None:
-            summary["wandb_run_id"] = wandb.run.id
-        mfu = f"{100 * summary['mean_mfu']:.2f}%" if summary.get("mean_mfu") is not None else "n/a (no peak)"
-        losses = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in summary.items() if k.endswith("_loss"))
-        print(
-            f"run summary   {status} after {time.strftime('%H:%M:%S', time.gmtime(summary['wall_seconds']))}, "
-            f"{summary['steps']} steps, {summary['tokens']:,} tokens ({summary.get('tokens_per_second', 0):,.0f}/s), "
-            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
-            flush=True,
-        )
-        print(cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
-        path = Path(self.args.output_dir) / "run_summary.json"
-        path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
-        if wandb is not None and wandb.run is not None:
-            wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
-        return summary

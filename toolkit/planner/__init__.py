@@ -2,14 +2,16 @@
 
 Everything is computed from a meta-device model (no weights, no Hub call for the recipes' models) and from the
 strategy files themselves (`accelerate_configs/*.yaml` and the DeepSpeed JSON they name):
-  shape.py     parameter accounting of the model (meta device)
+  layout.py    what a strategy does to memory, read from a strategy file or from a running job
+  shape.py     parameter accounting of the model (meta device: models/meta.py)
+  activations.py  the bytes autograd saves, measured on scaled-down instances of the model and extrapolated
   memory.py    bytes per device and per node, by component, for a shape x layout x workload
   estimate.py  which strategies fit with which micro-batch; FLOPs, time and cost at an assumed MFU
   cli.py       `python -m toolkit plan`
-The layout of a strategy comes from distributed/layout.py, the reader the running job uses too.
+The run's own plan (training/run_plan.py) uses the same formulas on the strategy accelerate really set up.
 """
 
-from ..distributed.layout import Layout
+from ..models.meta import meta_model
 from .estimate import (
     ASSUMED_MFU,
     assumed_mfu,
@@ -20,8 +22,9 @@ from .estimate import (
     verdicts,
     workload_for,
 )
+from .layout import Layout
 from .memory import Memory, Workload, activation_bytes, layer_activation_bytes, logits_bytes, plan_memory
-from .shape import Shape, meta_model
+from .shape import Shape
 
 __all__ = [
     "ASSUMED_MFU",

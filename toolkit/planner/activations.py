@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..models.meta import outside_zero3_init
 from ..project import cache_root
+from ..settings.tasks import GENERATIVE, model_class
 
 LAYERS = (1, 2)
 SEQUENCES = (16, 32, 64, 128)
@@ -148,9 +150,6 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
             inputs: list[tuple[int, int]], fused_head: bool = False) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
     for each (micro-batch, sequence length) in `inputs`; `fused_head`: the loss through TRL's fused head."""
-    from ..pipeline.tasks import GENERATIVE, model_class
-    from .shape import outside_zero3_init
-
     small = scaled(config, ratio, layers, attention)
     text = small.get_text_config() if hasattr(small, "get_text_config") else small
     with torch.random.fork_rng(devices=[]), outside_zero3_init():  # the run's random state is left as it was

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, fields, replace
 
-from ..distributed.layout import Layout
+from ..data.sources import model_config, stored_split_size
 from ..errors import ConfigError, command
-from ..pipeline.sources import model_config, stored_split_size
-from ..pipeline.tasks import TASKS, infer_task
+from ..metrics.cost import device_spec
+from ..models.meta import meta_model
 from ..project import is_recipe, load_recipe, strategy_files
+from ..settings.arguments import ModelArguments
+from ..settings.tasks import TASKS, infer_task
 from .activations import measured_activations
 from .estimate import (
     ASSUMED_MFU,
@@ -23,8 +25,9 @@ from .estimate import (
     training_flops_per_token,
     verdicts,
 )
+from .layout import Layout
 from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
-from .shape import Shape, meta_model
+from .shape import Shape
 
 
 def recipe_values(model: str) -> dict:
@@ -33,9 +36,6 @@ def recipe_values(model: str) -> dict:
 
 
 def build_plan(args) -> dict:
-    from ..metrics.cost import device_spec
-    from ..pipeline.arguments import ModelArguments
-
     values = recipe_values(args.model)
     config = model_config(values["model_name_or_path"])
     task = args.task or values.get("task") or infer_task(config)

@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..distributed.layout import Layout
 from ..metrics.cost import CostModel
 from ..metrics.memory import GIB
 from ..project import strategy_files
+from ..settings.tasks import TASKS, fused_head
+from .layout import Layout
 from .memory import Workload, plan_memory
 from .shape import Shape
 
@@ -49,7 +50,7 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
 
 
 def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workload:
-    """The workload of a resolved recipe (pipeline.arguments.Arguments) whose weights load as `weights_dtype`."""
+    """The workload of a resolved recipe (settings.arguments.Arguments) whose weights load as `weights_dtype`."""
     t, d = arguments.training, arguments.data
     if weights_dtype in (torch.bfloat16, torch.float16):
         precision = "bf16"
@@ -68,8 +69,6 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
 def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True) -> dict:
     """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy; TRL's
     fused head instead of the full logits where the task uses it (tasks.fused_head; --fused_loss)."""
-    from ..pipeline.tasks import TASKS, fused_head
-
     fused = {"fused_head": fused_head(task, fused_loss, on_gpu)} if task in TASKS else {}
     pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
     return {**pairs, **fused}

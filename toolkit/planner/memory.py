@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..distributed.layout import Layout
 from ..metrics.memory import GIB
+from .layout import Layout
 from .shape import Shape
 
 # Bytes per parameter of each persistent state, by precision, for the engine's own bookkeeping.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,42 +100,3 @@ def widest_linear(block: torch.nn.Module | None) -> int:
         return 0
     shapes = [m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
     return max((max(shape) for shape in shapes), default=0)
-
-
-def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
-    """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
-    from ..errors import ConfigError
-    from ..pipeline.tasks import TASKS, check_task, model_class, peft_task_type
-
-    check_task(config, task)
-    auto = model_class(task)
-    if type(config) not in auto._model_mapping and not getattr(config, "auto_map", None):
-        other = next((t for t in TASKS if t != task and type(config) in model_class(t)._model_mapping), None)
-        fix = f"pass --task {other}" if other else f"the toolkit's tasks ({', '.join(TASKS)}) do not cover it"
-        raise ConfigError(f"transformers has no {task} model for {config.model_type} ({auto.__name__}): {fix}.")
-    with torch.device("meta"), outside_zero3_init():
-        model = auto.from_config(config)
-        if lora:
-            import warnings
-
-            from peft import LoraConfig, get_peft_model
-
-            with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question: noise in `plan`
-                warnings.simplefilter("ignore", FutureWarning)
-                model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
-    return model
-
-
-@contextlib.contextmanager
-def outside_zero3_init():
-    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init (partitioned, with
-    collectives): not what a meta model for counting wants. Suspend that for the block."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    current = hf_deepspeed._hf_deepspeed_config_weak_ref  # the Trainer's config, held weakly by transformers
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        if current is not None and current() is not None:
-            hf_deepspeed.set_hf_deepspeed_config(current())

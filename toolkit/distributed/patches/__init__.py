@@ -4,7 +4,7 @@ PATCHES replace a function of accelerate while a launch needs it: `fsdp_cpu` (FS
 without GPUs) and `fsdp_loading` (RAM-efficient FSDP loading holds one copy of the model). Each is gated on the
 accelerate versions it was tested with and on the signatures of what it touches (gate.py): outside them it
 warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private `transformers.Trainer` methods
-the trainer's parts override (pipeline/trainer.py) and the other private names the toolkit reads: a changed
+the trainer overrides (training/trainer.py) and the other private names the toolkit reads: a changed
 signature is warned about at start-up. tests/test_patches.py fails the day an installed version leaves a
 window, so upgrading accelerate or transformers is a conscious step: re-test, then widen the window or delete
 the patch.
@@ -23,20 +23,17 @@ PRIVATE_TRANSFORMERS = Reliance(
     library="transformers",
     versions=("5.23", "5.25"),
     targets=(
-        Target("transformers:Trainer._get_output_dir", ("self", "trial")),  # checkpoints.StagedCheckpoints
+        # training/trainer.py's overrides, handing over to checkpoints.StagedCheckpoints and order.LengthGroupedOrder
+        Target("transformers:Trainer._get_output_dir", ("self", "trial")),
         Target("transformers:Trainer._save_checkpoint", ("self", "model", "trial")),
         Target("transformers:Trainer._save", ("self", "output_dir", "state_dict")),
         Target("transformers.trainer_utils:rotate_checkpoints",
                ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix")),
-        Target("transformers:Trainer._get_train_sampler", ("self", "train_dataset")),  # length_grouping
-        Target("transformers:Trainer._run_epoch",
-               ("self", "model", "epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch", "trial",
-                "ignore_keys_for_eval", "start_time", "resume_from_checkpoint", "epochs_trained",
-                "steps_trained_in_current_epoch")),
+        Target("transformers:Trainer._get_train_sampler", ("self", "train_dataset")),
         Target("transformers:Trainer.get_batch_samples", ("self", "epoch_iterator", "num_batches", "device")),
-        Target("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref"),  # planner.shape
-        Target("transformers:AutoModelForCausalLM._model_mapping"),  # packing.supports_packing
-        Target("transformers.core_model_loading:WeightTransform.was_used", ("self",)),  # models.load_model
+        Target("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref"),  # models/meta.py
+        Target("transformers:AutoModelForCausalLM._model_mapping"),  # settings/tasks.py's architecture
+        Target("transformers.core_model_loading:WeightTransform.was_used", ("self",)),  # models/loading.py
     ),
 )  # fmt: skip
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 
 from ...errors import warn
-from ..launch import env_flag, has_accelerator
+from ...settings.parser import has_accelerator
+from ..launch import env_flag
 from .gate import Patch, Target
 
 _original_init = None  # AcceleratorState.__init__ as accelerate defines it, once installed

@@ -14,8 +14,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, ToolkitError
+from ..project import recipe_names
+from ..settings.arguments import PACKAGE_PREFIX, check_local_path
 
-PACKAGE_PREFIX = "package:"
 HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
 
 
@@ -113,8 +114,6 @@ def stored_config(model_name: str):
     """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
     from transformers import AutoConfig
 
-    from .arguments import check_local_path
-
     local = Path(resolve(model_name)) / "config.json"
     if local.is_file():
         return AutoConfig.from_pretrained(local.parent)
@@ -134,8 +133,6 @@ def stored_config(model_name: str):
 def model_config(name: str):
     """A model's config without its weights: a local folder's, the copy stored in the repo, or the Hub's."""
     from transformers import AutoConfig
-
-    from ..project import recipe_names
 
     try:
         return stored_config(name)

@@ -2,7 +2,7 @@
 cost, the budget check, and the header printed before the first step.
 
 The figures come from the same formulas as `python -m toolkit plan` (planner/), applied to the strategy
-accelerate really set up (distributed/layout.py) and the data really loaded, not to a config file.
+accelerate really set up (planner/layout.py reads it) and the data really loaded, not to a config file.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 
-from ..distributed.layout import Layout, describe
+from ..data.length_grouping import sample_lengths
+from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, peak_tflops
 from ..metrics.memory import human_bytes
+from ..models.meta import meta_model
 from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
+from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
-from ..planner.shape import Shape, meta_model
-from .arguments import Arguments, global_batch_size
-from .length_grouping import sample_lengths
+from ..planner.shape import Shape
+from ..settings.arguments import Arguments, global_batch_size
 
 
 class OverBudget(ToolkitError, ValueError):

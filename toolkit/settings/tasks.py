@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Task:
@@ -36,7 +38,7 @@ TASKS = {
     "sft": Task(
         "AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True, fused_head="gpu"
     ),
-    # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (pipeline/preference.py).
+    # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (training/preference.py).
     "dpo": Task(
         "AutoModelForCausalLM",
         "CAUSAL_LM",
@@ -51,8 +53,6 @@ GENERATIVE = ("sft", "dpo")  # tasks that train a decoder's next-token head
 
 def task(name: str) -> Task:
     """The task a recipe names; an unknown one is an error listing the known ones."""
-    from ..errors import ConfigError
-
     if name not in TASKS:
         raise ConfigError(f"task must be one of {', '.join(repr(t) for t in TASKS)}, got '{name}'.")
     return TASKS[name]
@@ -63,8 +63,6 @@ def fused_head(name: str, setting: bool | None, on_gpu: bool) -> bool:
     On a GPU, Triton's kernels score each tile in place; on a CPU TRL's fallback makes several fp32 copies of a
     4,096 x 32,768 tile, which saves memory only for a large vocabulary (one step of a 4-layer Llama, 2,048 tokens:
     4.2 -> 1.4 GiB at 128k, 1.7 -> 1.9 GiB at 49k), so there it is on request."""
-    from ..errors import ConfigError
-
     mode = task(name).fused_head
     if mode == "never" and setting:
         raise ConfigError(f"--fused_loss scores a language model's next-token loss; task {name} has no such head: "
@@ -95,8 +93,6 @@ def check_task(config, name: str | None) -> None:
     """Refuse, in one line naming what works, a model the task cannot train: encoder-decoders for any task (the
     toolkit trains decoders with sft and encoders with classification), and encoders for sft (transformers'
     `...ForCausalLM` of an encoder is a decoder bolted on, not the model's pretraining)."""
-    from ..errors import ConfigError
-
     kind = kind_of_model(config)
     if kind == "encoder-decoder":
         raise ConfigError(f"{config.model_type} is an encoder-decoder (sequence-to-sequence) model, which the toolkit "
@@ -122,3 +118,11 @@ def peft_task_type(name: str):
 def peft_model_class(name: str):
     """peft's Auto class that loads a saved adapter on its base model."""
     return getattr(importlib.import_module("peft"), task(name).peft_auto_class)
+
+
+def architecture(config, task_name: str):
+    """The class transformers builds for this config and task; None for models with their own code."""
+    try:
+        return model_class(task_name)._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None

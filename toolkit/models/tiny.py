@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from ..data.sources import stored_config
 from ..errors import ConfigError
 from ..project import cache_root, recipe_writing
-from .arguments import looks_like_path
-from .sources import stored_config
-from .tasks import kind_of_model, model_class
+from ..settings import tasks as task_table
+from ..settings.arguments import looks_like_path
+from ..settings.tasks import kind_of_model, model_class
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -112,6 +113,12 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
 
 def is_encoder(model_name: str) -> bool:
     return kind_of_model(stored_config(model_name)) == "encoder"
+
+
+def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
+    """The parser's `--tiny` layer (settings/parser.py), from the values resolved below it."""
+    task_table.task(values["task"])  # an unknown task is named as such, before tiny mode builds anything for it
+    return tiny_training_defaults(values["task"], values["model_name_or_path"])
 
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:

@@ -22,17 +22,18 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from .conversations import SHAREGPT, TurnLayout, conversation_problem, tokenize_conversations, truncated
-from .packing import IGNORE_INDEX
+from ..settings.arguments import DATA_FORMATS
+from .conversations import IGNORE_INDEX, SHAREGPT, TurnLayout, conversation_problem, tokenize_conversations, truncated
 
-COLUMNS = {  # the detection order: a data set with both messages and text columns is conversations
+COLUMNS = {  # in DATA_FORMATS' order, the detection order: a data set with messages and text is conversations
     "messages": None,  # the recipe's messages_column
     "sharegpt": ["conversations"],
     "alpaca": ["instruction", "output"],
     "prompt_completion": ["prompt", "completion"],
     "text": ["text"],
 }
-FORMATS = tuple(COLUMNS)
+FORMATS = DATA_FORMATS
+assert tuple(COLUMNS) == FORMATS
 CONVERSATIONAL = ("messages", "sharegpt", "alpaca")  # read as messages
 
 

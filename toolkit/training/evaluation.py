@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..pipeline.packing import IGNORE_INDEX
+from ..data.conversations import IGNORE_INDEX
 
 
 def accuracy(eval_pred) -> dict[str, float]:

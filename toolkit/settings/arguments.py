@@ -1,6 +1,8 @@
 """A run's settings: the toolkit's argument dataclasses beside transformers' TrainingArguments, each setting
 with a domain checked where it is declared (`__post_init__`), before anything loads; and what is derived from
-them (the global batch, the scaled learning rate). parser.py fills them from a recipe and its overrides.
+them (the global batch, the scaled learning rate, TRL's DPOConfig). parser.py fills them from a recipe and its
+overrides. The values settings are checked against (tasks, data formats, the `package:` prefix) are declared
+here, in the settings' own folder: the data and model code that gives them meaning imports them from here.
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..errors import ConfigError
+from ..project import recipe_writing
+from .tasks import task
 
 # What people type for a dtype, and the name torch and transformers use.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 NULLS = ("none", "null", "")  # how a command line says "unset" for an optional setting
+# SFT row formats (data/formats.py reads each), in the order they are detected from a data set's columns.
+DATA_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+PACKAGE_PREFIX = "package:"  # a model or data set shipped inside an installed package (data/sources.py)
 
 
 def optional_fields_unset(settings) -> None:
@@ -31,6 +38,15 @@ def optional_fields_unset(settings) -> None:
         value = getattr(settings, f.name)
         if optional and isinstance(value, str) and value.strip().lower() in NULLS:
             setattr(settings, f.name, None)
+
+
+def torch_dtype(name: str):
+    """A dtype setting as torch names it; "auto" stays "auto" (the checkpoint's own, for from_pretrained)."""
+    if name == "auto":
+        return "auto"
+    import torch
+
+    return getattr(torch, name)
 
 
 def at_least(name: str, value: float | None, low: float, fix: str = "") -> None:
@@ -177,8 +193,6 @@ class DataArguments:
 
     def __post_init__(self) -> None:
         optional_fields_unset(self)
-        from .tasks import task
-
         task(self.task)
         at_least("max_seq_length", self.max_seq_length, 1)
         if not 0 <= self.eval_fraction < 1:
@@ -186,10 +200,8 @@ class DataArguments:
                               f"{self.eval_fraction}: pass 0.1, say, or --eval_split <name>.")  # fmt: skip
         for name in ("max_train_samples", "max_eval_samples"):
             at_least(name, getattr(self, name), 1, " (leave it unset to use every row)")
-        from .formats import FORMATS
-
-        if self.data_format is not None and self.data_format not in FORMATS:
-            raise ConfigError(f"data_format '{self.data_format}' is not one of {', '.join(FORMATS)}: pick one, or "
+        if self.data_format is not None and self.data_format not in DATA_FORMATS:
+            raise ConfigError(f"data_format '{self.data_format}' is not one of {', '.join(DATA_FORMATS)}: pick one, or "
                               "leave it unset to detect it from the columns.")  # fmt: skip
         for name in self.sources():
             check_local_path(name, "data set", "--dataset_mixture" if self.dataset_mixture else "--dataset_name")
@@ -238,6 +250,14 @@ class PreferenceArguments:
 
     def losses(self) -> list[str]:
         return [name.strip() for name in self.loss_type.split(",") if name.strip()]
+
+    def dpo_config(self, training: TrainingArguments, max_length: int, trust_remote_code: bool):
+        """TRL's DPOConfig from the run's TrainingArguments (every field as resolved) and these settings."""
+        from trl import DPOConfig
+
+        values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
+        return DPOConfig(**values, beta=self.beta, loss_type=self.losses(), max_length=max_length,
+                         trust_remote_code=trust_remote_code)  # fmt: skip
 
 
 @dataclass
@@ -328,12 +348,8 @@ def check_liger() -> None:
 
 def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
     """A setting that names a local path (not a Hub id, not a package: path) must exist, with `inside` in it."""
-    from .sources import PACKAGE_PREFIX
-
     if name.startswith(PACKAGE_PREFIX) or not looks_like_path(name):
         return
-    from ..project import recipe_writing
-
     path = Path(name).expanduser()
     if not path.exists():
         recipe = recipe_writing(path)

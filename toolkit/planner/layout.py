@@ -111,19 +111,3 @@ class Layout:
                             bool(plugin.cpu_ram_efficient_loading),
                             (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
         return cls.replicated(kind.value.lower(), accelerator.num_processes)
-
-
-def describe(accelerator, layout: Layout | None = None) -> dict[str, str | int]:
-    """The strategy in effect, as printed in the run header and logged to W&B."""
-    from .launch import num_machines
-
-    layout = layout or Layout.from_accelerator(accelerator)
-    return {
-        "distributed_type": accelerator.distributed_type.value,
-        "num_processes": accelerator.num_processes,
-        "num_machines": num_machines(accelerator.num_processes),
-        "device": str(accelerator.device.type),
-        "mixed_precision": accelerator.mixed_precision,
-        "sharding": layout.sharding,
-        "backend": str(accelerator.state.backend) if accelerator.state.backend else "none",
-    }

@@ -21,7 +21,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from .packing import IGNORE_INDEX
+
+IGNORE_INDEX = -100  # label of tokens that carry no loss (the Trainer's and PyTorch's cross-entropy convention)
 
 # Llama 3's chat format (https://www.llama.com/docs/model-cards-and-prompt-formats/meta-llama-3/). The base
 # Meta-Llama-3-8B tokenizer has these special tokens but ships no template. The generation marks say which part

@@ -1,4 +1,5 @@
-"""Length-grouped batching: a micro-batch of examples of similar length pads little.
+"""Length-grouped batching: a micro-batch of examples of similar length pads little (the trainer draws its
+training order from here: training/trainer.py).
 
 On by default (`--train_sampling_strategy group_by_length`, the Trainer's own setting; `random` turns it off).
 transformers' `LengthGroupedSampler` does the grouping: shuffle, cut into mega-batches of 50 batches, sort each
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import torch
 from transformers.trainer_pt_utils import LengthGroupedSampler
-
-from .arguments import global_batch_size
 
 LENGTH = "length"  # dataset column: tokens in the row (removed by the Trainer before the collator)
 PAIRED = "chosen_ids"  # a column of TRL's tokenized preference pairs
@@ -49,26 +48,3 @@ class GlobalLengthGroupedSampler(LengthGroupedSampler):
         # An int tuple's hash is the same in every process, and (0, 1) and (1, 0) differ (seed + epoch would not).
         self.generator = torch.Generator().manual_seed(hash((self.seed, self.epoch)) % 2**63)
         return super().__iter__()
-
-
-class LengthGroupedSampling:
-    """Trainer part: `group_by_length` draws from a GlobalLengthGroupedSampler over the dataset's length column."""
-
-    _length_sampler: GlobalLengthGroupedSampler | None = None
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = self.train_dataset  # with its length column: the one passed here has had it removed
-        columns = getattr(dataset, "column_names", ())
-        if self.args.train_sampling_strategy == "group_by_length" and (LENGTH in columns or PAIRED in columns):
-            self._length_sampler = GlobalLengthGroupedSampler(
-                sample_lengths(dataset), global_batch_size(self.args), self.args.data_seed or self.args.seed
-            )
-            return self._length_sampler
-        return super()._get_train_sampler(train_dataset)
-
-    def _run_epoch(self, *args, epoch, **kwargs):
-        # A resumed epoch's loader is wrapped by accelerate's skip_first_batches, through which the Trainer's
-        # set_epoch no longer reaches the sampler: set it here, before the epoch's order is drawn.
-        if self._length_sampler is not None:
-            self._length_sampler.set_epoch(epoch)
-        return super()._run_epoch(*args, epoch=epoch, **kwargs)

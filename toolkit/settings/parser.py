@@ -22,7 +22,6 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from ..distributed.launch import has_accelerator
 from ..errors import ConfigError
 from .arguments import (
     ARGUMENT_CLASSES,
@@ -35,6 +34,13 @@ from .arguments import (
     check_together,
     check_training,
 )
+
+
+def has_accelerator() -> bool:
+    """A GPU (or an XPU) this process can train on: without one, every process trains on the CPU."""
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
 def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
@@ -51,7 +57,7 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         "ddp_find_unused_parameters": False,
         # The Trainer replaces a NaN/inf loss by the running mean in its logs; the toolkit stops the run instead.
         "logging_nan_inf_filter": False,
-        # Micro-batches of similar lengths pad less: grouped per global batch (length_grouping.py).
+        # Micro-batches of similar lengths pad less: grouped per global batch (data/length_grouping.py).
         "train_sampling_strategy": "group_by_length",
     }
     if not has_accelerator():
@@ -200,7 +206,5 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     if data.task == "dpo":  # TRL's DPOTrainer takes its DPOConfig: these settings and the preference ones
-        from .preference import dpo_config
-
-        training = dpo_config(training, preference, data.max_seq_length, model.trust_remote_code)
+        training = preference.dpo_config(training, data.max_seq_length, model.trust_remote_code)
     return Arguments(model, data, run, training, recipe_name, preference)

@@ -1,45 +1,21 @@
-"""Data: load a data set (Hub, local file, or folder of class subfolders) and tokenize it for the task.
-
-Tokenization goes through `datasets.map`, so it is cached on disk and reused by later runs and other ranks.
+"""Reading a recipe's data: a data set (Hub, local file, folder of class subfolders, `package:` path) or a weighted
+mixture of several, its splits, and every row checked before anything is tokenized (preparation.py does that).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import inspect
-import json
-import os
-import shutil
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, load_dataset
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from ..errors import DataError, warn
-from ..project import cache_root
-from .arguments import DataArguments
-from .conversations import TurnLayout, apply_chat_template_setting
-from .formats import PROBLEMS, columns_of, detect, kind, kind_of, to_messages, tokenize_rows
-from .length_grouping import LENGTH
-from .packing import IGNORE_INDEX, PackedCollator, pack
+from ..settings.arguments import DataArguments
+from .formats import PROBLEMS, columns_of, detect, kind_of, to_messages
+from .preference import PAIR_COLUMNS, kept_columns, pair_problem
 from .sources import check_hub_dataset, resolve
 
-PER_WORKER = 2000  # conversations a tokenizing process should have to do, to be worth starting (~1 s of start-up)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-@dataclass
-class PreparedData:
-    train: Dataset
-    eval: Dataset | None
-    collator: Any
-    label_names: list[str] | None  # classification only
-    note: str = ""  # where it came from: the cache, or tokenized now and how long it took
 
 
 def load_raw(args: DataArguments) -> DatasetDict:
@@ -196,13 +172,11 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     0-based in the file's order, and the fix; with --skip_bad_rows the unusable ones are left out and counted),
     read as messages where the format is a conversation's, and only the task's columns kept."""
     if args.task == "dpo":
-        from .preference import COLUMNS, kept_columns, pair_problem
-
-        if not set(COLUMNS) <= set(split.column_names):
+        if not set(PAIR_COLUMNS) <= set(split.column_names):
             raise DataError(f"task dpo trains on preference pairs, chosen and rejected columns (UltraFeedback-"
                             f"binarized's layout); the {name} split of {source} has {split.column_names}: rename its "
                             "columns, or point --dataset_name at preference data.")  # fmt: skip
-        columns, problem_of, keep = COLUMNS, pair_problem, kept_columns(split)
+        columns, problem_of, keep = PAIR_COLUMNS, pair_problem, kept_columns(split)
     elif data_format is not None:
         columns = columns_of(data_format, args.messages_column)
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
@@ -242,146 +216,3 @@ def require_columns(ds: Dataset, columns: list[str], flag: str) -> None:
             f"The data set has no column {missing} (it has {ds.column_names}). Point the recipe at the right "
             f"column with {flag}."
         )
-
-
-# --------------------------------------------------------------------------------------- classification
-
-
-def label_names(ds: DatasetDict, column: str) -> list[str]:
-    feature = ds["train"].features[column]
-    if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    values = set(ds["train"].unique(column))
-    if "eval" in ds:
-        values |= set(ds["eval"].unique(column))
-    return [str(v) for v in sorted(values)]
-
-
-def tokenized_classification(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase,
-                             args: DataArguments) -> tuple[DatasetDict, list[str]]:  # fmt: skip
-    text_columns = [c.strip() for c in args.text_columns.split(",")]
-    if not 1 <= len(text_columns) <= 2:
-        raise DataError(f"text_columns takes one column or a pair, got {text_columns}.")
-    for split in ds.values():
-        require_columns(split, text_columns, "--text_columns")
-        require_columns(split, [args.label_column], "--label_column")
-    names = label_names(ds, args.label_column)
-    is_class_label = isinstance(ds["train"].features[args.label_column], ClassLabel)
-    index = {name: i for i, name in enumerate(names)}
-
-    def tokenize(batch):
-        out = tokenizer(*[batch[c] for c in text_columns], truncation=True, max_length=args.max_seq_length)
-        labels = batch[args.label_column]
-        out["labels"] = labels if is_class_label else [index[str(v)] for v in labels]
-        out[LENGTH] = [len(x) for x in out["input_ids"]]  # for length-grouped batching
-        return out
-
-    return ds.map(tokenize, batched=True, remove_columns=ds["train"].column_names, desc="Tokenizing"), names
-
-
-# ---------------------------------------------------------------------------------------------------- SFT
-
-
-def workers(rows: int) -> int | None:
-    """Processes to tokenize with: one per CPU core for data sets large enough to repay starting them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(cores, rows // PER_WORKER) if rows >= 2 * PER_WORKER and cores > 1 else None
-
-
-def tokenized_sft(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments,
-                  packing: bool) -> DatasetDict:  # fmt: skip
-    data_format = kind(ds["train"].column_names, args.messages_column)
-    layout = TurnLayout.of(tokenizer) if tokenizer.chat_template else None  # learned once here, not per worker
-
-    def tokenize(batch):
-        rows = tokenize_rows(tokenizer, batch, data_format, args.messages_column, args.max_seq_length, layout)
-        out = {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
-        return {**out, LENGTH: [len(ids) for ids in out["input_ids"]]}  # for length-grouped batching
-
-    tokenized = DatasetDict({
-        name: split.map(tokenize, batched=True, remove_columns=split.column_names, num_proc=workers(len(split)),
-                        desc=f"Tokenizing {name}")
-        for name, split in ds.items()
-    })  # fmt: skip
-    # A row whose trained tokens were all truncated away teaches nothing.
-    tokenized = tokenized.filter(lambda row: any(x != IGNORE_INDEX for x in row["labels"]), desc="Filtering")
-    if len(tokenized["train"]) == 0:
-        raise DataError(f"No training row has a token to learn (an assistant's, a completion's) within "
-                        f"max_seq_length={args.max_seq_length}: raise it.")  # fmt: skip
-    if packing:  # several rows per row (packing.py)
-        tokenized = DatasetDict({split: pack(rows, args.max_seq_length) for split, rows in tokenized.items()})
-    return tokenized
-
-
-def prepared_folder(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, packing: bool) -> Path:
-    """Where this preparation is kept: named by everything that decides it, so a launch finds what `python -m
-    toolkit prepare` (or an earlier run) made, and a change to any of it makes a new one. The input splits by
-    datasets' own fingerprints (of the files, and of each selection and split made of them), the tokenizer by
-    its full definition and chat template, the settings, and the source of the code that tokenizes and packs."""
-    from . import conversations
-    from . import packing as packing_module
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    code = (inspect.getsource(module) for module in (sys.modules[__name__], conversations, packing_module))
-    parts = [json.dumps({name: split._fingerprint for name, split in ds.items()}), definition,
-             json.dumps([tokenizer.chat_template, tokenizer.pad_token, type(tokenizer).__name__, packing,
-                         dataclasses.asdict(args)], sort_keys=True, default=str), *code]  # fmt: skip
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return cache_root() / "prepared" / f"{args.task}-{key}"
-
-
-def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
-            packing: bool = False) -> PreparedData:  # fmt: skip
-    """Tokenized (and packed) splits and their collator, from the cache when this exact preparation was made
-    before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there."""
-    if len(ds["train"]) == 0:
-        names = "', '".join(args.sources())
-        raise DataError(f"The training split of '{names}' is empty.")
-    if args.task == "dpo":  # TRL's DPOTrainer takes the prompt off the pairs and tokenizes them (preference.py)
-        apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(ds["train"][0]["chosen"],
-                                                                                           str))  # fmt: skip
-        return PreparedData(ds["train"], ds.get("eval"), None, None)
-    if args.task == "sft":  # the template decides the tokens: set before the key; text needs none
-        rows = kind(ds["train"].column_names, args.messages_column)
-        conversational = rows == "messages" or (
-            rows == "prompt_completion" and isinstance(ds["train"][0]["prompt"], list)
-        )
-        apply_chat_template_setting(tokenizer, args.chat_template, required=conversational)
-    folder = prepared_folder(ds, tokenizer, args, packing)
-    with main_process_first(desc="preparing data"):
-        if (folder / "meta.json").is_file():
-            meta = json.loads((folder / "meta.json").read_text())
-            tokenized = DatasetDict.load_from_disk(str(folder / "data"))
-            note = f"from the cache {folder} (prepared {meta['prepared']}, in {meta['seconds']:.1f} s)"
-        else:
-            start = time.perf_counter()
-            names = None
-            if args.task == "classification":
-                tokenized, names = tokenized_classification(ds, tokenizer, args)
-            else:
-                tokenized = tokenized_sft(ds, tokenizer, args, packing)
-            meta = {"prepared": time.strftime("%Y-%m-%d %H:%M"), "seconds": time.perf_counter() - start,
-                    "label_names": names, "rows": {name: len(split) for name, split in tokenized.items()}}  # fmt: skip
-            if os.environ.get("LOCAL_RANK", "0") == "0":
-                keep(tokenized, meta, folder)
-            rows = sum(len(split) for split in ds.values())
-            note = f"tokenized {rows:,} rows in {meta['seconds']:.1f} s, kept in {folder}"
-    if args.task == "classification":
-        collator = DataCollatorWithPadding(tokenizer)
-    elif packing:
-        collator = PackedCollator(tokenizer.pad_token_id)
-    else:
-        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
-    return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)
-
-
-def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
-    """Written aside, then renamed: a reader finds the whole preparation or none."""
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-    tokenized.save_to_disk(str(partial / "data"))
-    (partial / "meta.json").write_text(json.dumps(meta))
-    try:
-        partial.replace(folder)
-    except OSError:  # another process kept the same preparation first
-        shutil.rmtree(partial, ignore_errors=True)

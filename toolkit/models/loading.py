@@ -1,4 +1,6 @@
-"""Model loading: Hub id or local folder (tiny mode is a local folder too), dtype, attention, LoRA."""
+"""Model loading: Hub id or local folder (tiny mode is a local folder too), its config and tokenizer checked before
+any weights, dtype, attention; the room's two entries, in the order a run takes them: `blueprint` (config,
+tokenizer, packing, attention: seconds, no weights) and `load_for_training` (the weights, LoRA, placeholders)."""
 
 from __future__ import annotations
 
@@ -8,57 +10,17 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from ..distributed.launch import env_flag
+from ..data.packing import use_packing
+from ..data.sources import check_hub_model, resolve
 from ..errors import ConfigError
-from ..metrics.memory import nbytes
-from .arguments import ModelArguments
-from .sources import check_hub_model, resolve
-from .tasks import check_task, model_class, peft_model_class, peft_task_type
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ParameterCounts:
-    total: int
-    trainable: int
-    held_bytes: int  # parameter bytes this rank holds: 0 on ranks > 0 under RAM-efficient loading
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ParameterCounts:
-        # parameters() yields a tied weight once, so tied embeddings are not counted twice
-        params = list(model.parameters())
-        numel = [logical_numel(p) for p in params]
-        return cls(
-            total=sum(numel),
-            trainable=sum(n for n, p in zip(numel, params, strict=True) if p.requires_grad),
-            held_bytes=sum(nbytes(p) + quant_state_bytes(p) for p in params),
-        )
-
-
-def logical_numel(p: torch.Tensor) -> int:
-    """A parameter's element count as the model defines it: whole under ZeRO-3, which partitions at load
-    (ds_numel), and unpacked for a 4-bit weight (two to a byte: its quant_state keeps the shape)."""
-    state = getattr(p, "quant_state", None)
-    return getattr(p, "ds_numel", None) or (state.shape.numel() if state is not None else p.numel())
-
-
-def quant_state_bytes(p: torch.Tensor) -> int:
-    """The block scales of a bitsandbytes 4-bit weight (8-bit absmax per block, fp32 scales of those, and the
-    quantization tables); 0 for any other tensor."""
-    state, total = getattr(p, "quant_state", None), 0
-    while state is not None:
-        total += sum(nbytes(t) for t in (state.absmax, state.code, getattr(state, "offset", None)) if t is not None)
-        state = getattr(state, "state2", None)
-    return total
-
-
-def receives_weights_from_rank0() -> bool:
-    """FSDP with RAM-efficient loading on a rank other than 0: this rank starts empty and receives its shard."""
-    ram_efficient = env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
-    return ram_efficient and os.environ.get("RANK", "0") != "0"
+from ..metrics.memory import HostMemoryPeak
+from ..settings.arguments import Arguments, ModelArguments, torch_dtype
+from ..settings.tasks import architecture, check_task, model_class
+from .counts import LoadRecord, ParameterCounts
+from .lora import add_lora
+from .meta import meta_model
 
 
 def allocate_placeholders(model: torch.nn.Module, mixed_precision: bool) -> None:
@@ -85,7 +47,7 @@ def allocate_placeholders(model: torch.nn.Module, mixed_precision: bool) -> None
 def checkpoint_dtype(dtype: str, config) -> torch.dtype:
     """The dtype from_pretrained would give the weights: the requested one, or for "auto" the checkpoint's."""
     if dtype != "auto":
-        return DTYPES[dtype]
+        return torch_dtype(dtype)
     stored = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, stored) if isinstance(stored, str) else stored
 
@@ -164,14 +126,6 @@ def choose_attention(config: PretrainedConfig, setting: str | None, task: str, p
     return ("sdpa", why) if supports("sdpa") else (None, "auto: the model's default, it has no sdpa")
 
 
-def architecture(config: PretrainedConfig, task: str) -> type[PreTrainedModel] | None:
-    """The class transformers builds for this config and task; None for models with their own code."""
-    try:
-        return model_class(task)._model_mapping[type(config)]
-    except (KeyError, ValueError):
-        return None
-
-
 def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
     """What the model cannot honour fails in transformers or peft only after the data is tokenized or the weights
     load: the attention implementation and LoRA's target modules, checked against the config and a meta-device
@@ -190,8 +144,6 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     lora = args.lora_settings()
     if cls is None or lora is None or lora["target_modules"] == "all-linear":
         return
-    from ..planner.shape import meta_model
-
     modules = dict(meta_model(config, task).named_modules())
     missing = [t for t in lora["target_modules"] if not any(n == t or n.endswith("." + t) for n in modules)]
     if missing:
@@ -216,10 +168,11 @@ def load_model(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
     label_names: list[str] | None,
-    every_rank_reads: bool = False,
+    on_meta: bool = False,
 ) -> PreTrainedModel:
-    """The model to train (or with `every_rank_reads`, a frozen reference: read whole on every rank, since TRL
-    shards it without FSDP's broadcast from rank 0)."""
+    """The model with its pretrained weights; `on_meta`: the architecture alone, its parameters on the meta
+    device, for a rank that receives its shard of rank 0's weights (RAM-efficient FSDP loading; the runner
+    decides, distributed/launch.py's `receives_weights_from_rank0`)."""
     kwargs = {}
     if label_names is not None:
         kwargs = dict(
@@ -232,7 +185,7 @@ def load_model(
     # auto not yet resolved (a caller without the runner, so no packing): the model's default, as for unpacked rows
     attention = None if args.attn_implementation == "auto" else args.attn_implementation
     common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
-    if receives_weights_from_rank0() and not every_rank_reads:
+    if on_meta:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters
         # on the meta device instead (buffers stay real: FSDP does not broadcast non-persistent ones); when FSDP
@@ -251,7 +204,7 @@ def load_model(
             device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
             kwargs.update(quantization_config=quantization, device_map={"": device})
         try:
-            model = model_class(task).from_pretrained(name, dtype=DTYPES[args.dtype], **common, **kwargs)
+            model = model_class(task).from_pretrained(name, dtype=torch_dtype(args.dtype), **common, **kwargs)
         except OSError as error:  # a local folder without weights, or with unreadable ones
             if not Path(name).is_dir():
                 raise
@@ -268,29 +221,49 @@ def load_model(
     return model
 
 
-def add_lora(model: PreTrainedModel, args: ModelArguments, task: str):
-    """Wrap the model with a LoRA adapter; the adapter records `model.name_or_path` as its base."""
-    from peft import LoraConfig, get_peft_model
+@dataclass
+class Blueprint:
+    """What a run knows of its model before any weight loads: its config (checked against the settings), its
+    tokenizer, and whether its rows are packed; the attention kernel is resolved into the settings here."""
 
-    config = LoraConfig(**args.lora_settings(), lora_dropout=args.lora_dropout, task_type=peft_task_type(task))
-    return get_peft_model(model, config)
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    packing: bool
 
 
-def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
-    """Merge a saved LoRA adapter into its base weights: a standalone model in ADAPTER_DIR/merged.
+def blueprint(args: Arguments) -> Blueprint:
+    """The model room's first entry: the config alone (a few KB), what the model cannot honour refused (task,
+    attention, LoRA targets, sequence length), packing decided, `--attn_implementation auto` resolved where
+    packing is known, and the tokenizer: seconds, before any data is read or weight loaded."""
+    config = load_config(args.model)
+    check_model_settings(config, args.model, args.data.task)
+    check_sequence_length(config, args.data.max_seq_length)
+    packing = use_packing(args.data.task, args.data.packing, config)
+    m = args.model
+    m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,
+                                                               packing, on_gpu=torch.cuda.is_available())  # fmt: skip
+    return Blueprint(config, load_tokenizer(args.model), packing)
 
-    Works from the consolidated adapter on disk, so it is the same for every strategy (the adapter was gathered
-    from its shards when saved). Loads one full copy of the base model in host RAM.
-    """
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    # This runs on rank 0 alone, after training. Under a ZeRO-3 run, from_pretrained would still partition the
-    # model across ranks: collectives only this rank joins, a hang. This is the run's last step, so drop it.
-    unset_hf_deepspeed_config()
-    # in the precision the base trained in
-    model = peft_model_class(task).from_pretrained(adapter_dir, dtype=DTYPES[dtype])
-    merged = model.merge_and_unload()  # W + (alpha / r) * B @ A, adapters removed
-    target = Path(adapter_dir) / "merged"
-    merged.save_pretrained(target)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(target)
-    return target
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # with its LoRA adapter, if any
+    tokenizer: PreTrainedTokenizerBase
+    counts: ParameterCounts
+    load: LoadRecord
+
+
+def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[str] | None,
+                      on_meta: bool = False) -> LoadedModel:  # fmt: skip
+    """The model room's second entry: the weights (`on_meta`: a rank that receives its shard, see load_model),
+    what loading took on this rank (with --record_rank_reports), the LoRA adapter, and storage for placeholders."""
+    load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
+    model = load_model(args.model, args.data.task, blueprint.tokenizer, label_names, on_meta=on_meta)
+    load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
+    load.host = load.memory.current() if load.memory else None  # what from_pretrained alone took
+    if args.model.use_lora:
+        set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
+        model = add_lora(model, args.model, args.data.task)
+    # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
+    allocate_placeholders(model, mixed_precision=args.training.bf16 or args.training.fp16)
+    return LoadedModel(model, blueprint.tokenizer, ParameterCounts.of(model), load)

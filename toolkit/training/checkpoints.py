@@ -14,12 +14,13 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
-from .arguments import global_batch_size
+from ..settings.arguments import global_batch_size
 
 STAGING = ".staging"
 OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
@@ -143,60 +144,57 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
 
 class StagedCheckpoints:
     """Trainer part: checkpoints staged by every rank and published whole by rank 0, rotated among complete ones,
-    each with its owner (`checkpoint_owner`) and whatever `checkpoint_files` adds; a consolidated final save.
-    Needs `self.recipe` (the run's Arguments)."""
+    each with its owner and the files the trainer adds (the cost so far); the final save one consolidated folder.
+    The trainer's `_get_output_dir`, `_save_checkpoint` and `save_model` hand over to it."""
 
-    _staging = False
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.active = False  # a checkpoint is being written: the Trainer's output folder is the staging one
 
-    def checkpoint_owner(self) -> dict:
+    def owner(self) -> dict:
         """What a checkpoint of this run records about it (check_output_dir and check_resumable compare it)."""
+        trainer = self.trainer
         return {
-            "recipe": self.recipe.recipe_name,
-            "model": self.recipe.model.model_name_or_path,
-            "engine": engine_of(self.accelerator.distributed_type.value),
-            "world_size": self.accelerator.num_processes,
-            "global_batch_size": global_batch_size(self.args),
+            "recipe": trainer.recipe.recipe_name,
+            "model": trainer.recipe.model.model_name_or_path,
+            "engine": engine_of(trainer.accelerator.distributed_type.value),
+            "world_size": trainer.accelerator.num_processes,
+            "global_batch_size": global_batch_size(trainer.args),
         }
 
-    def checkpoint_files(self) -> dict[str, str]:
-        """Extra files (name: text) written into each checkpoint by rank 0; other parts add theirs."""
-        return {}
-
-    def _get_output_dir(self, trial) -> str:
-        if self._staging:  # while a checkpoint is written: into the staging folder
-            return str(staging_dir(self.args.output_dir))
-        return super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, written by every rank into OUTPUT/.staging, then published whole by rank 0."""
+    def save(self, write: Callable[[], None], files: dict[str, str]) -> None:
+        """`write` (the Trainer's own checkpoint) into OUTPUT/.staging by every rank, then `files` (name: text) added
+        and the folder published whole by rank 0."""
         from transformers.trainer_utils import rotate_checkpoints
 
-        staged = staging_dir(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        if self.args.should_save and staged.exists():
+        args = self.trainer.args
+        staged = staging_dir(args.output_dir) / f"checkpoint-{self.trainer.state.global_step}"
+        if args.should_save and staged.exists():
             shutil.rmtree(staged)  # left by a save that was killed half-way
-        self.accelerator.wait_for_everyone()
-        self._staging = True
+        accelerator = self.trainer.accelerator
+        accelerator.wait_for_everyone()
+        self.active = True
         try:
-            super()._save_checkpoint(model, trial)
+            write()
         finally:
-            self._staging = False
-        self.accelerator.wait_for_everyone()  # every rank's shards are on disk
-        if self.args.should_save:
-            for name, text in self.checkpoint_files().items():
+            self.active = False
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if args.should_save:
+            for name, text in files.items():
                 (staged / name).write_text(text)
-            publish(staged, self.args.output_dir, self.checkpoint_owner())
+            publish(staged, args.output_dir, self.owner())
             # By step, among complete checkpoints only: the newest complete one is never deleted.
-            rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
-        self.accelerator.wait_for_everyone()
+            rotate_checkpoints(args.output_dir, save_total_limit=args.save_total_limit, use_mtime=False)
+        accelerator.wait_for_everyone()
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
-        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
-        if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type) and not _internal_call:
-            # The Trainer writes no weights at all here; gather the shards into one state dict on rank 0.
-            self._save(output_dir, state_dict=untied(self.model, self.accelerator.get_state_dict(self.model)))
-            return
-        super().save_model(output_dir, _internal_call)
+    def gathered_state_dict(self) -> dict | None:
+        """For the final save under a sharded FSDP state dict, where the Trainer would write no weights at all: the
+        shards gathered into one state dict on rank 0. None where the Trainer's own save is whole."""
+        trainer = self.trainer
+        plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+        if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            return None
+        return untied(trainer.model, trainer.accelerator.get_state_dict(trainer.model))
 
 
 def untied(model, state_dict: dict) -> dict:

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from ..errors import ConfigError
+from ..settings.tasks import architecture
+from .conversations import IGNORE_INDEX
 from .length_grouping import LENGTH
 
-IGNORE_INDEX = -100  # label of tokens that carry no loss
 SEQUENCES = "num_sequences"  # batch key: conversations in a flattened micro-batch (popped before the model)
 
 
@@ -76,8 +78,6 @@ def supports_packing(config) -> bool:
     Known from the config alone, before any weights load; models with their own code (auto_map) are not packed."""
     import inspect
 
-    from .models import architecture
-
     cls = architecture(config, "sft")
     if cls is None:
         return False
@@ -87,8 +87,6 @@ def supports_packing(config) -> bool:
 
 def use_packing(task: str, requested: bool | None, config) -> bool:
     """--packing: on by default for SFT where the model supports it; asked for where it cannot work, an error."""
-    from ..errors import ConfigError
-
     if task != "sft":
         if requested:
             raise ConfigError(f"--packing applies to sft recipes, not {task} ones (a row is one example, or one "
@@ -112,7 +110,7 @@ class PackedCollator:
     micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
     why the other kernels keep rows.
 
-    `attention_mask` marks real tokens for the Trainer's token count only: PackedInputs withholds it from the
+    `attention_mask` marks real tokens for the token count only: `model_inputs` withholds it from the
     model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
     transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
     whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
@@ -146,20 +144,10 @@ def examples_in(inputs: dict[str, Any]) -> int:
     return len(inputs["input_ids"]) // (2 if "completion_mask" in inputs else 1)
 
 
-class PackedInputs:
-    """Trainer part: a packed batch reaches the model without the collator's bookkeeping. `num_sequences` is
-    dropped, and `attention_mask` withheld from the model (a mask switches off transformers' packed-sequence
-    detection) but kept in the batch, where the Trainer counts real tokens with it."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if inputs.pop(SEQUENCES, None) is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        mask = inputs.pop("attention_mask")
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        inputs["attention_mask"] = mask
-        return loss
-
-    def prediction_step(self, model, inputs, *args, **kwargs):
-        if inputs.pop(SEQUENCES, None) is not None:
-            inputs.pop("attention_mask", None)
-        return super().prediction_step(model, inputs, *args, **kwargs)
+def model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """What of a batch reaches the model: a packed batch without the collator's bookkeeping (`num_sequences`) and
+    without `attention_mask` (a mask switches off transformers' packed-sequence detection). The batch itself is
+    left whole: the Trainer counts real tokens with its mask after the step."""
+    if SEQUENCES not in inputs:
+        return inputs
+    return {k: v for k, v in inputs.items() if k not in (SEQUENCES, "attention_mask")}

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from .checkpoints import complete_checkpoints
+
 PREEMPTED = 75
 DIVERGED = 3
 BUDGET_SPENT = 4
@@ -64,7 +66,7 @@ class BudgetSpent(Stopped):
 class SafeStop(TrainerCallback):
     def __init__(self, over_budget: Callable[[object], bool] = lambda state: False) -> None:
         self.received: int = 0  # the signal number, 0 for none
-        self.nonfinite_at: int = 0  # the step whose loss was not finite (set by FiniteLossCheck), 0 for none
+        self.nonfinite_at: int = 0  # the step whose loss was not finite (note_loss), 0 for none
         self.over_budget = over_budget  # called with the TrainerState at each step end
         self.preempted_at: int | None = None
         self.diverged_at: int | None = None
@@ -74,6 +76,13 @@ class SafeStop(TrainerCallback):
 
     def handle(self, signum, frame) -> None:
         self.received = self.received or signum
+
+    def note_loss(self, loss: torch.Tensor, step: int) -> None:
+        """A micro-batch's loss: a non-finite one marks `step` (the optimizer step it belongs to). One host read per
+        micro-batch, the one the Trainer's own NaN filter would make; that filter is off (settings/parser.py's
+        defaults), since it hides a NaN loss behind the running mean and trains on."""
+        if not self.nonfinite_at and not torch.isfinite(loss).item():
+            self.nonfinite_at = step
 
     def on_train_begin(self, args, state, control, **kwargs):
         for sig in SIGNALS:  # kept until uninstall(): a signal during the final save must not cut it short
@@ -118,8 +127,6 @@ class SafeStop(TrainerCallback):
         """After `trainer.train()`: what stopped the run, as its exception, or None for a run that completed."""
         args = trainer.args
         if self.diverged_at is not None:
-            from .checkpoints import complete_checkpoints
-
             kept = [c for c in complete_checkpoints(args.output_dir) if int(c.name.split("-")[1]) < self.diverged_at]
             trainer.health.warn("nonfinite", f"loss not finite at step {self.diverged_at}: run stopped")
             return Diverged(
@@ -147,15 +154,3 @@ class SafeStop(TrainerCallback):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
-
-
-class FiniteLossCheck:
-    """Trainer part: a non-finite loss marks its step for SafeStop (`self.safe_stop`). One host read per micro-batch,
-    the one the Trainer's own NaN filter would make; that filter is off (toolkit_defaults), since it hides a NaN
-    loss behind the running mean and trains on."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if not self.safe_stop.nonfinite_at and not torch.isfinite(loss).item():
-            self.safe_stop.nonfinite_at = self.state.global_step + 1
-        return loss

@@ -1,0 +1,204 @@
+"""The recipe runner: a recipe goes through the rooms in order, each entered once, then trains, evaluates, saves.
+
+    settings   parse            the recipe, its overrides and flags, each checked             settings/
+    launch     checked_launch   patches, the processes asked for, the resume point            distributed/, training/
+    model      blueprint        config, tokenizer, packing, attention: no weights yet         models/
+    data       prepare_data     read, checked, tokenized, packed (cached)                     data/
+    plan       plan_workload    the workload; the activations measured before weights load    planner/
+    model      load_for_training  the weights, LoRA                                           models/
+    trainer    build_trainer    RecipeTrainer (or DPO's) with the toolkit's parts             training/
+    run        fit              train, evaluate, save the consolidated (and merged) model     training/
+
+Cheap checks run first (arguments, process group, Hub reachability, the model's config), so a bad launch fails in
+seconds, before any data is tokenized or weights are loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import set_seed
+
+from .data.preparation import PreparedData, prepare_data
+from .distributed import op_builds, patches
+from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0
+from .distributed.strategy import check_4bit_engine, check_processes, resolve_config_paths
+from .errors import ConfigError, ToolkitError, command, report
+from .metrics.cost import check_device_name
+from .metrics.samples import side_by_side
+from .metrics.wandb_run import finish_run, redact_argv
+from .models.loading import FLEX_ON_CPU, Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
+from .models.lora import save_merged
+from .models.tiny import tiny_layer
+from .planner.activations import measured_activations
+from .planner.estimate import workload_for
+from .planner.memory import Workload
+from .project import is_recipe, load_recipe, recipe_names
+from .settings.arguments import Arguments, global_batch_size
+from .settings.parser import parse
+from .training import checkpoints
+from .training.evaluation import metrics_for
+from .training.stopping import Stopped
+from .training.trainer import RecipeTrainer
+
+
+@dataclass
+class RunResult:
+    trainer: RecipeTrainer
+    metrics: dict[str, float]
+
+
+def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> RunResult:
+    """Run a recipe; returns the trainer and the final metrics. Raises a ToolkitError on bad input, and a
+    Stopped when training stopped early (preempted, diverged, out of budget; its checkpoints intact)."""
+    prepare_process()
+    args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer)
+    resume, resume_note = checked_launch(args)
+    model_plan = blueprint(args)
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing)
+    work = plan_workload(args, model_plan)
+    loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0())
+    trainer = build_trainer(args, loaded, data, work)
+    if resume_note and trainer.is_world_process_zero():
+        print(resume_note, flush=True)
+    return RunResult(trainer, fit(trainer, args, data, resume))
+
+
+def prepare_process() -> None:
+    """Before anything builds accelerate's state: DeepSpeed's config found from any folder, build locks left by a
+    killed build cleared (before DeepSpeed builds its first op), the patches this launch needs installed."""
+    resolve_config_paths()
+    if is_local_main_process():
+        op_builds.clear_stale_locks()
+    patches.apply()
+
+
+def checked_launch(args: Arguments) -> tuple[str | None, str]:
+    """What the launch can refuse before any weights load: the device's price entry, QLoRA under a sharding engine,
+    flex attention on a CPU, an output folder of another run, a process group that is not what was asked for, a
+    checkpoint this launch cannot resume. Returns the checkpoint to resume from, and a line saying so."""
+    redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
+    check_device_name(args.run.gpu_type, args.run.hourly_usd)
+    if args.model.load_in_4bit:
+        check_4bit_engine(Requested.from_env().engine)
+    if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError(FLEX_ON_CPU)
+    training = args.training
+    resume, note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint, training.output_dir)
+    owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
+    checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
+    check_processes(training.world_size)  # creating the process group happens on first access of the device
+    if resume:
+        engine, batch = Requested.from_env().engine, global_batch_size(training)
+        changed = checkpoints.check_resumable(resume, engine, training.world_size, batch,
+                                              training.gradient_accumulation_steps)  # fmt: skip
+        note = f"{note} ({changed})" if changed else note
+    set_seed(training.seed)
+    return resume, note
+
+
+def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
+    """The run's workload, its activation fit measured (into the cache) before the weights load, not within the
+    loading footprint the rank reports record."""
+    work = workload_for(args, checkpoint_dtype(args.model.dtype, model_plan.config), on_gpu=torch.cuda.is_available())
+    measured_activations(model_plan.config, args.data.task, work.precision, work.flash_attention, work.fused_head)
+    return work
+
+
+def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload) -> RecipeTrainer:
+    """The task's trainer with the toolkit's parts: RecipeTrainer, or for dpo TRL's DPOTrainer (its own collator
+    and metrics, and a frozen reference model)."""
+    if args.data.task == "dpo":
+        from .training.preference import RecipeDPOTrainer, reference_model
+
+        trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
+    else:
+        compute_metrics, preprocess_logits = metrics_for(args.data.task)
+        trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,
+                                                        preprocess_logits_for_metrics=preprocess_logits,
+                                                        fused_loss=work.fused_head)  # fmt: skip
+    return trainer_class(model=loaded.model, args=args.training, train_dataset=data.train, eval_dataset=data.eval,
+                         processing_class=loaded.tokenizer, **task_parts, arguments=args, param_counts=loaded.counts,
+                         load=loaded.load, prompts=data.prompts, data_note=data.note)  # fmt: skip
+
+
+def fit(trainer: RecipeTrainer, args: Arguments, data: PreparedData, resume: str | None) -> dict[str, float]:
+    """Train (or raise the `Stopped` that ended it early), evaluate, save the consolidated model (and the merged LoRA
+    one), write the summary, close the W&B run."""
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+        trainer.raise_if_stopped()
+        training = args.training
+        metrics = dict(result.metrics)
+        if data.eval is not None:
+            evaluation = trainer.evaluate()
+            metrics.update(evaluation)
+            if trainer.is_world_process_zero() and "eval_accuracy" in evaluation:
+                print(f"eval accuracy {evaluation['eval_accuracy']:.4f} on {len(data.eval)} held-out examples")
+        trainer.save_model(training.output_dir)
+        if trainer.is_world_process_zero():
+            if data.prompts:
+                print(side_by_side(training.output_dir))
+            print(f"saved to {training.output_dir}")
+            if args.model.use_lora and args.model.merge_lora:
+                print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
+        trainer.end_of_run("completed", metrics)
+        finish_run()
+    finally:
+        trainer.safe_stop.uninstall()
+    return metrics
+
+
+@command
+def prepare_main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit prepare RECIPE [flags]`: tokenize (and pack) a recipe's data ahead of a launch, on any
+    machine; the launch, with the same recipe and flags, then finds it in the cache and tokenizes nothing."""
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(f"python -m toolkit prepare RECIPE [flags]: name a recipe ({', '.join(recipe_names())}).")
+    if not is_recipe(argv[0]):
+        raise ConfigError(f"No recipe '{argv[0]}' in recipes/. Known: {', '.join(recipe_names())}.")
+    args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)
+    model_plan = blueprint(args)
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing)
+    rows = f"{len(data.train):,} training rows" + (f", {len(data.eval):,} held out" if data.eval is not None else "")
+    print(f"{argv[0]}: {rows}{' (packed)' if model_plan.packing else ''} from {data.note}")
+    return 0
+
+
+def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:
+    """Entry point of a recipe script: one line for bad input or an early stop, its exit code, a clean
+    distributed exit."""
+    code, distributed = 0, False
+    try:
+        train(recipe, argv, name)
+    except ToolkitError as error:
+        code = report(error)
+    except Stopped as stop:
+        code = report(stop, stop.label) if stop.label else stop.exit_code
+    else:
+        if dist.is_available() and dist.is_initialized():
+            # Rank 0 may still be saving: a rank that tears the group down early can abort its process
+            # ("terminate called without an active exception"), failing a run that had succeeded.
+            dist.barrier()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            distributed = True
+            dist.destroy_process_group()  # every rank leaves the group cleanly, whatever happened
+    if distributed:
+        # Everything is written and the group is gone: leave without the interpreter's teardown. A rank has been
+        # seen to abort after a run that had succeeded ("terminate called without an active exception", gloo,
+        # once in about 70 launches on a busy 2-core machine), and the launcher then fails the whole job.
+        finish_run()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)

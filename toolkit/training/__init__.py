@@ -1,0 +1,4 @@
+"""The training room: the trainer every recipe runs on and its parts, in one order (trainer.py says which part
+does what, and when), with the run's own plan (run_plan.py), checkpoints published whole (checkpoints.py),
+stopping on signals, NaN and the budget (stopping.py), evaluation metrics (evaluation.py), SFT's fused loss
+(fused_loss.py) and TRL's DPO trainer with the same parts (preference.py)."""

@@ -1,0 +1,57 @@
+"""Trainer part: after each evaluation, greedy answers to `--generation_samples` held-out prompts (a callback).
+
+The answer is greedy, so runs and steps compare. Every rank generates (under FSDP and ZeRO-3 each forward gathers
+the sharded weights, a collective every rank must join: `synced_gpus`); rank 0 appends to OUTPUT/samples.jsonl
+(metrics/samples.py reads it back) and logs a W&B table. With an evaluation before training (`--eval_on_start
+true`), step 0 holds the base model's answers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from ..metrics.samples import SAMPLES_FILE, Prompt
+
+
+class GenerationSamples(TrainerCallback):
+    def __init__(self, trainer, prompts: list[Prompt], max_new_tokens: int, synced: bool):
+        self.trainer, self.prompts = trainer, prompts
+        self.max_new_tokens = max_new_tokens
+        self.synced = synced  # weights sharded over several ranks: every rank joins each forward's gathers
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.record(self.generate(), state.global_step)
+
+    def generate(self) -> list[str]:
+        model, tokenizer, device = self.trainer.model, self.trainer.processing_class, self.trainer.args.device
+        training = model.training
+        model.eval()
+        answers = []
+        with torch.no_grad():
+            for prompt in self.prompts:
+                ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)["input_ids"].to(device)  # fmt: skip
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=self.max_new_tokens, synced_gpus=self.synced,
+                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
+        model.train(training)
+        return answers
+
+    def record(self, answers: list[str], step: int) -> None:
+        if not self.trainer.is_world_process_zero():
+            return
+        rows = [{"step": step, "prompt": p.messages[-1]["content"], "reference": p.reference, "answer": answer,
+                 "messages": p.messages} for p, answer in zip(self.prompts, answers, strict=True)]  # fmt: skip
+        with open(Path(self.trainer.args.output_dir) / SAMPLES_FILE, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:
+            columns = ["step", "prompt", "reference", "answer"]
+            table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+            wandb.run.log({"eval/samples": table, "train/global_step": step})

@@ -1,0 +1,104 @@
+"""Per-rank reports for checking a distributed run (`--record_rank_reports true`): OUTPUT/rank_reports/rankN.json.
+
+Each rank writes the rows it trained on (a digest per example), a digest of the weights it holds, the bytes of
+parameters, gradients and optimizer state it really held, its host RAM while loading, and its memory plan. The
+strategy-matrix tests compare them across ranks and against a 1-process run and the planner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..data.packing import SEQUENCES
+from ..metrics.memory import local_tensor, nbytes
+from ..models.counts import LoadRecord
+
+
+def sequences_of(inputs: dict[str, torch.Tensor], packed: bool) -> list[list[int]]:
+    """The token ids of each example in a batch: rows without their padding, and packed rows split into their
+    conversations where position_ids restart."""
+    mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).tolist()
+    out = []
+    for r, ids in enumerate(inputs["input_ids"].tolist()):
+        real = [i for i, keep in enumerate(mask[r]) if keep]
+        if not packed:
+            out.append([ids[i] for i in real])
+            continue
+        positions = inputs["position_ids"][r].tolist()
+        starts = [i for i in real if positions[i] == 0] + [len(real)]
+        out += [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    return out
+
+
+def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
+    params = sum(nbytes(p) for p in model.parameters())
+    while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, then torch's
+        optimizer = optimizer.optimizer
+    state = sum(
+        nbytes(t)
+        for per_param in optimizer.state.values()
+        for t in per_param.values()
+        if torch.is_tensor(t) and t.dim() > 0  # not the scalar step counters
+    )
+    return {"param_bytes": params, "optimizer_state_bytes": state}
+
+
+class RankReports(TrainerCallback):
+    """Trainer part, with `--record_rank_reports`: the rows of every micro-batch (`record`, a device sync: only
+    when asked for), the host RAM loading took up to the first step, the most gradient bytes held at an optimizer
+    step, and at the end of training the report, written by every rank."""
+
+    def __init__(self, trainer, load: LoadRecord | None):
+        self.trainer = trainer
+        self.load = load or LoadRecord()
+        self.rows: list[str] = []
+        self.load_host: dict[str, Any] | None = None  # the loading footprint through placing and sharding
+        self.gradient_bytes: int | None = None
+
+    def record(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.rows += [hashlib.sha1(json.dumps(row).encode()).hexdigest()
+                      for row in sequences_of(inputs, SEQUENCES in inputs)]  # fmt: skip
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # The Trainer has wrapped, placed and (FSDP, ZeRO-3) sharded the model; no optimizer state yet.
+        if self.load.memory is not None:
+            self.load_host = self.load.memory.stop()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        # Under DeepSpeed the gradients live in the engine's own partitioned buffers, not in `.grad`: None there.
+        held = [nbytes(local_tensor(p.grad)) for p in model.parameters() if p.grad is not None]
+        if held:
+            self.gradient_bytes = max(self.gradient_bytes or 0, sum(held))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        digest = hashlib.sha256()
+        for name, param in sorted(trainer.model.named_parameters()):  # this rank's shard where sharded
+            digest.update(name.encode())
+            digest.update(local_tensor(param).detach().float().cpu().numpy().tobytes())
+        plan = trainer.plan
+        report: dict[str, Any] = {
+            "process_index": trainer.accelerator.process_index,
+            "strategy": plan.strategy,
+            "rows": self.rows,
+            "weights_sha256": digest.hexdigest(),
+            "tokens_seen": state.num_input_tokens_seen,
+            **held_bytes(trainer.model_wrapped, trainer.optimizer),
+            "gradient_bytes": self.gradient_bytes,
+            "loaded_param_bytes": self.load.param_bytes,  # held right after from_pretrained, before sharding
+            "loaded_host": self.load.host,  # peak host RAM (PSS) added by from_pretrained: anon and file-backed
+            "load_host": self.load_host,  # the same through placing and sharding
+            "memory_plan": {"device": plan.memory.device, "host_per_node": plan.memory.host_per_node},
+            "losses": [e["loss"] for e in state.log_history if "loss" in e],
+            "learning_rates": [e["learning_rate"] for e in state.log_history if "loss" in e],
+        }
+        folder = Path(args.output_dir) / "rank_reports"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(report))

@@ -1,0 +1,233 @@
+"""`RecipeTrainer`: the `transformers.Trainer` every recipe runs on, and the one place the toolkit changes it.
+
+`ToolkitTrainerMixin` goes in front of any Trainer subclass (transformers.Trainer; TRL's DPOTrainer and
+SFTTrainer, which override the same methods with `super()` calls). It creates every part in `__init__`, each with
+its own state, and it alone overrides the Trainer's methods, each override handing over to the parts in a fixed
+order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Trainer calls itself.
+
+  part                 its job                                                  where
+  RunPlan              memory and cost plan, budget check, the header           run_plan.py
+  RunTracker           tokens/s, MFU, memory, cost on every log line; summary   metrics/tracking.py
+  Health               one warning per kind: MFU, memory, data wait, NaN        metrics/health.py
+  SafeStop             signals, a non-finite loss, the budget: stop with exit  stopping.py (callback)
+  StagedCheckpoints    checkpoints published whole, a consolidated final save   checkpoints.py
+  LengthGroupedOrder   the training order, length-grouped per global batch      order.py (callback)
+  GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
+  RankReports          rows, weights and bytes per rank (--record_rank_reports) rank_reports.py (callback)
+  FusedLoss            SFT's loss on TRL's fused head (RecipeTrainer only)      fused_loss.py
+
+Per micro-batch, `training_step` (the package's only override of it), in this order:
+  1. RankReports.record    the rows this rank trains on (only with --record_rank_reports: a device sync)
+  2. RunTracker.count_batch  the examples in it (a packed row holds several)
+  3. model_inputs          the collator's bookkeeping, and a packed batch's mask, kept from the model
+                           (data/packing.py); the batch itself stays whole for the Trainer's token count
+  4. the Trainer's step    forward, the loss (FusedLoss.compute_loss for SFT), backward
+  5. SafeStop.note_loss    a non-finite loss marks its optimizer step
+Per optimizer step, the callbacks in the order added: SafeStop (every rank agrees on a signal, a non-finite loss or
+a spent budget, and stops with a checkpoint), then RankReports (gradient bytes).
+Per log line, `log`: the tracker's figures added, health judged, the line appended to OUTPUT/run_log.jsonl.
+Per evaluation: the Trainer's, then GenerationSamples (on_evaluate).
+Per checkpoint, `_save_checkpoint`: StagedCheckpoints writes it with the cost so far (RunTracker) and publishes it.
+Per run, `train`: the header and the plan's warning, the tracker started on the state it resumes; RankReports
+writes its report at on_train_end; `end_of_run` writes the summary.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..data.packing import examples_in, model_inputs
+from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
+from ..metrics.health import Health
+from ..metrics.memory import memory_fraction
+from ..metrics.samples import Prompt
+from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
+from ..metrics.wandb_run import finish_run, launch_environment, run_callback
+from ..models.counts import LoadRecord, ParameterCounts
+from ..planner.estimate import assumed_mfu, not_fitting_warning
+from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
+from ..settings.tasks import task
+from .checkpoints import StagedCheckpoints, staging_dir
+from .fused_loss import FusedLoss
+from .generation_samples import GenerationSamples
+from .order import LengthGroupedOrder
+from .rank_reports import RankReports, held_bytes
+from .run_plan import RunPlan
+from .stopping import SafeStop, Stopped
+
+
+class ToolkitTrainerMixin:
+    def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, load: LoadRecord | None = None,
+                 prompts: list[Prompt] | None = None, data_note: str = "", **kwargs):  # fmt: skip
+        # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
+        self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
+        set_fsdp_wrap_class(kwargs["model"])  # before the Trainer's accelerator reads the FSDP settings
+        super().__init__(*args, **kwargs)
+        check_strategy(self.accelerator)  # before a single step is paid for
+        if not task(arguments.data.task).token_normalised_loss:
+            self.model_accepts_loss_kwargs = False  # see settings/tasks.py's Task
+        self.recipe, self.param_counts, self.data_note = arguments, param_counts, data_note
+        # The parts, each with its own state; the callbacks are called in the order added.
+        self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
+        self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
+                                  self.plan.peak_flops)  # fmt: skip
+        self.health = Health(assumed_mfu(self.plan.layout), self.is_world_process_zero())
+        self.checkpoints = StagedCheckpoints(self)
+        self.safe_stop = SafeStop(over_budget=self.over_budget)
+        self.order = LengthGroupedOrder()
+        self.rank_reports = RankReports(self, load) if arguments.run.record_rank_reports else None
+        self.samples = None
+        if prompts:
+            synced = self.accelerator.num_processes > 1 and self.plan.layout.shard_params
+            self.samples = GenerationSamples(self, prompts, arguments.run.generation_max_new_tokens, synced)
+        for part in (self.safe_stop, self.order, self.rank_reports, self.samples):
+            if part is not None:
+                self.add_callback(part)
+        if "wandb" in self.args.report_to:
+            tags = [arguments.recipe_name, self.plan.strategy["distributed_type"],
+                    f"world-{self.accelerator.num_processes}", self.plan.cost.device]  # fmt: skip
+            self.add_callback(run_callback(arguments.run, arguments.recipe_name, tags, self.run_config(),
+                                           self.is_world_process_zero()))  # fmt: skip
+
+    # The plan's parts most often read from outside.
+    cost = property(lambda self: self.plan.cost, doc="The run's CostModel (device, price, billed units).")
+    memory_plan = property(lambda self: self.plan.memory, doc="The planner's Memory for one device of this run.")
+    strategy = property(lambda self: self.plan.strategy, doc="The strategy in effect, as the header prints it.")
+
+    # ------------------------------------------------------------------------------------------ the run
+    def train(self, *args, **kwargs):
+        if self.is_world_process_zero():
+            print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note), flush=True)
+            available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+            warning = not_fitting_warning(self.plan.memory.device_total, available)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+        self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
+        self.tracker.start(self.state)
+        output = super().train(*args, **kwargs)
+        self.tracker.end_training()
+        return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rank_reports is not None:
+            self.rank_reports.record(inputs)
+        self.tracker.count_batch(examples_in(inputs))
+        loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
+        self.safe_stop.note_loss(loss, self.state.global_step + 1)
+        return loss
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
+
+    def _get_train_sampler(self, train_dataset=None):
+        return self.order.sampler_for(self.train_dataset, self.args) or super()._get_train_sampler(train_dataset)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        training = "loss" in logs
+        logs.update(self.tracker.metrics(self.state, training))
+        if training:
+            self.health.check(logs, memory_fraction())
+        super().log(logs, start_time)
+        if self.args.should_save:  # the run's own log, read by `toolkit report`
+            with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
+                f.write(json.dumps(self.state.log_history[-1]) + "\n")
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def _get_output_dir(self, trial) -> str:
+        if self.checkpoints.active:  # while a checkpoint is written: into the staging folder
+            return str(staging_dir(self.args.output_dir))
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.checkpoints.save(functools.partial(super()._save_checkpoint, model, trial),
+                              {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
+        gathered = None if _internal_call else self.checkpoints.gathered_state_dict()
+        if gathered is not None:
+            self._save(output_dir, state_dict=gathered)
+            return
+        super().save_model(output_dir, _internal_call)
+
+    # ------------------------------------------------------------------------------------- what it asks
+    def over_budget(self, state) -> bool:
+        """At each step end, on every rank: would the next step take the run past --budget_usd?"""
+        if self.plan.budget is None:
+            return False
+        stop, warning = self.plan.budget.check(self.tracker.usd(), self.tracker.step_usd(state))
+        if warning:
+            self.health.warn("budget", warning)
+        return stop
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
+        return held_bytes(self.model_wrapped, self.optimizer)
+
+    def run_config(self) -> dict[str, Any]:
+        """Everything that defines the run, as logged to W&B and OUTPUT/run_summary.json."""
+        return {
+            "toolkit": self.recipe.resolved(),
+            "strategy": self.plan.strategy,
+            "launch": launch_environment(),
+            "parameters": {"total": self.param_counts.total, "trainable": self.param_counts.trainable},
+            "global_batch_size": global_batch_size(self.args),
+            **self.plan.summary(),
+        }
+
+    # --------------------------------------------------------------------------------------- its end
+    def raise_if_stopped(self) -> None:
+        """After train(): a run that stopped early writes its summary, closes W&B, and raises its `Stopped`."""
+        stop: Stopped | None = self.safe_stop.outcome(self)
+        if stop is not None:
+            self.end_of_run(stop.status, {})
+            finish_run()
+            raise stop
+
+    def end_of_run(self, status: str, metrics: dict[str, float]) -> dict[str, Any]:
+        """Printed, written to OUTPUT/run_summary.json and to the W&B run's summary (rank 0)."""
+        summary = self.tracker.summary(self.state)
+        strategy, cost = self.plan.strategy, self.plan.cost
+        summary.update(
+            status=status,
+            recipe=self.recipe.recipe_name,
+            strategy=f"{strategy['distributed_type']}, {strategy['sharding']}",
+            processes=strategy["num_processes"],
+            device=cost.device,
+            pricing=cost.pricing,
+            **{k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
+        )
+        if not self.is_world_process_zero():
+            return summary
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:
+            summary["wandb_run_id"] = wandb.run.id
+        mfu = f"{100 * summary['mean_mfu']:.2f}%" if summary.get("mean_mfu") is not None else "n/a (no peak)"
+        losses = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in summary.items() if k.endswith("_loss"))
+        print(
+            f"run summary   {status} after {time.strftime('%H:%M:%S', time.gmtime(summary['wall_seconds']))}, "
+            f"{summary['steps']} steps, {summary['tokens']:,} tokens ({summary.get('tokens_per_second', 0):,.0f}/s), "
+            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
+            flush=True,
+        )
+        print(cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
+        path = Path(self.args.output_dir) / "run_summary.json"
+        path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
+        if wandb is not None and wandb.run is not None:
+            wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
+        return summary
+
+
+class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, Trainer):
+    """The toolkit's parts on `transformers.Trainer`, and SFT's fused loss (TRL's DPOTrainer brings its own)."""
