@@ -88,8 +88,8 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
     import torch
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    from toolkit.models import tiny
     from toolkit.data.packing import PackedCollator, pack
+    from toolkit.models import tiny
 
     on_gpu = torch.cuda.is_available()
     config = model_config(on_gpu)

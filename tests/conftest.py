@@ -26,8 +26,8 @@ def no_lock(desc):
 @pytest.fixture(scope="module")
 def llama_tokenizer():
     """The tiny Llama 3 tokenizer with the toolkit's llama3 chat template."""
-    from toolkit.models import tiny
     from toolkit.data.conversations import apply_chat_template_setting
+    from toolkit.models import tiny
 
     tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
     apply_chat_template_setting(tokenizer, "llama3")

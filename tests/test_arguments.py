@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.settings.parser import parse
 from toolkit.models.tiny import tiny_layer
+from toolkit.settings.parser import parse
 
 RECIPE = dict(
     model_name_or_path="google-bert/bert-base-cased",

@@ -8,14 +8,14 @@ import pytest
 from conftest import no_lock
 from datasets import Dataset, DatasetDict
 
+from toolkit.data.conversations import tokenize_conversation
+from toolkit.data.loading import load_raw
+from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.preparation import prepare
+from toolkit.data.sources import SourceUnavailable, resolve
 from toolkit.errors import DataError
 from toolkit.models import tiny
 from toolkit.settings.arguments import DataArguments
-from toolkit.data.conversations import tokenize_conversation
-from toolkit.data.loading import load_raw
-from toolkit.data.preparation import prepare
-from toolkit.data.packing import IGNORE_INDEX
-from toolkit.data.sources import SourceUnavailable, resolve
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

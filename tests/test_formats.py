@@ -11,12 +11,12 @@ from conftest import no_lock
 from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit import train
-from toolkit.errors import ConfigError, DataError
-from toolkit.settings.arguments import DataArguments
 from toolkit.data.conversations import tokenize_conversation
 from toolkit.data.loading import load_data
-from toolkit.data.preparation import prepare
 from toolkit.data.packing import IGNORE_INDEX
+from toolkit.data.preparation import prepare
+from toolkit.errors import ConfigError, DataError
+from toolkit.settings.arguments import DataArguments
 
 
 @pytest.fixture

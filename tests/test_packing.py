@@ -7,7 +7,6 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.models import tiny
 from toolkit.data.packing import (
     IGNORE_INDEX,
     SEQUENCES,
@@ -16,6 +15,7 @@ from toolkit.data.packing import (
     pack,
     supports_packing,
 )
+from toolkit.models import tiny
 
 
 def test_best_fit_decreasing_fills_rows_tightly():
@@ -89,8 +89,8 @@ def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, 
 def test_packing_only_where_it_is_correct(llama):
     from transformers import PretrainedConfig
 
-    from toolkit.errors import ConfigError
     from toolkit.data.packing import use_packing
+    from toolkit.errors import ConfigError
 
     class RemoteCodeConfig(PretrainedConfig):  # a model with its own code: its masks are unknown
         model_type = "my_remote_model"

@@ -13,12 +13,12 @@ from llama3_qlora import RECIPE as QLORA
 from toolkit import train
 from toolkit.errors import ConfigError
 from toolkit.models import tiny
-from toolkit.settings.arguments import ModelArguments
 from toolkit.models.counts import ParameterCounts
 from toolkit.models.loading import load_model
 from toolkit.models.lora import add_lora
 from toolkit.planner import Layout, Shape, Workload, meta_model, plan_memory
 from toolkit.project import PROJECT_ROOT
+from toolkit.settings.arguments import ModelArguments
 
 pytest.importorskip("bitsandbytes")
 LLAMA = "meta-llama/Meta-Llama-3-8B"

@@ -14,8 +14,8 @@ from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit import train
 from toolkit.__main__ import entry
-from toolkit.metrics.samples import read_samples
 from toolkit.data.packing import IGNORE_INDEX
+from toolkit.metrics.samples import read_samples
 
 EVALUATED = ["--tiny", "--max_steps", "4", "--eval_fraction", "0.1", "--max_eval_samples", "24",
              "--eval_on_start", "true", "--generation_samples", "2", "--generation_max_new_tokens", "8",

@@ -25,11 +25,11 @@ from conftest import BIN, ROOT, check, free_port, launch, no_lock, rank_reports,
 from safetensors.torch import load_file
 
 from toolkit import planner
+from toolkit.data.loading import load_raw
+from toolkit.data.preparation import prepare
 from toolkit.metrics import memory
 from toolkit.models import tiny
 from toolkit.settings.arguments import DataArguments
-from toolkit.data.loading import load_raw
-from toolkit.data.preparation import prepare
 
 pytestmark = pytest.mark.launch
 

@@ -9,10 +9,10 @@ import json
 import pytest
 from llama3_fft import RECIPE as LLAMA3_FFT
 
-from toolkit.training.checkpoints import OWNER
 from toolkit.models.counts import ParameterCounts
-from toolkit.settings.parser import parse
 from toolkit.models.tiny import tiny_layer
+from toolkit.settings.parser import parse
+from toolkit.training.checkpoints import OWNER
 from toolkit.training.trainer import RecipeTrainer, ToolkitTrainerMixin
 
 trl = pytest.importorskip("trl")
