@@ -173,12 +173,15 @@ def test_health_warnings_are_one_line_each_and_skip_the_warm_up(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path, monkeypatch):
-    """On a GPU every tensor read on the host (item, bool, int, float, tolist) waits for the device. RecipeTrainer,
-    with all its tracking, health checks and the budget guard, reads no more of them per optimizer step than a
-    plain transformers.Trainer with its defaults on the same model and data (it replaces the Trainer's NaN filter,
-    two reads, with its own, one)."""
+def test_tracking_reads_the_device_only_when_it_logs_or_saves(tmp_path, monkeypatch):
+    """On a GPU every tensor read on the host (item, bool, int, float, tolist) waits for the device, and every
+    gather is a collective. RecipeTrainer, with all its tracking (tokens counted exactly), health checks, the NaN
+    check and the budget guard, reads no tensor of its own and gathers nothing in an optimizer step that neither
+    logs nor saves, 4 micro-batches accumulated: what it reads is the model's own (BERT's mask check, one per
+    micro-batch), which a plain transformers.Trainer with its real defaults reads too, beside two per micro-batch
+    of its NaN filter."""
     import torch
+    from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
     from toolkit.models import tiny
@@ -195,6 +198,7 @@ def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path
 
     for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    monkeypatch.setattr(Accelerator, "gather", counting(Accelerator.gather))
 
     class ReadsPerStep(TrainerCallback):  # between the ends of steps 2 and 7: no log or save step in between
         def __init__(self):
@@ -216,16 +220,68 @@ def test_tracking_reads_no_more_tensors_per_step_than_the_plain_trainer(tmp_path
 
     monkeypatch.setattr(RecipeTrainer, "__init__", init_with_counter)
     flags = ["--tiny", "--report_to", "none", "--max_steps", "8", "--logging_steps", "1000",
+             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
              "--train_sampling_strategy", "random", "--output_dir", str(tmp_path / "recipe")]  # fmt: skip
     recipe = train(BERT, flags, "bert").trainer
 
     model = AutoModelForSequenceClassification.from_pretrained(
         tiny.tiny_checkpoint("google-bert/bert-base-cased", "classification"), num_labels=2
     )
-    plain_args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=8, max_steps=8,
-                                   logging_steps=1000, report_to="none", use_cpu=True, save_strategy="no",
-                                   include_num_input_tokens_seen="non_padding")  # fmt: skip
+    plain_args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=2, max_steps=8,
+                                   gradient_accumulation_steps=4, logging_steps=1000, report_to="none", use_cpu=True,
+                                   save_strategy="no")  # fmt: skip
     Trainer(model=model, args=plain_args, train_dataset=recipe.train_dataset, data_collator=recipe.data_collator,
             callbacks=[plain_counter]).train()  # fmt: skip
-    assert plain_counter.value() > 0  # the counter sees the Trainer's own reads
-    assert recipe_counter.value() <= plain_counter.value(), (recipe_counter.value(), plain_counter.value())
+    model_reads = 4  # BertModel's padding_mask.all(), per micro-batch
+    assert plain_counter.value() == model_reads + 2 * 4  # the counter sees the Trainer's isnan and isinf
+    assert recipe_counter.value() == model_reads, recipe_counter.value()
+
+
+def test_figures_after_a_resume_count_only_the_resumed_segment(tmp_path):
+    """A 10-step run saved at step 10 and resumed to 20: the first logging interval after resuming, the segment's
+    summary and the budget guard's cost per step count steps 11-20 and their tokens, not the 10 before."""
+    from test_strategies import tokenized_rows
+
+    out = tmp_path / "run"
+    flags = ["--tiny", "--report_to", "none", "--logging_steps", "5", "--save_strategy", "steps", "--save_steps",
+             "10", "--record_rank_reports", "true", "--output_dir", str(out)]  # fmt: skip
+    train(BERT, [*flags, "--max_steps", "10"], "bert")
+    resumed = train(BERT, [*flags, "--max_steps", "20", "--resume", "auto"], "bert").trainer
+
+    length = {hashlib.sha1(json.dumps(ids).encode()).hexdigest(): len(ids) for ids in tokenized_rows("bert")}
+    rows = rank_reports(out)[0]["rows"]  # the resumed segment's: 10 steps of 8
+    assert len(rows) == 80
+    (at_15,) = [line for line in resumed.state.log_history if line.get("step") == 15 and "loss" in line]
+    first_five = sum(length[h] for h in rows[:40])
+    assert at_15["tokens_per_second"] * at_15["step_seconds"] * 5 == pytest.approx(first_five, rel=1e-6)
+    assert at_15["samples_per_second"] * at_15["step_seconds"] * 5 == pytest.approx(40, rel=1e-6)
+    summary = json.loads((out / "run_summary.json").read_text())["summary"]
+    segment = sum(length[h] for h in rows)
+    assert summary["tokens_per_second"] * summary["training_seconds"] == pytest.approx(segment, rel=1e-6)
+    assert summary["tokens"] == resumed.state.num_input_tokens_seen > segment  # the run's, resumes included
+    tracker = resumed.tracker
+    assert tracker.step_usd(resumed.state) * 10 == pytest.approx(tracker.cost.usd(tracker.elapsed), rel=1e-2)
+
+
+def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
+    """An evaluation before the first step (eval_on_start) made to take 3 s: the first interval's tokens/s and step
+    time are training's alone; the bill still counts the evaluation."""
+    import time
+
+    from transformers import Trainer
+
+    evaluate = Trainer.evaluate
+
+    def slow(self, *args, **kwargs):
+        time.sleep(3)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", slow)
+    flags = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "2", "--eval_on_start", "true",
+             "--eval_strategy", "steps", "--eval_steps", "1000", "--eval_fraction", "0.1",
+             "--output_dir", str(tmp_path)]  # fmt: skip
+    trainer = train(BERT, flags, "bert").trainer
+    first = [line for line in trainer.state.log_history if "loss" in line][0]
+    assert first["step"] == 2 and first["step_seconds"] * 2 < 1.5  # 3 s of evaluation left out: tiny steps
+    summary = json.loads((tmp_path / "run_summary.json").read_text())["summary"]
+    assert summary["training_seconds"] < summary["wall_seconds"] - 3 * 2  # the start and final evaluations billed

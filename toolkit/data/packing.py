@@ -136,6 +136,13 @@ class PackedCollator:
         return out
 
 
+def tokens_in(inputs: dict[str, Any]) -> torch.Tensor | int:
+    """Real tokens in a micro-batch, where they are: its attention mask's sum (on the batch's device, unread: the
+    trainer adds them up there), or every token of a batch without a mask."""
+    mask = inputs.get("attention_mask")
+    return mask.sum() if mask is not None else inputs["input_ids"].numel()
+
+
 def examples_in(inputs: dict[str, Any]) -> int:
     """Examples in a micro-batch: conversations when packed (counted by the collator, on the host), preference
     pairs (TRL's DPO batch: the chosen rows, then the rejected ones, with their completion_mask), else rows."""

@@ -2,32 +2,37 @@
 end-of-run summary.
 
 Every rank computes the same figures; rank 0's are logged. Over each logging interval:
-  tokens_per_second   non-padding tokens of all ranks / wall seconds. The Trainer's own `num_input_tokens_seen`
-                      ("non_padding" mode) sums each micro-batch's attention mask gathered over ranks, so it is
-                      right under gradient accumulation and across processes.
+  tokens_per_second   non-padding tokens of all ranks / training seconds. Each rank adds up its micro-batches'
+                      attention masks on its device, unread; the sum over ranks is taken once per log line and
+                      checkpoint (one all-reduce), so it is exact under gradient accumulation and across processes.
   samples_per_second  rows of this rank's micro-batches x processes (accelerate gives every rank equal batches)
-  step_seconds        wall seconds / optimizer steps
+  step_seconds        training seconds / optimizer steps
   mfu                 model FLOPs per token x tokens/s / (devices x dense peak FLOP/s of one device), where
                       FLOPs per token = 6 N_trainable + 4 N_frozen + 12 L H T at T = tokens per row
                       (planner.training_flops_per_token; PaLM appendix B). Only with a known peak.
-  data_wait_share     share of the wall time spent waiting for the next batch
+  data_wait_share     share of the training time spent waiting for the next batch
   peak_memory_gib     GPU: torch.cuda.max_memory_allocated; CPU: the process's peak resident set
   cost_usd            unit-hours so far x price x overhead (cost.CostModel), plus what the earlier segments of a
                       resumed run spent (stored in each checkpoint); also the projected total at this pace and
                       dollars per million tokens.
-Nothing here waits on the device: the token count is the Trainer's own gather, the rest is host clocks.
+Training seconds are wall seconds from the Trainer's start of training (`on_train_begin`, on the state it resumes
+from), evaluations left out (`paused`); the bill runs from the call to `train` to the end, evaluations included.
+Nothing here waits on the device between log lines: the token count stays on the device, the rest is host clocks.
 The trainer (training/trainer.py) feeds a RunTracker and writes the end-of-run summary from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerState
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainerState
 
 from .cost import CostModel
 from .memory import GIB, peak_memory_bytes
@@ -40,19 +45,24 @@ def mfu(flops_per_token: float, tokens_per_second: float, devices: int, peak_flo
     return flops_per_token * tokens_per_second / (devices * peak_flops)
 
 
-class RunTracker:
+class RunTracker(TrainerCallback):
     def __init__(self, cost: CostModel, num_processes: int, flops_per_token: Callable[[float], float],
                  peak_flops: float | None):  # fmt: skip
         self.cost = cost
         self.num_processes = num_processes
         self.flops_per_token = flops_per_token  # of the mean row length
         self.peak_flops = peak_flops  # per device, FLOP/s; None: no MFU
-        self.started: float | None = None
+        self.started: float | None = None  # the bill's start: the call to train()
+        self.training_started: float | None = None  # on_train_begin: throughput counts from here
         self.training_ended: float | None = None  # throughput counts training only; cost runs on to the end
         self.spent_before = {"usd": 0.0, "unit_hours": 0.0}  # earlier segments of a resumed run
         self.samples = 0  # rows trained on in this segment, all ranks
         self.data_seconds = 0.0
+        self.paused_seconds = 0.0  # evaluations during training
+        self._unread_tokens: torch.Tensor | None = None  # this rank's since the last reduction, on its device
+        self._tokens = 0  # every rank's in this segment, as of the last reduction
         self._mark: dict[str, float] = {}
+        self._start_step = self._start_tokens = 0
 
     # ------------------------------------------------------------------ feeding it
     def resume_from(self, checkpoint: str | None) -> None:
@@ -60,23 +70,60 @@ class RunTracker:
         if checkpoint and path.is_file():
             self.spent_before = json.loads(path.read_text())
 
-    def start(self, state: TrainerState) -> None:
+    def start(self) -> None:
+        """The bill starts: train() was called (preparing the model and optimizer is paid for too)."""
         self.started = time.perf_counter()
+
+    def on_train_begin(self, args, state: TrainerState, control, **kwargs):
+        # The Trainer has loaded a resumed run's state by now: its step and tokens are where this segment starts.
+        self.training_started = time.perf_counter()
         self._start_step, self._start_tokens = state.global_step, state.num_input_tokens_seen
         self._mark = self._now(state)
 
-    def end_training(self) -> None:
+    def on_train_end(self, args, state: TrainerState, control, **kwargs):
+        self.reduce_tokens(state)
         self.training_ended = time.perf_counter()
 
-    def count_batch(self, rows: int) -> None:
+    def count_batch(self, rows: int, tokens: torch.Tensor | int) -> None:
+        """A micro-batch of `rows` examples and `tokens` real tokens (a device tensor: added there, not read)."""
         self.samples += rows * self.num_processes
+        self._unread_tokens = tokens if self._unread_tokens is None else self._unread_tokens + tokens
+
+    def reduce_tokens(self, state: TrainerState) -> None:
+        """Every rank's tokens so far into `state.num_input_tokens_seen` (which checkpoints keep): one all-reduce
+        and one read of the device, on every rank at the same points (each log line, each checkpoint, the end).
+        The state's count is set, not added to: the Trainer's own count (`include_num_input_tokens_seen`, off by
+        the toolkit's defaults) cannot count a token twice."""
+        unread, self._unread_tokens = self._unread_tokens, None
+        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            total = torch.as_tensor(0 if unread is None else unread, dtype=torch.int64)
+            if unread is None or not torch.is_tensor(unread):  # nothing on a device yet: the group's own device
+                total = total.to(_group_device())
+            dist.all_reduce(total)
+            unread = total
+        if unread is not None:
+            self._tokens += int(unread)
+        if self.training_started is not None:
+            state.num_input_tokens_seen = self._start_tokens + self._tokens
 
     def count_data_wait(self, seconds: float) -> None:
         self.data_seconds += seconds
 
+    @contextlib.contextmanager
+    def paused(self):
+        """An evaluation during training: its seconds are not training seconds (the bill runs on)."""
+        if self.training_started is None or self.training_ended is not None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - start
+
     def _now(self, state: TrainerState) -> dict[str, float]:
         return {"time": time.perf_counter(), "tokens": state.num_input_tokens_seen, "samples": self.samples,
-                "step": state.global_step, "data": self.data_seconds}  # fmt: skip
+                "step": state.global_step, "data": self.data_seconds, "paused": self.paused_seconds}  # fmt: skip
 
     # ------------------------------------------------------------------ cost
     @property
@@ -91,8 +138,9 @@ class RunTracker:
         return None if usd is None else self.spent_before["usd"] + usd
 
     def step_usd(self, state: TrainerState) -> float:
-        """Mean cost of one optimizer step in this segment (0 before the first)."""
-        steps = state.global_step - self._start_step if self.started is not None else 0
+        """Mean cost of one optimizer step in this segment, what its set-up and evaluations cost included (0 before
+        the first step)."""
+        steps = state.global_step - self._start_step if self.training_started is not None else 0
         return (self.cost.usd(self.elapsed) or 0.0) / steps if steps else 0.0
 
     def spent(self) -> dict[str, float | None]:
@@ -102,10 +150,12 @@ class RunTracker:
     # ------------------------------------------------------------------ log lines
     def metrics(self, state: TrainerState, training: bool) -> dict[str, float]:
         """Metrics for one log line; `training` is False for evaluation logs, which get no throughput."""
-        if self.started is None:
+        if self.training_started is None:
             return {}
+        self.reduce_tokens(state)
         elapsed = self.elapsed  # one clock reading: hours and dollars agree exactly
-        out: dict[str, float] = {f"{self.cost.unit.lower()}_hours": self.unit_hours(elapsed)}
+        out: dict[str, float] = {f"{self.cost.unit.lower()}_hours": self.unit_hours(elapsed),
+                                 "num_input_tokens_seen": state.num_input_tokens_seen}  # fmt: skip
         usd = self.usd(elapsed)
         if usd is not None:
             out["cost_usd"] = usd
@@ -114,7 +164,7 @@ class RunTracker:
             if state.max_steps > 0:
                 out["cost_projected_usd"] = usd + self.step_usd(state) * (state.max_steps - state.global_step)
         now, last = self._now(state), self._mark
-        seconds = now["time"] - last["time"]
+        seconds = now["time"] - last["time"] - (now["paused"] - last["paused"])
         if training and seconds > 0 and now["step"] > last["step"]:
             tokens, samples = now["tokens"] - last["tokens"], now["samples"] - last["samples"]
             out.update(self.throughput(tokens, samples, seconds, now["step"] - last["step"]))
@@ -138,8 +188,10 @@ class RunTracker:
     # ------------------------------------------------------------------ end of run
     def summary(self, state: TrainerState) -> dict[str, Any]:
         """The whole segment's figures (mean MFU over all its tokens), plus the run's cost including resumes."""
+        self.reduce_tokens(state)
         steps, tokens = state.global_step - self._start_step, state.num_input_tokens_seen - self._start_tokens
-        seconds = (self.training_ended or time.perf_counter()) - self.started
+        end = self.training_ended or time.perf_counter()
+        seconds = end - (self.training_started or end) - self.paused_seconds
         elapsed = self.elapsed
         out: dict[str, Any] = {
             "wall_seconds": elapsed,
@@ -173,3 +225,10 @@ class TimedIterator:
             return next(self.iterator)
         finally:
             self.tracker.count_data_wait(time.perf_counter() - start)
+
+
+def _group_device() -> torch.device:
+    """The device the default process group's collectives take tensors on (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

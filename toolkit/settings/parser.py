@@ -50,7 +50,9 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         "run_name": recipe_name,
         "logging_steps": 10,
         "save_strategy": "no",
-        "include_num_input_tokens_seen": "non_padding",  # tokens/s counts only real tokens
+        # The tracker counts real tokens itself, on the device, read once per log line (metrics/tracking.py); the
+        # Trainer's own count gathers and reads every micro-batch's.
+        "include_num_input_tokens_seen": "no",
         "report_to": "wandb" if importlib.util.find_spec("wandb") else "none",
         "activation_checkpointing_kwargs": {"use_reentrant": False},
         # transformers models use every parameter in forward: skip DDP's extra graph traversal per step

@@ -6,16 +6,20 @@ process exits with PREEMPTED (75, EX_TEMPFAIL: "try again") so a scheduler can r
 continues from that checkpoint. The handler only sets a flag: a second signal during the save changes nothing,
 and the checkpoint is published whole or not at all (checkpoints.py).
 
-Divergence: a non-finite loss stops the run at once, without a checkpoint of the weights that produced it,
-keeping the earlier ones, and exits with DIVERGED (3) and a message naming the step and the likely causes.
+Divergence: a non-finite loss stops the run, without a checkpoint of the weights that produced it, keeping the
+earlier ones, and exits with DIVERGED (3) and a message naming the step and the likely causes. Each micro-batch's
+loss is checked on the device, unread; the first bad step is read at the end of a step that logs, evaluates,
+saves or stops (as the Trainer reads its loss only to log it), so no checkpoint or evaluation ever sees the weights
+a non-finite loss produced, and no other step waits on the device.
 
 Budget: when the next step would take the run's cost past --budget_usd, every rank stops after this step, a
 checkpoint is written, and the process exits with BUDGET_SPENT (4); raising the budget and `--resume auto`
 continue the run, its cost so far carried over.
 
-Ranks see a signal, a NaN or the budget at different times, so at each step end they agree with one all-reduce
-of three CPU integers over a gloo group: host-side only, no device sync. After training, `SafeStop.outcome` turns
-what stopped the run into its exception (`Stopped`, with the exit code); the recipe runner prints and exits.
+Ranks see a signal, a NaN or the budget at different times, so at each step end they agree with an all-reduce of
+CPU integers over a gloo group (a second one, for the loss, at the steps that read it): host-side only. After
+training, `SafeStop.outcome` turns what stopped the run into its exception (`Stopped`, with the exit code); the
+recipe runner prints and exits.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class BudgetSpent(Stopped):
 class SafeStop(TrainerCallback):
     def __init__(self, over_budget: Callable[[object], bool] = lambda state: False) -> None:
         self.received: int = 0  # the signal number, 0 for none
-        self.nonfinite_at: int = 0  # the step whose loss was not finite (note_loss), 0 for none
+        self.nonfinite_at: int = 0  # the step whose loss was not finite (read_losses), 0 for none
+        self._first_bad: torch.Tensor | None = None  # the same, on the device, unread (note_loss)
         self.over_budget = over_budget  # called with the TrainerState at each step end
         self.preempted_at: int | None = None
         self.diverged_at: int | None = None
@@ -78,11 +83,18 @@ class SafeStop(TrainerCallback):
         self.received = self.received or signum
 
     def note_loss(self, loss: torch.Tensor, step: int) -> None:
-        """A micro-batch's loss: a non-finite one marks `step` (the optimizer step it belongs to). One host read per
-        micro-batch, the one the Trainer's own NaN filter would make; that filter is off (settings/parser.py's
-        defaults), since it hides a NaN loss behind the running mean and trains on."""
-        if not self.nonfinite_at and not torch.isfinite(loss).item():
-            self.nonfinite_at = step
+        """A micro-batch's loss: a non-finite one marks `step` (the optimizer step it belongs to), on the loss's
+        device, unread. (The Trainer's own NaN filter, which reads every loss, is off: settings/parser.py's
+        defaults, since it hides a NaN loss behind the running mean and trains on.)"""
+        bad_step = torch.where(torch.isfinite(loss.detach()), 0, step)
+        first = self._first_bad
+        self._first_bad = bad_step if first is None else torch.where(first > 0, first, bad_step)
+
+    def read_losses(self) -> int:
+        """The first step whose loss was not finite on this rank, 0 for none: one read of the device."""
+        if not self.nonfinite_at and self._first_bad is not None:
+            self.nonfinite_at = int(self._first_bad)
+        return self.nonfinite_at
 
     def on_train_begin(self, args, state, control, **kwargs):
         for sig in SIGNALS:  # kept until uninstall(): a signal during the final save must not cut it short
@@ -91,21 +103,35 @@ class SafeStop(TrainerCallback):
             # A CPU group for the flags: on GPUs the default group is NCCL, whose collectives wait on the device.
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
-    def agreed(self, over_budget: bool) -> tuple[int, int, bool]:
-        """The flags of every rank, combined (the tensor lives on the host: reading it waits on no device)."""
-        if self.group is None:
-            return self.received, self.nonfinite_at, over_budget
-        flags = torch.tensor([self.received, self.nonfinite_at, int(over_budget)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flags[0]), int(flags[1]), bool(flags[2])
-
-    def on_step_end(self, args, state, control, **kwargs):
-        signum, nonfinite_at, over_budget = self.agreed(self.over_budget(state))
+    def diverged(self, control, read: bool = False) -> bool:
+        """Before the weights are logged, evaluated, saved or kept (`read`): did a loss turn non-finite on any rank?
+        If so, the run stops without a checkpoint or an evaluation of them. Every rank asks at the same steps."""
+        if not (read or control.should_log or control.should_save or control.should_evaluate):
+            return False
+        (nonfinite_at,) = self.agreed(self.read_losses())
         if nonfinite_at and self.diverged_at is None:
             self.diverged_at = nonfinite_at
-            control.should_save = False  # never a checkpoint of the weights that produced it
+            control.should_save = control.should_evaluate = False  # never the weights that produced it
             control.should_training_stop = True
-        elif signum and self.preempted_at is None:
+        return bool(nonfinite_at)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.diverged(control)  # an epoch's end may log, evaluate or save on its own
+
+    def agreed(self, *flags: int) -> list[int]:
+        """Each flag's largest value over the ranks (the tensor lives on the host: reading it waits on no device)."""
+        if self.group is None:
+            return list(flags)
+        values = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values.tolist()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum, over_budget = self.agreed(self.received, int(self.over_budget(state)))
+        last = state.global_step >= state.max_steps
+        if self.diverged(control, read=bool(signum or over_budget or last)):
+            return control
+        if signum and self.preempted_at is None:
             self.preempted_at = state.global_step
             self.received = signum
             control.should_save = True  # whatever save_strategy says
@@ -113,11 +139,11 @@ class SafeStop(TrainerCallback):
             if state.is_world_process_zero:
                 print(f"received {signal.Signals(signum).name}: step {state.global_step} finished, saving a "
                       "checkpoint, then exiting", file=sys.stderr, flush=True)  # fmt: skip
-        elif over_budget and self.budget_at is None and state.global_step < state.max_steps:
+        elif over_budget and self.budget_at is None and not last:
             self.budget_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
-        if state.global_step >= state.max_steps:
+        if last:
             # The last step always logs: the Trainer's final train_loss adds the loss since the last log as rank 0
             # alone saw it (2.539 for a 2-process FSDP run whose ranks averaged 2.675), a log averages all ranks.
             control.should_log = True

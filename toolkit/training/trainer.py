@@ -18,7 +18,8 @@ order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Tra
 
 Per micro-batch, `training_step` (the package's only override of it), in this order:
   1. RankReports.record    the rows this rank trains on (only with --record_rank_reports: a device sync)
-  2. RunTracker.count_batch  the examples in it (a packed row holds several)
+  2. RunTracker.count_batch  its examples (a packed row holds several) and real tokens, these added up on the
+                           device, unread: summed over ranks once per log line and checkpoint
   3. model_inputs          the collator's bookkeeping, and a packed batch's mask, kept from the model
                            (data/packing.py); the batch itself stays whole for the Trainer's token count
   4. the Trainer's step    forward, the loss (FusedLoss.compute_loss for SFT), backward
@@ -26,10 +27,11 @@ Per micro-batch, `training_step` (the package's only override of it), in this or
 Per optimizer step, the callbacks in the order added: SafeStop (every rank agrees on a signal, a non-finite loss or
 a spent budget, and stops with a checkpoint), then RankReports (gradient bytes).
 Per log line, `log`: the tracker's figures added, health judged, the line appended to OUTPUT/run_log.jsonl.
-Per evaluation: the Trainer's, then GenerationSamples (on_evaluate).
-Per checkpoint, `_save_checkpoint`: StagedCheckpoints writes it with the cost so far (RunTracker) and publishes it.
-Per run, `train`: the header and the plan's warning, the tracker started on the state it resumes; RankReports
-writes its report at on_train_end; `end_of_run` writes the summary.
+Per evaluation, `evaluate`: the tracker's training clock paused; the Trainer's, then GenerationSamples (on_evaluate).
+Per checkpoint, `_save_checkpoint`: the token count brought up to date, then StagedCheckpoints writes it with the
+cost so far (RunTracker) and publishes it.
+Per run, `train`: the header and the plan's warning, the bill started; the tracker counts from on_train_begin, on
+the state a resumed run continues from; RankReports writes its report at on_train_end; `end_of_run` the summary.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..data.packing import examples_in, model_inputs
+from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
@@ -88,7 +90,7 @@ class ToolkitTrainerMixin:
         if prompts:
             synced = self.accelerator.num_processes > 1 and self.plan.layout.shard_params
             self.samples = GenerationSamples(self, prompts, arguments.run.generation_max_new_tokens, synced)
-        for part in (self.safe_stop, self.order, self.rank_reports, self.samples):
+        for part in (self.tracker, self.safe_stop, self.order, self.rank_reports, self.samples):
             if part is not None:
                 self.add_callback(part)
         if "wandb" in self.args.report_to:
@@ -111,18 +113,20 @@ class ToolkitTrainerMixin:
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
-        self.tracker.start(self.state)
-        output = super().train(*args, **kwargs)
-        self.tracker.end_training()
-        return output
+        self.tracker.start()
+        return super().train(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.rank_reports is not None:
             self.rank_reports.record(inputs)
-        self.tracker.count_batch(examples_in(inputs))
+        self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
         loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        with self.tracker.paused():
+            return super().evaluate(*args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
@@ -150,6 +154,7 @@ class ToolkitTrainerMixin:
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
+        self.tracker.reduce_tokens(self.state)  # the count the checkpoint's trainer_state.json keeps
         self.checkpoints.save(functools.partial(super()._save_checkpoint, model, trial),
                               {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
 
