@@ -100,6 +100,32 @@ def test_an_output_folder_with_checkpoints_is_never_overwritten(tmp_path, capsys
     assert listing(out) == before  # nothing trained, written or rotated
 
 
+def test_the_best_model_survives_staging_rotation_and_a_resume(tmp_path, capsys):
+    """load_best_model_at_end with one checkpoint kept: the Trainer recorded the best checkpoint under the staging
+    folder (then "Could not locate the best model" and a FileNotFoundError after training), and the rotation
+    deleted it. With the metric's "best" the first evaluation's (the highest loss, greater_is_better), a run of 4
+    steps and its resume to 8 keep checkpoint-2, and the final model is its weights."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    flags = ["--tiny", "--report_to", "none", "--eval_fraction", "0.1", "--eval_strategy", "steps", "--eval_steps",
+             "2", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
+             "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true",
+             "--output_dir", str(out)]  # fmt: skip
+    first = train(BERT, [*flags, "--max_steps", "4"], "bert").trainer
+    assert first.state.best_global_step == 2 and first.state.best_model_checkpoint == str(out / "checkpoint-2")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # the best; the last rotated away
+    resumed = train(BERT, [*flags, "--max_steps", "8", "--resume", "auto"], "bert").trainer
+    assert resumed.state.best_model_checkpoint == str(out / "checkpoint-2")
+    assert "Could not locate the best model" not in capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    best = load_file(out / "checkpoint-2" / "model.safetensors")
+    final = load_file(out / "model.safetensors")
+    assert best.keys() == final.keys() and all(torch.equal(best[k], final[k]) for k in best)
+    for state in out.rglob("trainer_state.json"):
+        assert STAGING not in state.read_text()
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, capsys):
     """SIGTERM at step 3 (sent by the process to itself, as `kill` would) and again in the middle of the save:
     the step finishes, checkpoint-3 is written whole, the process exits 75, no final model is written; resumed,

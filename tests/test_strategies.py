@@ -239,6 +239,31 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
         assert after["weights_sha256"] == full["weights_sha256"]
 
 
+BEST = ["--tiny", "--report_to", "none", "--max_steps", "4", "--eval_fraction", "0.1", "--eval_strategy", "steps",
+        "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
+        "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true"]
+
+
+@pytest.mark.parametrize("config", ["zero3", "fsdp2"])
+def test_best_model_under_sharding(config, tmp_path):
+    """load_best_model_at_end under ZeRO-3 and FSDP2 (their own checkpoint formats and loaders): the "best" is the
+    first evaluation's (the highest loss, greater_is_better), checkpoint-2 is kept, and the exported model is its
+    weights, as a 1-process run with the same global batch gets them."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    check(run_cmd([sys.executable, str(ROOT / "recipes" / "bert.py"), *BEST, "--per_device_train_batch_size", "16",
+                   "--output_dir", str(one)], cwd=tmp_path))  # fmt: skip
+    result = check(launch(config, "bert", *BEST, "--per_device_train_batch_size", "8", "--output_dir", str(two),
+                          cwd=tmp_path))  # fmt: skip
+    assert "Could not locate the best model" not in result.stderr + result.stdout
+    assert sorted(p.name for p in two.glob("checkpoint-*")) == ["checkpoint-2"]
+    state = json.loads((two / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(two / "checkpoint-2")
+    best = load_file(one / "checkpoint-2" / "model.safetensors")  # the 1-process run exported its best, exactly
+    assert all(torch.equal(value, best[name]) for name, value in load_file(one / "model.safetensors").items())
+    for name, value in exported_weights(two, "bert").items():
+        torch.testing.assert_close(value, exported_weights(one, "bert")[name], rtol=1e-3, atol=2e-4, msg=name)
+
+
 # Resume on another process count: the Trainer's format (DDP) and FSDP's (torch.distributed.checkpoint
 # reshards) continue the same run on 1 process with the same global batch; ZeRO refuses before loading (see
 # test_checkpoints.py), naming DeepSpeed's conversion command.

@@ -24,6 +24,7 @@ from ..settings.arguments import global_batch_size
 
 STAGING = ".staging"
 OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
+TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -179,13 +180,30 @@ class StagedCheckpoints:
         finally:
             self.active = False
         accelerator.wait_for_everyone()  # every rank's shards are on disk
+        state = self.trainer.state
+        best = self.best(published=[state.global_step])
         if args.should_save:
             for name, text in files.items():
                 (staged / name).write_text(text)
+            if best is not None:  # the Trainer recorded the staging path: the one a resume reads is the final one
+                trainer_state = json.loads((staged / TRAINER_STATE).read_text())
+                (staged / TRAINER_STATE).write_text(json.dumps({**trainer_state, "best_model_checkpoint": best},
+                                                               indent=2, sort_keys=True) + "\n")  # fmt: skip
             publish(staged, args.output_dir, self.owner())
-            # By step, among complete checkpoints only: the newest complete one is never deleted.
-            rotate_checkpoints(args.output_dir, save_total_limit=args.save_total_limit, use_mtime=False)
+            # By step, among complete checkpoints only: the newest complete one, and the best, are never deleted.
+            rotate_checkpoints(args.output_dir, save_total_limit=args.save_total_limit, best_model_checkpoint=best,
+                               use_mtime=False)  # fmt: skip
         accelerator.wait_for_everyone()
+        state.best_model_checkpoint = self.best() or state.best_model_checkpoint
+
+    def best(self, published: list[int] = ()) -> str | None:
+        """The best checkpoint's folder as published, where the Trainer tracks a best model (it would record the
+        staging folder it wrote it to): OUTPUT/checkpoint-<best step>, if that is published (or in `published`)."""
+        step = self.trainer.state.best_global_step
+        if not step:
+            return None
+        folder = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+        return str(folder) if step in published or folder.is_dir() else None
 
     def gathered_state_dict(self) -> dict | None:
         """For the final save under a sharded FSDP state dict, where the Trainer would write no weights at all: the
