@@ -241,7 +241,7 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
 
 BEST = ["--tiny", "--report_to", "none", "--max_steps", "4", "--eval_fraction", "0.1", "--eval_strategy", "steps",
         "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
-        "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true"]
+        "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true"]  # fmt: skip
 
 
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
