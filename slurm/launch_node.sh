@@ -23,10 +23,10 @@ if [ "$per_node" -lt 1 ]; then
   exit 2
 fi
 
-# Preemption (toolkit/pipeline/stopping.py): the launcher forwards SLURM's warning signal (USR1) to the training
-# processes, not just SIGTERM, and gives them time to finish a step and write a checkpoint before killing them.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+# Preemption (toolkit/training/stopping.py): `toolkit launch` has torch's launcher forward SLURM's warning signal
+# (USR1) to the training processes, not just SIGTERM, gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (300
+# unless set) to finish a step and write a checkpoint before killing them, and then exits 75
+# (toolkit/distributed/launcher.py).
 
 # The mesh flags only matter to configs with a parallelism_config (fsdp_hybrid.yaml): replicate across the
 # nodes, shard over one node's processes. accelerate ignores them otherwise.

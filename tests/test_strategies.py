@@ -196,22 +196,24 @@ def test_hybrid_shard_on_two_nodes(reference, tmp_path):
 UNINTERRUPTED: dict[str, list[dict]] = {}  # config -> rank reports of its llama3_fft matrix run
 
 
-def launch_and_preempt(config: str, out: Path, after_steps: int, cwd: Path) -> str:
-    """Launch llama3_fft on 2 processes; SIGTERM the launcher (as `kill` or a spot notice would) once rank 0
-    has logged `after_steps` steps. Returns the run's output."""
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(ROOT / "recipes" / "llama3_fft.py"),
-           *run_flags("llama3_fft", 2, out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def launch_and_preempt(config: str, out: Path, after_steps: int, cwd: Path, cmd: list[str] | None = None,
+                       env: dict | None = None, signum: int = signal.SIGTERM) -> tuple[str, int]:  # fmt: skip
+    """Launch llama3_fft on 2 processes (with accelerate launch, or `cmd`); send the launcher `signum` (SIGTERM,
+    as `kill` or a spot notice would) once rank 0 has logged `after_steps` steps. Returns the run's output and
+    the launcher's exit code."""
+    cmd = cmd or [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" /
+                  f"{config}.yaml"), "--num_processes", "2", "--main_process_port", str(free_port()),
+                  str(ROOT / "recipes" / "llama3_fft.py"), *run_flags("llama3_fft", 2, out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})  # fmt: skip
     lines, logged, sent = [], 0, False
     for line in proc.stdout:
         lines.append(line)
         logged += line.count("'loss':")  # rank 0's log lines; two may share a line with the progress bar
         if logged >= after_steps and not sent:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             sent = True
-    proc.wait(timeout=120)
-    return "".join(lines)
+    return "".join(lines), proc.wait(timeout=120)
 
 
 @pytest.mark.parametrize("config", PREEMPTED)
@@ -222,7 +224,7 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
         uninterrupted = rank_reports(tmp_path / "full")
     out = tmp_path / "run"
     step = random.Random(config).randint(3, 20)  # of 32, leaving the signal a dozen steps to arrive
-    log = launch_and_preempt(config, out, step, tmp_path)
+    log, _ = launch_and_preempt(config, out, step, tmp_path)
     stopped = int(re.search(r"received SIGTERM: step (\d+) finished, saving a checkpoint", log).group(1))
     assert step <= stopped < 32, log[-3000:]
     assert f"preempted at step {stopped}" in log
@@ -232,16 +234,46 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
     resumed = check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, out), "--resume", "auto",
                            cwd=tmp_path))  # fmt: skip
     assert f"resume auto: continuing from {out / f'checkpoint-{stopped}'}" in resumed.stdout
-    for full, before, after in zip(uninterrupted, preempted, rank_reports(out), strict=True):
+    check_ends_as_uninterrupted(uninterrupted, preempted, rank_reports(out))
+
+
+def check_ends_as_uninterrupted(uninterrupted: list[dict], preempted: list[dict], resumed: list[dict]) -> None:
+    for full, before, after in zip(uninterrupted, preempted, resumed, strict=True):
         assert before["rows"] + after["rows"] == full["rows"]  # no row seen twice or skipped
         assert after["learning_rates"] == full["learning_rates"]  # the schedule continued
         assert after["losses"] == full["losses"]  # bit-identical: history restored, then the same steps
         assert after["weights_sha256"] == full["weights_sha256"]
 
 
+def test_slurm_warning_signal_checkpoints_and_the_run_resumes(tmp_path):
+    """SIGUSR1, SLURM's warning before the time limit (`#SBATCH --signal=USR1@...`), to the launch process of a
+    2-process run started as SLURM starts it (slurm/launch_node.sh on one node, the real torch launcher): the
+    ranks finish the step, write a checkpoint, and the launcher exits 75. Before, torch's launcher did not forward
+    SIGUSR1 (its --signals_to_handle overwrote the script's TORCHELASTIC_SIGNALS_TO_HANDLE): it died of it, no
+    checkpoint. `--resume auto` then ends bit-identical with the uninterrupted run."""
+    uninterrupted = UNINTERRUPTED.get("ddp")
+    if uninterrupted is None:
+        check(launch("ddp", "llama3_fft", *run_flags("llama3_fft", 2, tmp_path / "full"), cwd=tmp_path))
+        uninterrupted = rank_reports(tmp_path / "full")
+    out = tmp_path / "run"
+    node = ["bash", str(ROOT / "slurm" / "launch_node.sh"), str(ROOT / "accelerate_configs" / "ddp.yaml"),
+            str(ROOT / "recipes" / "llama3_fft.py"), *run_flags("llama3_fft", 2, out)]  # fmt: skip
+    env = {"SLURM_NODEID": "0", "SLURM_NNODES": "1", "MAIN_ADDR": "127.0.0.1", "MAIN_PORT": str(free_port()),
+           "GPUS_PER_NODE": "2", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    log, code = launch_and_preempt("ddp", out, 5, tmp_path, cmd=node, env=env, signum=signal.SIGUSR1)
+    stopped = int(re.search(r"received SIGUSR1: step (\d+) finished, saving a checkpoint", log).group(1))
+    assert code == 75, log[-3000:]
+    assert (out / f"checkpoint-{stopped}" / "trainer_state.json").is_file() and stopped < 32
+    preempted = rank_reports(out)
+    env["MAIN_PORT"] = str(free_port())
+    check(run_cmd([*node, "--resume", "auto"], cwd=tmp_path, env=env))
+    check_ends_as_uninterrupted(uninterrupted, preempted, rank_reports(out))
+
+
 BEST = ["--tiny", "--report_to", "none", "--max_steps", "4", "--eval_fraction", "0.1", "--eval_strategy", "steps",
         "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
-        "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true"]  # fmt: skip
+        "--load_best_model_at_end", "true", "--metric_for_best_model", "loss",
+        "--greater_is_better", "true"]  # fmt: skip
 
 
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 
 USER_ERROR = 2  # exit code of a refused launch or command
+DIVERGED = 3  # the loss became NaN or infinite
+BUDGET_SPENT = 4  # stopped with a checkpoint before passing --budget_usd
+PREEMPTED = 75  # EX_TEMPFAIL, "try again": stopped with a checkpoint on one of PREEMPTION_SIGNALS
+# A spot instance's notice, `kill`, a launcher shutting down (SIGTERM); SLURM's warning before the time limit
+# (`#SBATCH --signal=USR1@...`).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PEER_GRACE_S = 15.0  # how long a rank > 0 leaves rank 0 to report the mistake they share
 
 

@@ -1,25 +1,67 @@
 """`python -m toolkit launch [accelerate launch options] recipes/X.py [recipe flags]`: accelerate's launcher, with
-the strategy file checked first, and a failed run ending on its own message and exit code.
+the strategy file checked first, the preemption signals passed on to the training processes, and a failed run
+ending on its own message and exit code.
 
 `accelerate launch` re-raises a failed rank as a traceback of its own (`CalledProcessError` with one process,
 torch's `ChildFailedError` with several) below the toolkit's one-line error, and exits 1 whatever the rank's
 exit code was, so 2 (bad input), 3 (diverged), 4 (budget spent) and 75 (preempted, try again) all look alike to
 a scheduler. This calls the same launcher, accelerate's `launch_command`, with the same options and config
 files, then ends with the first failed rank's exit code and nothing more (TOOLKIT_DEBUG=1: the traceback too).
+
+Signals: torch's launcher (several processes) forwards only the signals of its `--signals_to_handle` option to
+the training processes, SIGTERM but not SIGUSR1, SLURM's warning before the time limit, which then kills the
+launcher instead; and it sets TORCHELASTIC_SIGNALS_TO_HANDLE from that option, so exporting that variable changes
+nothing. The option's own environment variable, PET_SIGNALS_TO_HANDLE, is read when accelerate builds torch's
+parser: it is set here (unless set already) to add SIGUSR1, with TORCH_ELASTIC_SHUTDOWN_TIMEOUT (how long the
+processes get to finish a step and write a checkpoint before SIGKILL) at 300 s instead of torch's 30. accelerate's
+one-process launcher passes no signal on at all: here its process gets them. A launcher stopped by SIGTERM or
+SIGUSR1 exits 75, as its processes do: the run was preempted, `--resume auto` continues it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ConfigError, command, debugging
+from ..errors import PREEMPTED, PREEMPTION_SIGNALS, ConfigError, command, debugging
 from ..project import is_recipe, recipe_names
+
+TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's --signals_to_handle default
+SHUTDOWN_TIMEOUT_S = 300
 
 
 def exit_code(returncode: int) -> int:
     """A child's return code as a shell reports it: a death by signal N is 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def handled_signals() -> str:
+    """torch's default signals to forward, and every preemption signal the training processes checkpoint on."""
+    names = TORCH_SIGNALS.split(",")
+    return ",".join(names + [s.name for s in PREEMPTION_SIGNALS if s.name not in names])
+
+
+@contextlib.contextmanager
+def forwarding(signals) -> Iterator[None]:
+    """These signals passed on to this process's children (accelerate's one-process launcher waits for its child
+    and passes none on); torch's multi-process launcher installs its own handlers over these."""
+    import psutil
+
+    def forward(signum, frame):
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @command
@@ -41,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
     elif recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     try:
-        launch_command(args)
+        with forwarding(PREEMPTION_SIGNALS):
+            launch_command(args)
     except subprocess.CalledProcessError as failed:  # one process: the script's own exit code
         if debugging():
             raise
@@ -52,5 +97,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return exit_code(failed.get_first_failure()[1].exitcode) or 1
     except SignalException as signalled:  # the launcher itself was signalled; the ranks got it too
-        return 128 + int(signalled.sigval)
+        signum = int(signalled.sigval)
+        return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
     return 0

@@ -32,12 +32,10 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..errors import BUDGET_SPENT, DIVERGED, PREEMPTED, PREEMPTION_SIGNALS
 from .checkpoints import complete_checkpoints
 
-PREEMPTED = 75
-DIVERGED = 3
-BUDGET_SPENT = 4
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = PREEMPTION_SIGNALS
 
 
 class Stopped(Exception):
