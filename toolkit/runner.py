@@ -28,7 +28,7 @@ from transformers import set_seed
 
 from .data.preparation import PreparedData, prepare_data
 from .distributed import op_builds, patches
-from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0
+from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0, weights_arrive_upcast
 from .distributed.strategy import check_4bit_engine, check_processes, resolve_config_paths
 from .errors import ConfigError, ToolkitError, command, report
 from .metrics.cost import check_device_name
@@ -64,7 +64,9 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     model_plan = blueprint(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing)
     work = plan_workload(args, model_plan)
-    loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0())
+    mixed = args.training.bf16 or args.training.fp16
+    loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
+                               upcast_placeholders=weights_arrive_upcast(mixed))  # fmt: skip
     trainer = build_trainer(args, loaded, data, work)
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

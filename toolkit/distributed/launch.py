@@ -18,6 +18,14 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
+def weights_arrive_upcast(mixed_precision: bool) -> bool:
+    """Whether rank 0's trainable 16-bit weights are fp32 when FSDP sends them to the other ranks. FSDP2: yes under
+    mixed precision (accelerate's fsdp2_prepare_model upcasts them before it shards). FSDP1: no, its
+    sync_module_states broadcasts them at wrapping, in the checkpoint's dtype, and accelerate upcasts the flat
+    parameters after. The receiving ranks' placeholders take that dtype (models/loading.py)."""
+    return mixed_precision and os.environ.get("FSDP_VERSION", "1") == "2"
+
+
 def receives_weights_from_rank0() -> bool:
     """FSDP with RAM-efficient loading on a rank other than 0: this rank starts empty and receives its shard."""
     ram_efficient = env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")

@@ -23,22 +23,24 @@ from .lora import add_lora
 from .meta import meta_model
 
 
-def allocate_placeholders(model: torch.nn.Module, mixed_precision: bool) -> None:
+def allocate_placeholders(model: torch.nn.Module, upcast: bool) -> None:
     """Give meta-device parameters uninitialised CPU storage: never read from disk, never written, so the
     operating system commits no RAM for them; FSDP moves them back to meta before it shards.
 
     Needed because accelerate's FSDP2 preparation re-points the optimizer at the sharded parameters by
     `data_ptr()`, which is 0 for every meta tensor: they all collide into one, and that rank silently updates
     almost none of its shard (its optimizer held 8 bytes of state instead of half the model's).
-    Under mixed precision accelerate first upcasts trainable parameters to fp32 master weights: placeholders
-    made in fp32 skip that copy, which would write (and commit) a whole fp32 model on every receiving rank.
+    Each placeholder takes the dtype rank 0's weight has when FSDP sends it (`upcast`: trainable floating ones in
+    fp32, distributed/launch.py's `weights_arrive_upcast`): under FSDP2 mixed precision accelerate upcasts to fp32
+    master weights first, and placeholders made in fp32 skip that copy, which would write (and commit) a whole fp32
+    model on every receiving rank; FSDP1 broadcasts them as loaded, and its flat parameters must agree.
     """
     replaced: dict[int, torch.nn.Parameter] = {}  # a tied weight keeps one placeholder
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.device.type == "meta":
                 if id(param) not in replaced:
-                    master = mixed_precision and param.requires_grad and param.is_floating_point()
+                    master = upcast and param.requires_grad and param.is_floating_point()
                     storage = torch.empty_like(param, device="cpu", dtype=torch.float32 if master else None)
                     replaced[id(param)] = torch.nn.Parameter(storage, requires_grad=param.requires_grad)
                 module._parameters[name] = replaced[id(param)]
@@ -253,10 +255,11 @@ class LoadedModel:
     load: LoadRecord
 
 
-def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[str] | None,
-                      on_meta: bool = False) -> LoadedModel:  # fmt: skip
+def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[str] | None, on_meta: bool = False,
+                      upcast_placeholders: bool = False) -> LoadedModel:  # fmt: skip
     """The model room's second entry: the weights (`on_meta`: a rank that receives its shard, see load_model),
-    what loading took on this rank (with --record_rank_reports), the LoRA adapter, and storage for placeholders."""
+    what loading took on this rank (with --record_rank_reports), the LoRA adapter, and storage for placeholders
+    (`upcast_placeholders`: see allocate_placeholders)."""
     load = LoadRecord(memory=HostMemoryPeak() if args.run.record_rank_reports else None)  # until the first step
     model = load_model(args.model, args.data.task, blueprint.tokenizer, label_names, on_meta=on_meta)
     load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
@@ -265,5 +268,5 @@ def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[s
         set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
     # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
-    allocate_placeholders(model, mixed_precision=args.training.bf16 or args.training.fp16)
+    allocate_placeholders(model, upcast=upcast_placeholders)
     return LoadedModel(model, blueprint.tokenizer, ParameterCounts.of(model), load)

@@ -20,6 +20,7 @@ from .estimate import (
     PREFERENCE,
     assumed_mfu,
     cost_from_throughput,
+    master_weights,
     samples_per_second_at_mfu,
     task_workload,
     training_flops_per_token,
@@ -46,6 +47,7 @@ def build_plan(args) -> dict:
     mixed = values.get("bf16") or values.get("fp16")
     precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
     fused = values.get("fused_loss") if args.fused_loss is None else args.fused_loss
+    masters = precision == "bf16" and master_weights(lora is not None, bool(mixed), values.get("fp32_master_weights"))
     work = Workload(
         precision=precision,
         optimizer=args.optimizer,
@@ -57,6 +59,7 @@ def build_plan(args) -> dict:
         flash_attention=values.get("attn_implementation") != "eager",
         cuda_context_gib=args.cuda_context_gib,
         weights_4bit=bool(values.get("load_in_4bit")),
+        master_weights=masters,
         **task_workload(task, lora is not None, fused),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head)
@@ -119,7 +122,8 @@ def render(plan: dict) -> str:
         f"largest module {p['largest_module']:,}",
         f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
         f"{int(h['headroom'] * 100)}% headroom",
-        f"workload    {w['precision']}, {w['optimizer']}, micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
+        f"workload    {w['precision']}{', fp32 master weights' if w['master_weights'] else ''}, {w['optimizer']}, "
+        f"micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",

@@ -58,12 +58,21 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
         precision = "bf16-mixed" if t.bf16 or t.fp16 else "fp32"
     optim = str(getattr(t.optim, "value", t.optim))
     optimizer = "adamw_8bit" if "8bit" in optim else "sgd" if "sgd" in optim else "adamw"
+    master = precision == "bf16" and master_weights(arguments.model.use_lora, t.bf16 or t.fp16,
+                                                    arguments.model.fp32_master_weights)  # fmt: skip
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
+                    master_weights=master,
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
                     weights_4bit=arguments.model.load_in_4bit,
                     **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu))  # fmt: skip
+
+
+def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> bool:
+    """Whether 16-bit weights train with fp32 master copies of the trainable ones: peft's LoRA adapters are fp32
+    anyway; a full fine-tune has them under mixed precision (--bf16/--fp16), unless --fp32_master_weights false."""
+    return lora or (mixed_precision and setting is not False)
 
 
 def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True) -> dict:

@@ -48,6 +48,10 @@ class Workload:
     fused_head: bool = False
     # QLoRA: the frozen linear weights in 4-bit NF4 with double quantization (bitsandbytes).
     weights_4bit: bool = False
+    # 16-bit weights whose trainable ones are kept in fp32 (master weights, 16-bit compute): accelerate's FSDP at
+    # preparation, the toolkit's trainer under single_gpu/DDP, under mixed precision; peft's LoRA adapters always.
+    # DeepSpeed keeps its own (its accounting in model_state_bytes).
+    master_weights: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -214,9 +218,9 @@ def fused_head_bytes(shape: Shape, work: Workload) -> int:
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
     world = gpus_per_node * nodes
     shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
-    # accelerate's FSDP2 upcasts trainable 16-bit weights to fp32 under mixed precision (one dtype per unit;
-    # fsdp2_prepare_model): bf16 weights train as fp32 masters with bf16 compute.
-    upcast = layout.engine == "torch" and layout.shard_params and work.precision == "bf16"
+    # Trainable 16-bit weights kept in fp32, compute in 16 bits (Workload.master_weights): accelerate's FSDP
+    # upcasts them at preparation (one dtype per unit), the toolkit's trainer on the device for single_gpu/DDP.
+    upcast = layout.engine == "torch" and work.precision == "bf16" and work.master_weights
     states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast, work.weights_4bit)
     weight = 2 if work.precision == "bf16" else 4  # the weights' dtype as loaded
     split = {
@@ -257,14 +261,17 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # Loading: every rank reads the whole checkpoint into host RAM, except under RAM-efficient loading (rank 0
     # alone; the others build on the meta device) and ZeRO-3 (each rank keeps only its partition). A copy is
     # the parameters as they sit on the host before sharding: under FSDP mixed precision accelerate upcasts the
-    # trainable ones to fp32 there, so a bf16 checkpoint takes twice its size (measured: bench/ram_loading.py).
+    # trainable ones to fp32 there, so a bf16 checkpoint takes twice its size (measured: bench/ram_loading.py);
+    # the toolkit upcasts a replicated model's on its device, after loading.
     if layout.ram_efficient_loading:
         copies = 1
     elif layout.engine == "deepspeed" and layout.shard_params:
         copies = gpus_per_node / world
     else:
         copies = gpus_per_node
-    mem.host_loading = int(copies * states["parameters"])
+    loaded = states if layout.shard_params else model_state_bytes(shape, layout, work.precision, work.optimizer,
+                                                                  weights_4bit=work.weights_4bit)  # fmt: skip
+    mem.host_loading = int(copies * loaded["parameters"])
     # A frozen reference (DPO) in the weights' dtype, sharded as the policy's parameters are (TRL: ZeRO-3
     # partitions it, FSDP shards it; DDP and ZeRO-1/2 hold it whole, as stage 0).
     if work.reference_weights:

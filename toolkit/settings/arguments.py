@@ -92,6 +92,14 @@ class ModelArguments:
         default=False,
         metadata={"help": "LoRA: also save base + adapter merged into one standalone model in OUTPUT_DIR/merged."},
     )
+    fp32_master_weights: bool | None = field(
+        default=None,
+        metadata={
+            "help": "16-bit weights (--dtype bfloat16): keep the trainable ones in fp32, computing in 16 bits, so "
+            "that updates below bf16's resolution are not lost. Default: on under mixed precision (--bf16/--fp16); "
+            "single_gpu/DDP get the toolkit's, FSDP accelerate's, DeepSpeed its own (docs/recipes.md)."
+        },
+    )
     load_in_4bit: bool = field(
         default=False,
         metadata={

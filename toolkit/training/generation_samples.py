@@ -8,6 +8,7 @@ true`), step 0 holds the base model's answers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,18 @@ import torch
 from transformers import TrainerCallback
 
 from ..metrics.samples import SAMPLES_FILE, Prompt
+
+
+def root_unsharded(model: torch.nn.Module):
+    """FSDP1: `generate` on the wrapped model reaches the inner model's own methods, around the root unit's
+    forward, which is what gathers the root's own parameters (the embeddings, the final norm, an untied head): they
+    are gathered for the whole call here (TRL's GRPO generates so); each layer's unit still gathers its own in its
+    forward. Anything else (FSDP2's per-module hooks, ZeRO-3's, replicated models): as it is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
+    return contextlib.nullcontext()
 
 
 class GenerationSamples(TrainerCallback):
@@ -32,7 +45,7 @@ class GenerationSamples(TrainerCallback):
         training = model.training
         model.eval()
         answers = []
-        with torch.no_grad():
+        with torch.no_grad(), root_unsharded(self.trainer.model_wrapped):
             for prompt in self.prompts:
                 ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
                                                     return_dict=True)["input_ids"].to(device)  # fmt: skip

@@ -18,6 +18,7 @@ from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, peak_tflops
 from ..metrics.memory import human_bytes
+from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
 from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
@@ -73,7 +74,8 @@ class RunPlan:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         shape = Shape.of(meta_model(base.config, arguments.data.task, arguments.model.lora_settings()), base.config)
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
-        dtype = next(model.parameters()).dtype
+        # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
+        dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
         fit, _ = measured_activations(
             base.config, arguments.data.task, work.precision, work.flash_attention, work.fused_head
@@ -125,7 +127,7 @@ class RunPlan:
             )
         return Budget(run.budget_usd)
 
-    def header(self, training, counts, base_learning_rate: float, data_note: str = "") -> str:
+    def header(self, training, counts, base_learning_rate: float, data_note: str = "", master_weights: str = "") -> str:
         """The lines printed before the first step: what is really in effect, and the plan."""
         s, recipe, cost, plan = self.strategy, self.recipe, self.cost, self.cost_plan
         lr = f"{training.learning_rate:.3g}"
@@ -149,7 +151,8 @@ class RunPlan:
             f"strategy      {s['distributed_type']}, {s['num_processes']} process(es) on {s['num_machines']} "
             f"machine(s), {s['device']}, backend {s['backend']}",
             f"sharding      {s['sharding']}",
-            f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}",
+            f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
+            + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
             f"accumulation x {s['num_processes']} processes = {global_batch_size(training)} global",

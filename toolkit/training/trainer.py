@@ -61,6 +61,7 @@ from .checkpoints import StagedCheckpoints, staging_dir
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
+from .precision import keep_master_weights
 from .rank_reports import RankReports, held_bytes
 from .run_plan import RunPlan
 from .stopping import SafeStop, Stopped
@@ -77,6 +78,8 @@ class ToolkitTrainerMixin:
         if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see settings/tasks.py's Task
         self.recipe, self.param_counts, self.data_note = arguments, param_counts, data_note
+        # The model is on its device, no optimizer exists yet: where no engine keeps master weights, the toolkit.
+        self.master_weights = keep_master_weights(self, arguments.model.fp32_master_weights)
         # The parts, each with its own state; the callbacks are called in the order added.
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
@@ -107,7 +110,8 @@ class ToolkitTrainerMixin:
     # ------------------------------------------------------------------------------------------ the run
     def train(self, *args, **kwargs):
         if self.is_world_process_zero():
-            print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note), flush=True)
+            print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note,
+                                   self.master_weights), flush=True)  # fmt: skip
             available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
             warning = not_fitting_warning(self.plan.memory.device_total, available)
             if warning:
