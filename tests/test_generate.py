@@ -86,3 +86,50 @@ def test_generate_refuses_what_it_cannot_talk_to(runs, folder, key, capsys, tmp_
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert key in err and "Traceback" not in err
+
+
+def test_answers_stop_at_the_end_of_a_llama3_turn(tmp_path, capsys):
+    """Meta's real Llama 3 tokenizer (llama-models' tokenizer.model): its end of sequence is <|end_of_text|>, its chat
+    turns end with <|eot_id|>, and an answer stops at either, as Meta's own code does (`Tokenizer.stop_tokens`).
+    A model that says <|eot_id|> first: `generate` ends its answer there (it ran to --max_new_tokens before), and
+    a fine-tune saves both in its generation config."""
+    pytest.importorskip("llama_models")
+    import torch
+    from llama_models.llama3.tokenizer import Tokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from toolkit.data.conversations import apply_chat_template_setting, stop_token_ids
+    from toolkit.data.sources import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("package:llama_models/llama3/tokenizer.model"))
+    apply_chat_template_setting(tokenizer, "llama3")
+    meta = Tokenizer.get_instance()
+    assert tokenizer.eos_token_id == meta.eos_id == 128001
+    # Meta's: <|end_of_text|>, <|eom_id|> (a tool call's end, which the llama3 template never writes), <|eot_id|>
+    assert stop_token_ids(tokenizer) == [128001, 128009] and set(meta.stop_tokens) >= {128001, 128009}
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.lm_head = torch.nn.Linear(16, len(tokenizer), bias=True)  # says <|eot_id|> whatever it is asked
+    torch.nn.init.zeros_(model.lm_head.weight)
+    with torch.no_grad():
+        model.lm_head.bias.zero_()[meta.special_tokens["<|eot_id|>"]] = 1.0
+    steps = []
+    model.register_forward_hook(lambda *_: steps.append(1))
+    from types import SimpleNamespace
+
+    from toolkit.generate import answer
+
+    args = SimpleNamespace(temperature=0.0, max_new_tokens=12, repetition_penalty=1.0)
+    assert answer(model, tokenizer, [{"role": "user", "content": "Hi"}], args, stream=False) == ""
+    assert len(steps) == 1  # one token, <|eot_id|>, then done
+
+    from llama3_fft import RECIPE as LLAMA3_FFT
+    from transformers import GenerationConfig
+
+    out = tmp_path / "run"
+    train(LLAMA3_FFT, [*SHORT, "--max_steps", "1", "--output_dir", str(out)], "llama3_fft")
+    tiny_tokenizer = AutoTokenizer.from_pretrained(out)
+    expected = [tiny_tokenizer.eos_token_id, tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+    assert GenerationConfig.from_pretrained(out).eos_token_id == expected

@@ -216,23 +216,45 @@ def launch_and_preempt(config: str, out: Path, after_steps: int, cwd: Path, cmd:
     return "".join(lines), proc.wait(timeout=120)
 
 
+def slurm_node(out: Path) -> tuple[list[str], dict[str, str]]:
+    """slurm/launch_node.sh on one node of 2 processes, SLURM's variables set by hand: the command and its env."""
+    node = ["bash", str(ROOT / "slurm" / "launch_node.sh"), str(ROOT / "accelerate_configs" / "ddp.yaml"),
+            str(ROOT / "recipes" / "llama3_fft.py"), *run_flags("llama3_fft", 2, out)]  # fmt: skip
+    env = {"SLURM_NODEID": "0", "SLURM_NNODES": "1", "MAIN_ADDR": "127.0.0.1", "MAIN_PORT": str(free_port()),
+           "GPUS_PER_NODE": "2", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    return node, env
+
+
 @pytest.mark.parametrize("config", PREEMPTED)
 def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
+    """DDP is started as SLURM starts it (slurm/launch_node.sh, the real torch launcher under `toolkit launch`) and
+    gets SIGUSR1, SLURM's warning before the time limit; ZeRO-3 and FSDP2 get SIGTERM under accelerate launch.
+    Before, torch's launcher did not forward SIGUSR1 (its --signals_to_handle overwrote the script's
+    TORCHELASTIC_SIGNALS_TO_HANDLE): the launcher died of it, without a checkpoint."""
     uninterrupted = UNINTERRUPTED.get(config)
     if uninterrupted is None:
         check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, tmp_path / "full"), cwd=tmp_path))
         uninterrupted = rank_reports(tmp_path / "full")
     out = tmp_path / "run"
     step = random.Random(config).randint(3, 20)  # of 32, leaving the signal a dozen steps to arrive
-    log, _ = launch_and_preempt(config, out, step, tmp_path)
-    stopped = int(re.search(r"received SIGTERM: step (\d+) finished, saving a checkpoint", log).group(1))
+    slurm = config == "ddp"
+    node, env = slurm_node(out) if slurm else (None, None)
+    signum = signal.SIGUSR1 if slurm else signal.SIGTERM
+    log, code = launch_and_preempt(config, out, step, tmp_path, cmd=node, env=env, signum=signum)
+    stopped = int(re.search(rf"received {signum.name}: step (\d+) finished, saving a checkpoint", log).group(1))
     assert step <= stopped < 32, log[-3000:]
     assert f"preempted at step {stopped}" in log
     assert (out / f"checkpoint-{stopped}" / "trainer_state.json").is_file()
+    if slurm:
+        assert code == 75, log[-3000:]  # toolkit launch: the scheduler's "try again"
     preempted = rank_reports(out)  # what each rank trained on before the signal
 
-    resumed = check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, out), "--resume", "auto",
-                           cwd=tmp_path))  # fmt: skip
+    if slurm:
+        node, env = slurm_node(out)
+        resumed = check(run_cmd([*node, "--resume", "auto"], cwd=tmp_path, env=env))
+    else:
+        resumed = check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, out), "--resume", "auto",
+                               cwd=tmp_path))  # fmt: skip
     assert f"resume auto: continuing from {out / f'checkpoint-{stopped}'}" in resumed.stdout
     check_ends_as_uninterrupted(uninterrupted, preempted, rank_reports(out))
 
@@ -245,45 +267,26 @@ def check_ends_as_uninterrupted(uninterrupted: list[dict], preempted: list[dict]
         assert after["weights_sha256"] == full["weights_sha256"]
 
 
-def test_slurm_warning_signal_checkpoints_and_the_run_resumes(tmp_path):
-    """SIGUSR1, SLURM's warning before the time limit (`#SBATCH --signal=USR1@...`), to the launch process of a
-    2-process run started as SLURM starts it (slurm/launch_node.sh on one node, the real torch launcher): the
-    ranks finish the step, write a checkpoint, and the launcher exits 75. Before, torch's launcher did not forward
-    SIGUSR1 (its --signals_to_handle overwrote the script's TORCHELASTIC_SIGNALS_TO_HANDLE): it died of it, no
-    checkpoint. `--resume auto` then ends bit-identical with the uninterrupted run."""
-    uninterrupted = UNINTERRUPTED.get("ddp")
-    if uninterrupted is None:
-        check(launch("ddp", "llama3_fft", *run_flags("llama3_fft", 2, tmp_path / "full"), cwd=tmp_path))
-        uninterrupted = rank_reports(tmp_path / "full")
-    out = tmp_path / "run"
-    node = ["bash", str(ROOT / "slurm" / "launch_node.sh"), str(ROOT / "accelerate_configs" / "ddp.yaml"),
-            str(ROOT / "recipes" / "llama3_fft.py"), *run_flags("llama3_fft", 2, out)]  # fmt: skip
-    env = {"SLURM_NODEID": "0", "SLURM_NNODES": "1", "MAIN_ADDR": "127.0.0.1", "MAIN_PORT": str(free_port()),
-           "GPUS_PER_NODE": "2", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
-    log, code = launch_and_preempt("ddp", out, 5, tmp_path, cmd=node, env=env, signum=signal.SIGUSR1)
-    stopped = int(re.search(r"received SIGUSR1: step (\d+) finished, saving a checkpoint", log).group(1))
-    assert code == 75, log[-3000:]
-    assert (out / f"checkpoint-{stopped}" / "trainer_state.json").is_file() and stopped < 32
-    preempted = rank_reports(out)
-    env["MAIN_PORT"] = str(free_port())
-    check(run_cmd([*node, "--resume", "auto"], cwd=tmp_path, env=env))
-    check_ends_as_uninterrupted(uninterrupted, preempted, rank_reports(out))
-
-
 BEST = ["--tiny", "--report_to", "none", "--max_steps", "4", "--eval_fraction", "0.1", "--eval_strategy", "steps",
         "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",
         "--load_best_model_at_end", "true", "--metric_for_best_model", "loss",
         "--greater_is_better", "true"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def best_one_process(tmp_path_factory) -> Path:
+    one = tmp_path_factory.mktemp("best-one")
+    check(run_cmd([sys.executable, str(ROOT / "recipes" / "bert.py"), *BEST, "--per_device_train_batch_size", "16",
+                   "--output_dir", str(one)], cwd=one))  # fmt: skip
+    return one
+
+
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
-def test_best_model_under_sharding(config, tmp_path):
+def test_best_model_under_sharding(config, best_one_process, tmp_path):
     """load_best_model_at_end under ZeRO-3 and FSDP2 (their own checkpoint formats and loaders): the "best" is the
     first evaluation's (the highest loss, greater_is_better), checkpoint-2 is kept, and the exported model is its
     weights, as a 1-process run with the same global batch gets them."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    check(run_cmd([sys.executable, str(ROOT / "recipes" / "bert.py"), *BEST, "--per_device_train_batch_size", "16",
-                   "--output_dir", str(one)], cwd=tmp_path))  # fmt: skip
+    one, two = best_one_process, tmp_path / "two"
     result = check(launch(config, "bert", *BEST, "--per_device_train_batch_size", "8", "--output_dir", str(two),
                           cwd=tmp_path))  # fmt: skip
     assert "Could not locate the best model" not in result.stderr + result.stdout

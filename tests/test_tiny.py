@@ -34,7 +34,8 @@ def test_tiny_llama_keeps_the_architecture():
     assert small.num_attention_heads // small.num_key_value_heads == 4
     assert small.hidden_size == 64 and small.num_hidden_layers == 2
     assert small.vocab_size == len(tok)
-    assert small.eos_token_id == tok.convert_tokens_to_ids("<|eot_id|>")
+    # Meta-Llama-3-8B's end of sequence, not its chat turns' <|eot_id|> (which hid that answers must stop at both)
+    assert small.eos_token_id == tok.convert_tokens_to_ids("<|end_of_text|>")
 
 
 def test_tiny_bert_tokenizer_is_bert_like():

@@ -57,6 +57,8 @@ def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Name
     import torch
     from transformers import TextStreamer
 
+    from .data.conversations import stop_token_ids
+
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True).to(model.device)  # fmt: skip
     sampling = {"do_sample": False}
@@ -66,7 +68,7 @@ def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Name
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, streamer=streamer,
-                             **sampling)  # fmt: skip
+                             eos_token_id=stop_token_ids(tokenizer), **sampling)  # fmt: skip
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 

@@ -80,6 +80,21 @@ def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: st
         tokenizer.pad_token = tokenizer.eos_token
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """What ends an answer: the end of sequence, and the special token that ends a turn in the chat template
+    (<|eot_id|>, <|im_end|>), which is what a chat model emits when it is done. A base Llama 3's end of sequence is
+    <|end_of_text|> (128001) while its turns end with <|eot_id|> (128009): stopping at the first alone, a chat
+    fine-tune of it rambles on past its answer. (Meta's own code stops at both: llama_models' `stop_tokens`.)"""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    layout = TurnLayout.of(tokenizer) if tokenizer.chat_template else None
+    if layout is not None and layout.ending:
+        first = tokenizer(layout.ending, add_special_tokens=False)["input_ids"][:1]
+        special = first and tokenizer.decode(first, skip_special_tokens=True) == ""
+        if special and first[0] not in ids:
+            ids.append(first[0])
+    return ids
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 

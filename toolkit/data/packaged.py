@@ -19,6 +19,7 @@ ranks of a job convert it once:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -78,7 +79,9 @@ def chitchat_to_jsonl(dataset: Path, target: Path) -> None:
 
 
 def tiktoken_to_tokenizer(model_file: Path, target: Path) -> None:
-    """Meta's tokenizer.model -> a save_pretrained tokenizer folder, special tokens as `llama-models` numbers them."""
+    """Meta's tokenizer.model -> a save_pretrained tokenizer folder, special tokens as `llama-models` numbers them,
+    the end of sequence Meta's (`eos_id`: <|end_of_text|>, as Meta-Llama-3-8B's own tokenizer has it; a turn of its
+    chat format ends with <|eot_id|>, which stops generation beside it: conversations.stop_token_ids)."""
     from llama_models.llama3.tokenizer import Tokenizer
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -86,7 +89,7 @@ def tiktoken_to_tokenizer(model_file: Path, target: Path) -> None:
     meta = Tokenizer(model_file)
     special = sorted(meta.special_tokens, key=meta.special_tokens.get)  # ids 128000 onwards, in order
     fast = TikTokenConverter(vocab_file=str(model_file), pattern=meta.pat_str, extra_special_tokens=special).converted()
-    PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+    PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
                             pad_token="<|finetune_right_pad_id|>").save_pretrained(target)  # fmt: skip
 
 
@@ -109,8 +112,9 @@ def converted(module: str, path: Path) -> Path:
     if found is None:
         return path
     convert, name = found
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    stat = path.stat()  # the file as installed, and the code that converts it
+    source = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{inspect.getsource(convert)}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:10]
     target = cache_root() / "packaged" / f"{name}-{key}"
     if target.exists():
         return target

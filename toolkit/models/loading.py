@@ -12,12 +12,13 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
+from ..data.conversations import stop_token_ids
 from ..data.packing import use_packing
 from ..data.sources import check_hub_model, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
-from ..settings.tasks import architecture, check_task, model_class
+from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
@@ -264,6 +265,8 @@ def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[s
     model = load_model(args.model, args.data.task, blueprint.tokenizer, label_names, on_meta=on_meta)
     load.param_bytes = ParameterCounts.of(model).held_bytes  # 0 on ranks > 0 under RAM-efficient FSDP loading
     load.host = load.memory.current() if load.memory else None  # what from_pretrained alone took
+    if args.data.task in GENERATIVE and blueprint.tokenizer.chat_template:  # saved with it: generation stops there
+        model.generation_config.eos_token_id = stop_token_ids(blueprint.tokenizer)
     if args.model.use_lora:
         set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)

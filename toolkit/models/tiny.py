@@ -261,10 +261,10 @@ def train_tokenizer(encoder: bool, texts: list[str], vocab_size: int = 512) -> P
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         ),
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # as Meta-Llama-3-8B's: its turns end with <|eot_id|>, a sequence with this
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
+        eos_token="<|end_of_text|>",
         pad_token="<|finetune_right_pad_id|>",
         model_max_length=8192,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..data.conversations import stop_token_ids
 from ..metrics.samples import SAMPLES_FILE, Prompt
 
 
@@ -42,6 +43,7 @@ class GenerationSamples(TrainerCallback):
 
     def generate(self) -> list[str]:
         model, tokenizer, device = self.trainer.model, self.trainer.processing_class, self.trainer.args.device
+        stop = stop_token_ids(tokenizer)  # the template's end of turn too: Llama 3's <|eot_id|>
         training = model.training
         model.eval()
         answers = []
@@ -51,7 +53,7 @@ class GenerationSamples(TrainerCallback):
                                                     return_dict=True)["input_ids"].to(device)  # fmt: skip
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=self.max_new_tokens, synced_gpus=self.synced,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)  # fmt: skip
                 answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
         model.train(training)
         return answers
