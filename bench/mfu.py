@@ -50,23 +50,33 @@ def model_config(toy: bool):
 
 
 def packed_rows(rows: int, row_length: int, vocab: int, seed: int = 0):
-    """Rows of row_length tokens packed from chat-shaped conversations (log-normal lengths, median 300 tokens,
-    the prompt's third unscored), as the toolkit's packing makes them: position ids restart per conversation."""
+    """`rows` rows of exactly row_length tokens filled with chat-shaped conversations (log-normal lengths, median
+    300 tokens, the prompt's third unscored; a row's last one cut to fit), position ids restarting per conversation
+    as the toolkit's packing gives them: every step trains batch x row_length real tokens, so the timed tokens are
+    counted from the steps (the toolkit's own count is read only at log lines)."""
     import math
 
     import torch
     from datasets import Dataset
 
-    from toolkit.data.packing import pack
+    from toolkit.data.length_grouping import LENGTH
 
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.exp(torch.randn(rows * row_length // 300, generator=g) * 0.7 + math.log(300))
-    data = {"input_ids": [], "labels": []}
-    for n in lengths.clamp(16, row_length).long().tolist():
-        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+    data = {"input_ids": [], "labels": [], "position_ids": []}
+    for _ in range(rows):
+        ids, labels, positions = [], [], []
+        while len(ids) < row_length:
+            n = min(row_length - len(ids), max(16, round(math.exp(float(torch.randn(1, generator=g)) * 0.7
+                                                                  + math.log(300)))))  # fmt: skip
+            conversation = torch.randint(3, vocab, (n,), generator=g).tolist()
+            ids += conversation
+            labels += [-100] * max(1, n // 3) + conversation[max(1, n // 3) :]  # no label across a boundary
+            positions += range(n)
         data["input_ids"].append(ids)
-        data["labels"].append([-100] * (n // 3) + ids[n // 3 :])
-    return pack(Dataset.from_dict(data), row_length)
+        data["labels"].append(labels)
+        data["position_ids"].append(positions)
+    data[LENGTH] = [row_length] * rows
+    return Dataset.from_dict(data)
 
 
 def qlora_settings() -> dict:
@@ -103,16 +113,15 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == WARMUP:
-                times["start"], times["tokens0"] = time.perf_counter(), state.num_input_tokens_seen
+                times["start"] = time.perf_counter()
 
         def on_train_end(self, args, state, control, **kwargs):
             times["seconds"] = time.perf_counter() - times["start"]
-            times["tokens"] = state.num_input_tokens_seen - times["tokens0"]
+            times["tokens"] = (state.global_step - WARMUP) * batch * row_length  # full rows (packed_rows)
 
     common = dict(output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-5,
                   logging_steps=5, save_strategy="no", report_to="none", bf16=True, use_cpu=not on_gpu,
-                  dataloader_drop_last=True, disable_tqdm=True, seed=0,
-                  include_num_input_tokens_seen="non_padding")  # fmt: skip
+                  dataloader_drop_last=True, disable_tqdm=True, seed=0)  # fmt: skip
     collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention)
     planned, lora = None, None
     if variant == "trainer":

@@ -8,9 +8,11 @@
   trl        TRL's SFTTrainer with its packing (best fit decreasing, padding-free)
 
 Same model (SmolLM2-135M's architecture; on a machine without a GPU the same architecture scaled down so the
-bench runs in minutes), same random init, same variable-length chat-shaped data, same optimizer steps. Each
+bench runs in minutes), same random init, same variable-length chat-shaped data: every variant trains two epochs of
+the same rows and is timed over the second, so each times exactly the same tokens, in its own order and rows (a
+count of optimizer steps would not: a length-grouped variant's first steps were a mega-batch's longest rows). Each
 (variant, repeat) runs in a fresh subprocess, variants interleaved, so each has its own peak memory and no
-variant is favoured by warm caches; the first WARMUP steps are not timed. Ratios are against the baseline's
+variant is favoured by warm caches; the first epoch warms up. Ratios are against the baseline's
 median; p is the share of the baseline's batch tokens that are padding (counted in its collator), and 1/(1-p)
 the ideal speed-up of removing it.
 """
@@ -31,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("baseline", "recipe", "grouped", "packed", "trl")
-WARMUP = 2
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json, public): a Llama with tied embeddings.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
@@ -65,7 +66,7 @@ def chat_data(rows: int, max_len: int, vocab: int, seed: int = 0):
 
 
 class Clock:
-    """Wall time and tokens from the end of the warm-up steps to the end of training (a Trainer callback)."""
+    """Wall time of the second epoch, the timed one (a Trainer callback)."""
 
     def __init__(self):
         from transformers import TrainerCallback
@@ -73,13 +74,12 @@ class Clock:
         clock = self
 
         class Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == WARMUP:
-                    clock.start, clock.tokens0 = time.perf_counter(), state.num_input_tokens_seen
+            def on_epoch_begin(self, args, state, control, **kwargs):
+                if int(state.epoch or 0) == 1:
+                    clock.start = time.perf_counter()
 
             def on_train_end(self, args, state, control, **kwargs):
                 clock.seconds = time.perf_counter() - clock.start
-                clock.tokens = state.num_input_tokens_seen - clock.tokens0
 
         self.callback = Callback()
 
@@ -97,29 +97,28 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else torch.float32)
     tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")  # for its pad id only
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    data = chat_data(4096, max_len, config.vocab_size)
+    data = chat_data(steps * batch, max_len, config.vocab_size)  # an epoch of `steps` padded batches
     clock = Clock()
-    common = dict(output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
-                  logging_steps=5, save_strategy="no", report_to="none", bf16=on_gpu, use_cpu=not on_gpu,
-                  dataloader_drop_last=True, disable_tqdm=True, seed=0)  # fmt: skip
+    common = dict(output_dir=str(out), per_device_train_batch_size=batch, max_steps=-1, num_train_epochs=2,
+                  learning_rate=1e-4, logging_steps=5, save_strategy="no", report_to="none", bf16=on_gpu,
+                  use_cpu=not on_gpu, disable_tqdm=True, seed=0)  # fmt: skip
     seq2seq = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
-    tokens = {"real": 0, "batch": 0}
+    counted = {"real": 0, "batch": 0}
 
     def padded(features):  # counts the padding the baseline pays for: p
         batch = seq2seq(features)
-        tokens["real"] += int(batch["attention_mask"].sum())
-        tokens["batch"] += batch["attention_mask"].numel()
+        counted["real"] += int(batch["attention_mask"].sum())
+        counted["batch"] += batch["attention_mask"].numel()
         return batch
 
     if variant == "trl":
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**common, packing=True, max_length=max_len,
-                         include_num_input_tokens_seen="all", dataset_num_proc=None)  # fmt: skip
+        args = SFTConfig(**common, packing=True, max_length=max_len, dataset_num_proc=None)
         trainer = SFTTrainer(model=model, args=args, train_dataset=data.remove_columns("labels"),
                              processing_class=tokenizer, callbacks=[clock.callback])  # fmt: skip
     elif variant == "baseline":
-        args = TrainingArguments(**common, include_num_input_tokens_seen="non_padding")
+        args = TrainingArguments(**common)
         trainer = Trainer(model=model, args=args, train_dataset=data.remove_columns("assistant_masks"),
                           data_collator=padded, processing_class=tokenizer, callbacks=[clock.callback])  # fmt: skip
     else:
@@ -129,7 +128,7 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
         from toolkit.training.trainer import RecipeTrainer
 
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "max_seq_length": max_len,
-                  **common, "include_num_input_tokens_seen": "non_padding"}  # fmt: skip
+                  **common}  # fmt: skip
         if variant == "recipe":
             recipe["train_sampling_strategy"] = "random"
         arguments = parse(recipe, "bench", [])
@@ -152,8 +151,9 @@ def run_variant(variant: str, steps: int, batch: int, max_len: int, out: Path) -
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"tokens_per_second": clock.tokens / clock.seconds, "tokens": clock.tokens, "seconds": clock.seconds,
-            "padding_share": 1 - tokens["real"] / tokens["batch"] if tokens["batch"] else None,
+    tokens = sum(len(row) for row in data["input_ids"])  # the timed epoch's, the same in every variant
+    return {"tokens_per_second": tokens / clock.seconds, "tokens": tokens, "seconds": clock.seconds,
+            "padding_share": 1 - counted["real"] / counted["batch"] if counted["batch"] else None,
             "peak_memory_gib": peak / 2**30, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
 
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     device = results[variants[0]][0]["device"]
     print(f"\n{device}, {model_config(on_gpu).num_hidden_layers}-layer SmolLM2-135M architecture"
           f"{'' if on_gpu else ' (scaled down for CPU)'}, batch {args.batch}, max_len {args.max_len}, "
-          f"{args.steps} steps ({WARMUP} untimed), median of {args.repeats}")  # fmt: skip
+          f"2 epochs of {args.steps} padded steps' rows (the second timed), median of {args.repeats}")  # fmt: skip
     print(f"baseline padding share p = {p:.3f}; ideal speed-up of packing 1/(1-p) = {1 / (1 - p):.2f}x\n")
     print("| variant | non-padding tokens/s (median) | vs baseline | padding share | peak memory GiB |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -30,7 +30,8 @@ def test_layers_later_wins(tmp_path):
     assert args.model.lora_r == 8
     assert args.training.per_device_train_batch_size == 32  # recipe over TrainingArguments' default of 8
     assert args.training.output_dir == "runs/bert"  # toolkit default
-    assert args.training.include_num_input_tokens_seen == "non_padding"
+    assert args.training.logging_nan_inf_filter is False  # toolkit default over TrainingArguments' True
+    assert args.training.include_num_input_tokens_seen == "no"  # the tracker counts tokens (metrics/tracking.py)
 
 
 def test_tiny_layer_sits_under_explicit_flags():

@@ -53,6 +53,8 @@ FILES = {  # name -> text; written once per module into `files`
     "wrong_type.yaml": "learning_rate: fast\n",
     "lora_r_0.yaml": "lora_r: 0\n",
     "notes.txt": "not a folder\n",
+    "messages_text.jsonl": jsonl([{"messages": "Hello there"}] * 3),
+    "two_processes.yaml": "distributed_type: MULTI_GPU\nnum_processes: two\nuse_cpu: true\n",
 }
 
 
@@ -78,6 +80,15 @@ def files(tmp_path_factory) -> dict[str, str]:
         paths[name] = str(root / name)
     (root / "no_config").mkdir()
     paths["no_config"] = str(root / "no_config")
+    for name, edit in {"unknown_type": lambda c: {**c, "model_type": "bert_from_the_future"},
+                       "bad_config": None}.items():  # fmt: skip
+        shutil.copytree(bert, root / name)
+        config = root / name / "config.json"
+        config.write_text(json.dumps(edit(json.loads(config.read_text()))) if edit else '{"model_type": "bert", ')
+        paths[name] = str(root / name)
+    (root / "no_data_files").mkdir()
+    (root / "no_data_files" / "README.md").write_text("the data is elsewhere\n")
+    paths["no_data_files"] = str(root / "no_data_files")
     from transformers import DebertaV2Config, Gemma2Config, T5Config
 
     # Gemma-2 has no sdpa attention (asked for by a flag); DeBERTa-v2 has no causal-LM head; T5 is
@@ -166,6 +177,8 @@ RUNS = [
     ("model-no-config", "bert", ["--model_name_or_path", "{no_config}"], "save_pretrained"),
     ("model-no-weights", "bert", ["--model_name_or_path", "{no_weights}"], "model.save_pretrained"),
     ("model-no-tokenizer", "bert", ["--model_name_or_path", "{no_tokenizer}"], "tokenizer.save_pretrained"),
+    ("model-unknown-type", "bert", ["--model_name_or_path", "{unknown_type}"], "model_type 'bert_from_the_future'"),
+    ("model-config-not-json", "bert", ["--model_name_or_path", "{bad_config}"], "not a valid JSON file"),
     ("output-is-a-file", "bert", ["--output_dir", "{notes.txt}"], "pass a folder with --output_dir"),
     ("resume-nowhere", "bert", ["--resume", "/nowhere"], "--resume auto"),
     ("merge-without-lora", "bert", ["--merge_lora", "true"], "set use_lora true"),
@@ -175,6 +188,7 @@ RUNS = [
     ("data-empty", "bert", ["--dataset_name", "{empty.jsonl}"], "point --dataset_name at a file with rows"),
     ("data-truncated", "bert", ["--dataset_name", "{truncated.jsonl}"], "fix that row"),
     ("data-format", "bert", ["--dataset_name", "{data.txt}"], "use one of"),
+    ("data-folder-without-files", "bert", ["--dataset_name", "{no_data_files}"], "folder of .csv, .json"),
     ("data-column", "bert", ["--dataset_name", "{sentences.jsonl}"], "--text_columns"),
     ("data-label-null", "bert", ["--dataset_name", "{label_null.jsonl}"], "--skip_bad_rows"),
     ("data-text-null", "bert", ["--dataset_name", "{text_null.jsonl}"], "row 1 of the train split"),
@@ -185,6 +199,7 @@ RUNS = [
     ("chat-sharegpt-keys", "llama3_fft", ["--dataset_name", "{sharegpt_keys.jsonl}"], "role/content"),
     ("chat-empty", "llama3_fft", ["--dataset_name", "{empty_conversation.jsonl}"], "--skip_bad_rows"),
     ("chat-no-assistant", "llama3_fft", ["--dataset_name", "{no_assistant.jsonl}"], "--skip_bad_rows"),
+    ("chat-messages-text", "llama3_fft", ["--dataset_name", "{messages_text.jsonl}"], "holds text, not a list"),
     ("chat-column", "llama3_fft", ["--messages_column", "conversations"], "--messages_column"),
     ("chat-template-name", "llama3_fft", ["--chat_template", "llama4"], "--chat_template llama3"),
     ("yaml-missing", "bert", ["--config", "{missing.jsonl}"], "Config file not found"),
@@ -243,6 +258,8 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
     ("check-missing", "check", ["accelerate_configs/nope.yaml"], "accelerate_configs/"),
     ("check-yaml-typo", "check", ["{typo.yaml}"], "Unknown key 'learning_rat'"),
     ("check-recipe", "check", ["accelerate_configs/ddp.yaml", "bertt"], "Known: bert"),
+    ("check-wrong-type", "check", ["{two_processes.yaml}"], "num_processes in"),
+    ("plan-unknown-type", "plan", ["{unknown_type}"], "model_type 'bert_from_the_future'"),
     ("report-not-a-run", "report", ["{no_config}"], "--output_dir of a finished run"),
     ("launch-missing-config", "launch", ["--config_file", "nope.yaml", "recipes/bert.py"], "accelerate_configs/"),
     (
@@ -252,6 +269,7 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
         "Known: bert",
     ),
     ("launch-missing-script", "launch", ["my_train.py"], "pass a recipe"),
+    ("launch-wrong-type", "launch", ["--config_file", "{two_processes.yaml}", "recipes/bert.py"], "an integer, got"),
 ]
 
 

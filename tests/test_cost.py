@@ -120,3 +120,14 @@ def test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pa
     assert not stop and "80% of --budget_usd 10" in warning
     assert budget.check(8.5, 1.0) == (False, None)  # said once
     assert budget.check(9.5, 1.0) == (True, None)  # 9.5 + 1 > 10: stop now, checkpoint, exit
+
+
+def test_an_h100_is_priced_and_peaked_as_the_part_it_is():
+    """torch's names for the two H100 parts: the PCIe card (756 dense BF16 TFLOPS, NVIDIA's datasheet) is not
+    the SXM5 one (989); an unknown part is named, not guessed (it was priced and peaked as SXM5)."""
+    from toolkit.metrics.cost import device_named, peak_tflops
+
+    assert device_named("NVIDIA H100 80GB HBM3") == "H100-80GB" and peak_tflops("H100-80GB", "bf16") == 989.0
+    assert device_named("NVIDIA H100 PCIe") == "H100-PCIe-80GB" and peak_tflops("H100-PCIe-80GB", "bf16") == 756.0
+    assert device_named("NVIDIA H100 NVL") == "NVIDIA H100 NVL"  # not in the table: --hourly_usd and --peak_tflops
+    assert device_named("NVIDIA A100-SXM4-80GB") == "A100-80GB"

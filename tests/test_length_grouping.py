@@ -80,3 +80,15 @@ def test_two_processes_and_a_resume_in_a_later_epoch_train_on_the_rows_of_one_pr
     assert sorted(sum(steps(one)[:8], [])) == sorted(sum(steps(one)[8:], [])) != sum(steps(one)[8:], [])
     assert steps(resumed) == steps(two)[12:]  # the second epoch's order, not the first's
     assert losses(resumed) == losses(two)[12:]
+
+
+def test_the_first_batches_are_not_the_longest():
+    """Each mega-batch's batches in a random order: the first global batches of an epoch are as long as any (they
+    were the longest: transformers' sampler runs each mega-batch longest to shortest, its longest batch first)."""
+    lengths = chat_lengths()
+    order = list(GlobalLengthGroupedSampler(lengths, global_batch=32, seed=0))
+    mean = sum(lengths) / len(lengths)
+    first = [lengths[i] for i in order[: 5 * 32]]  # 5 steps' rows
+    assert 0.7 < sum(first) / len(first) / mean < 1.3, sum(first) / len(first) / mean
+    starts = [sum(lengths[i] for i in order[b : b + 32]) for b in range(0, 50 * 32, 32)]  # the first mega-batch's
+    assert starts != sorted(starts, reverse=True)

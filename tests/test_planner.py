@@ -504,7 +504,10 @@ def test_make_plan_prints_fit_time_and_cost_offline(capsys):
     assert table.returncode == 0, table.stderr[-2000:]
     assert main(["llama3_fft", "--gpu", "A100-80GB", "--gpus", "8", "--json"]) == 0  # what make runs, in-process
     plan = json.loads(capsys.readouterr().out)
-    assert plan["data"] == {"samples": 207_865, "epochs": 1, "tokens_per_sample": 2048}  # ultrachat_200k train_sft
+    data = plan.pop("data")  # ultrachat_200k's train_sft, unreadable offline: its stored size, full rows
+    assert {k: data[k] for k in ("samples", "epochs", "tokens_per_sample")} == {"samples": 207_865, "epochs": 1,
+                                                                                "tokens_per_sample": 2048}  # fmt: skip
+    assert data["tokens_source"].startswith("full rows: the data cannot be read here")
     rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line.split()[:1] and
             line.split()[0] in {c["config"] for c in plan["configs"]}}  # fmt: skip
     for c in plan["configs"]:
@@ -512,3 +515,38 @@ def test_make_plan_prints_fit_time_and_cost_offline(capsys):
         assert row[1] == f"{c['device_gib']:.1f}" and row[4] == ("yes" if c["fits"] else "no")
         assert row[-3:-1] == [f"{c['device_hours']:,.1f}", f"{c['usd']:,.0f}"]
     assert f"recommended: accelerate_configs/{plan['recommended']}.yaml" in table.stdout
+
+
+def test_plan_counts_the_tokens_the_data_has(capsys):
+    """smollm2_chat's data (chatterbot-corpus, short exchanges) and tokenizer are readable offline: the plan's tokens
+    are the data's (a sample of its rows tokenized as the run will; after `toolkit prepare`, the prepared data's
+    exact count), not max_seq_length (256) for every conversation, which overstated the cost of a packed run as
+    much as of an unpacked one; the exact count is each conversation rendered by the chat template, counted here."""
+    import json
+
+    from smollm2_chat import RECIPE
+
+    from toolkit.__main__ import entry
+    from toolkit.data.loading import load_data
+    from toolkit.models.loading import blueprint
+    from toolkit.planner.cli import main
+    from toolkit.settings.parser import parse
+
+    argv = ["smollm2_chat", "--gpu", "A100-80GB", "--gpus", "1", "--json"]
+    assert main(argv) == 0
+    sampled = json.loads(capsys.readouterr().out)["data"]
+    assert entry("prepare")(["smollm2_chat"]) == 0
+    assert main(argv) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert "a sample of 1,000 of the 1,823 raw rows" in sampled["tokens_source"]
+    assert exact["data"]["tokens_source"] == "the prepared data's own count"
+
+    arguments = parse(RECIPE, "smollm2_chat", [])
+    tokenizer = blueprint(arguments).tokenizer
+    train = load_data(arguments.data)[0]["train"]["messages"]
+    tokens = sum(min(256, len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"]))
+                 for m in train)  # fmt: skip
+    assert exact["data"]["samples"] == len(train) == 1823  # 2,025 exchanges, a tenth held out
+    assert exact["data"]["tokens_per_sample"] * len(train) == pytest.approx(tokens, abs=0.5)
+    assert sampled["tokens_per_sample"] == pytest.approx(exact["data"]["tokens_per_sample"], rel=0.05)
+    assert exact["data"]["tokens_per_sample"] < 256 / 4  # the full rows it used to assume

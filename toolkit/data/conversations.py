@@ -43,6 +43,10 @@ SHAREGPT = {"human": "user", "gpt": "assistant"}  # ShareGPT's roles, and what t
 
 def conversation_problem(messages: Any) -> str | None:
     """What makes a conversation unusable for SFT, or None: it would render as something else than it says."""
+    if isinstance(messages, (str, dict)):
+        what = "text" if isinstance(messages, str) else "one object"
+        return (f"its messages column holds {what}, not a list of {{role, content}} messages: for plain text, "
+                "name the column text (or pass --data_format text with a text column)")  # fmt: skip
     if not isinstance(messages, list) or not messages:
         return "the conversation is empty"
     for k, message in enumerate(messages):

@@ -60,7 +60,7 @@ def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None
         ds = DatasetDict({"train": _load_file(path)})
     else:
         check_hub_dataset(resolved)
-        ds = load_dataset(resolved, args.dataset_config)
+        ds = load_dataset_or_say_why(resolved, name, args.dataset_config)
     data_format = None
     if args.task == "sft":
         train_columns = ds[args.train_split].column_names if args.train_split in ds else []
@@ -77,6 +77,27 @@ def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None
         train, evaluation = split["train"], split["test"]
     out = DatasetDict({"train": train} if evaluation is None else {"train": train, "eval": evaluation})
     return out, data_format
+
+
+def load_dataset_or_say_why(resolved: str, name: str, config: str | None) -> DatasetDict:
+    """`datasets.load_dataset` of a local folder or a Hub id, its failures one DataError naming the fix (a folder
+    without data files, a data set or config that is not there, files it cannot parse)."""
+    from datasets.exceptions import DataFilesNotFoundError, DatasetGenerationError, DatasetNotFoundError
+
+    try:
+        return load_dataset(resolved, config)
+    except (DataFilesNotFoundError, DatasetNotFoundError, DatasetGenerationError, FileNotFoundError, ValueError,
+            ConnectionError) as error:  # fmt: skip
+        cause = error
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        message = " ".join(str(cause).split())[:200] or type(cause).__name__
+        if Path(resolved).is_dir():
+            fix = (f"point --dataset_name at a folder of {', '.join(sorted(LOCAL_FORMATS))} files, at one such file, "
+                   "or at a folder of class subfolders of .txt files")  # fmt: skip
+        else:
+            fix = "check the name and --dataset_config on the Hub (`hf auth login` for a gated one)"
+        raise DataError(f"Data set '{name}' cannot be read ({message}): {fix}.") from None
 
 
 def mixed(parts: dict[str, DatasetDict], weights: dict[str, float]) -> DatasetDict:

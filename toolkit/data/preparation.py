@@ -131,6 +131,50 @@ def prepared_folder(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: D
     return cache_root() / "prepared" / f"{args.task}-{key}"
 
 
+def set_template(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> None:
+    """SFT: the recipe's chat template on the tokenizer, where the rows need one (it decides the tokens, so it is
+    set before the cache key is computed); text rows need none."""
+    if args.task == "sft":
+        rows = kind(ds["train"].column_names, args.messages_column)
+        conversational = rows == "messages" or (
+            rows == "prompt_completion" and isinstance(ds["train"][0]["prompt"], list)
+        )
+        apply_chat_template_setting(tokenizer, args.chat_template, required=conversational)
+
+
+def counted(train) -> dict[str, int]:
+    """Training examples and their tokens, in a tokenized split (packed rows: their conversations)."""
+    examples = len(train)
+    if "position_ids" in train.column_names:
+        examples = sum(row.count(0) for row in train["position_ids"])
+    return {"examples": examples, "tokens": sum(train[LENGTH])}
+
+
+SAMPLE_ROWS = 1000  # raw rows tokenized to estimate a data set's tokens without preparing it
+
+
+def data_tokens(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bool) -> tuple[int, int, str]:
+    """(training examples, their tokens, where the figures come from), for the planner's time and cost: this exact
+    preparation's own count when it is in the cache (`python -m toolkit prepare`, an earlier run), else a seeded
+    sample of the raw rows tokenized as the run will, scaled to them all."""
+    raw, _ = load_data(args.data)
+    set_template(raw, tokenizer, args.data)
+    meta = prepared_folder(raw, tokenizer, args.data, packing) / "meta.json"
+    if meta.is_file() and "tokens" in (found := json.loads(meta.read_text())):
+        return found["examples"], found["tokens"], "the prepared data's own count"
+    train = raw["train"]
+    sample = train.shuffle(seed=0).select(range(min(SAMPLE_ROWS, len(train))))
+    part = DatasetDict({"train": sample})
+    if args.data.task == "classification":
+        tokenized = tokenized_classification(part, tokenizer, args.data)[0]["train"]
+    else:
+        tokenized = tokenized_sft(part, tokenizer, args.data, packing=False)
+    figures = counted(tokenized)
+    scale = len(train) / len(sample)
+    return (round(figures["examples"] * scale), round(figures["tokens"] * scale),
+            f"a sample of {len(sample):,} of the {len(train):,} raw rows, tokenized as the run will")  # fmt: skip
+
+
 def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
             packing: bool = False) -> PreparedData:  # fmt: skip
     """Tokenized (and packed) splits and their collator, from the cache when this exact preparation was made
@@ -142,12 +186,7 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
         apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(ds["train"][0]["chosen"],
                                                                                            str))  # fmt: skip
         return PreparedData(ds["train"], ds.get("eval"), None, None)
-    if args.task == "sft":  # the template decides the tokens: set before the key; text needs none
-        rows = kind(ds["train"].column_names, args.messages_column)
-        conversational = rows == "messages" or (
-            rows == "prompt_completion" and isinstance(ds["train"][0]["prompt"], list)
-        )
-        apply_chat_template_setting(tokenizer, args.chat_template, required=conversational)
+    set_template(ds, tokenizer, args)
     folder = prepared_folder(ds, tokenizer, args, packing)
     with main_process_first(desc="preparing data"):
         if (folder / "meta.json").is_file():
@@ -162,7 +201,8 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
             else:
                 tokenized = tokenized_sft(ds, tokenizer, args, packing)
             meta = {"prepared": time.strftime("%Y-%m-%d %H:%M"), "seconds": time.perf_counter() - start,
-                    "label_names": names, "rows": {name: len(split) for name, split in tokenized.items()}}  # fmt: skip
+                    "label_names": names, "rows": {name: len(split) for name, split in tokenized.items()},
+                    **counted(tokenized["train"])}  # fmt: skip
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 keep(tokenized, meta, folder)
             rows = sum(len(split) for split in ds.values())

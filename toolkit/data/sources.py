@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -110,13 +111,40 @@ def hub_config_path(model_name: str) -> Path:
     return HUB_CONFIGS / (model_name.replace("/", "--") + ".json")
 
 
+def read_config(name: str, given: str | None = None, trust_remote_code: bool = False):
+    """transformers' AutoConfig of a local folder or Hub id, every way it can fail one ConfigError naming the fix:
+    a model_type this transformers does not know, a config.json that is not JSON, a repository's own code not
+    allowed, a Hub id that is not there. `given`: the name as the user wrote it."""
+    import transformers
+    from transformers import AutoConfig
+
+    given = given or name
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as error:
+        message = " ".join(str(error).split())
+        if "trust_remote_code" in message:
+            raise ConfigError(f"'{given}' runs its own model code from its repository (auto_map in its config). "
+                              "Read that code, then pass --trust_remote_code true to allow it.") from None  # fmt: skip
+        found = re.search(r"model type `([^`]+)`", message)
+        if found:
+            raise ConfigError(f"{given}: its config.json names model_type '{found.group(1)}', which transformers "
+                              f"{transformers.__version__} does not know: check the name, or the transformers release "
+                              "that added it, or pass --trust_remote_code true if its repository ships the model's "
+                              "code.") from None  # fmt: skip
+        local = Path(name).is_dir()
+        fix = ("pass a folder written by save_pretrained" if local else
+               "check the id on the Hub, and `hf auth login` for a gated model")  # fmt: skip
+        raise ConfigError(f"{given}: its config cannot be read ({message[:200]}): {fix}.") from None
+
+
 def stored_config(model_name: str):
     """The real config of a recipe's model: a local folder's own, or the copy kept in the repo (no Hub call)."""
     from transformers import AutoConfig
 
     local = Path(resolve(model_name)) / "config.json"
     if local.is_file():
-        return AutoConfig.from_pretrained(local.parent)
+        return read_config(str(local.parent), model_name)
     check_local_path(model_name, "model", "--model_name_or_path", "config.json")  # a path, not a Hub id
     path = hub_config_path(model_name)
     if not path.is_file():
@@ -134,6 +162,8 @@ def model_config(name: str):
     """A model's config without its weights: a local folder's, the copy stored in the repo, or the Hub's."""
     from transformers import AutoConfig
 
+    if (Path(resolve(name)) / "config.json").is_file():  # a folder's own: its errors are its own
+        return stored_config(name)
     try:
         return stored_config(name)
     except ConfigError:

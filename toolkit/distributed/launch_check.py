@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
+from accelerate.commands.config.config_args import ClusterConfig
 
 from ..data.sources import model_config
 from ..errors import ConfigError, command
@@ -31,11 +33,33 @@ def suggest(key: str, known: set[str]) -> str:
 
 def known_keys() -> tuple[set[str], set[str]]:
     """Top-level keys of accelerate's config file, and the launch flags its sections may set."""
-    from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
 
     flags = {action.dest for action in launch_command_parser()._actions}
     return set(ClusterConfig.__dataclass_fields__), flags
+
+
+def launch_flag_types() -> dict:
+    """Each accelerate launch flag's type, as its parser converts it (int, float, str)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return {action.dest: action.type for action in launch_command_parser()._actions if action.type is not None}
+
+
+# Numbers only: accelerate reads its flags as text (its own files write downcast_bf16: 'no').
+NUMBERS = {int: "an integer", float: "a number"}
+
+
+def check_value(key: str, value, kind, path: Path, section: str = "") -> None:
+    """A value of the type accelerate reads it as (a number where it compares and adds it: `num_processes: two` was
+    a TypeError in accelerate launch); `kind` is a type hint, or a parser's type function."""
+    kinds = set(typing.get_args(kind)) or {kind}
+    wanted = next((k for k in NUMBERS if k in kinds), None)
+    if wanted is None or value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float) if wanted is float else int):
+        where = f" under {section}" if section else ""
+        raise ConfigError(f"{key}{where} in {path} must be {NUMBERS[wanted]}, got {value!r}.")
 
 
 def read_yaml(path: Path) -> dict:
@@ -119,13 +143,19 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     config = read_yaml(path)
     top, flags = known_keys()
-    for key in config:
+    hints, flag_types = typing.get_type_hints(ClusterConfig), launch_flag_types()
+    for key, value in config.items():
         if key not in top:
             raise ConfigError(f"Unknown key '{key}' in {path}.{suggest(key, top)}")
+        check_value(key, value, hints.get(key), path)
     for section in SECTIONS:
-        for key in config.get(section) or {}:
+        values = config.get(section) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section} in {path} must be a mapping of settings, got {values!r}.")
+        for key, value in values.items():
             if key not in flags:
                 raise ConfigError(f"Unknown key '{key}' under {section} in {path}.{suggest(key, flags)}")
+            check_value(key, value, flag_types.get(key), path, section)
     kind = config.get("distributed_type")
     from accelerate.utils import DistributedType
 

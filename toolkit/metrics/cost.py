@@ -41,11 +41,15 @@ def detect_device() -> str:
 
     if not torch.cuda.is_available():
         return "cpu"
-    gpu = torch.cuda.get_device_name(0)
-    for name, spec in price_table()["devices"].items():
-        if any(m.lower() in gpu.lower() for m in spec.get("match", [])):
-            return name
-    return gpu  # not in the table: priced only with --hourly_usd
+    return device_named(torch.cuda.get_device_name(0))
+
+
+def device_named(gpu: str) -> str:
+    """The price-table entry whose `match` names this GPU (the longest match: "H100 PCIe" before a plain "H100"),
+    or the name itself: not in the table, priced only with --hourly_usd."""
+    found = [(len(m), name) for name, spec in price_table()["devices"].items() for m in spec.get("match", [])
+             if m.lower() in gpu.lower()]  # fmt: skip
+    return max(found)[1] if found else gpu
 
 
 def peak_tflops(device: str, precision: str) -> float | None:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from ..data.conversations import stop_token_ids
 from ..data.packing import use_packing
-from ..data.sources import check_hub_model, resolve
+from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
@@ -84,15 +84,7 @@ def load_config(args: ModelArguments) -> PretrainedConfig:
     """The model's config alone (a few KB): checked before the tokenizer, the data and the weights load."""
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
-    try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    except ValueError as error:
-        if "trust_remote_code" not in str(error):
-            raise
-        raise ConfigError(
-            f"'{args.model_name_or_path}' runs its own model code from its repository (auto_map in its config). "
-            "Read that code, then pass --trust_remote_code true to allow it."
-        ) from None
+    return read_config(name, args.model_name_or_path, args.trust_remote_code)
 
 
 ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",

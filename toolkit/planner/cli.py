@@ -36,6 +36,27 @@ def recipe_values(model: str) -> dict:
     return load_recipe(model) if is_recipe(model) else {"model_name_or_path": model}
 
 
+def measured_tokens(model: str, task: str, seq_length: int) -> tuple[int, int, str] | str:
+    """A recipe's training examples and their tokens, where its data and tokenizer can be read from here (the
+    prepared data's count, else a sample tokenized as the run will: data/preparation.py's data_tokens); else why
+    not. Packed or not, a run trains on these tokens: packing fills rows with them, it does not add any."""
+    if not is_recipe(model):
+        return "not a recipe: pass --samples and --tokens_per_sample"
+    if task == "dpo":
+        return "preference pairs are tokenized by TRL: pass --tokens_per_sample"
+    from ..data.preparation import data_tokens
+    from ..errors import ToolkitError
+    from ..models.loading import blueprint
+    from ..settings.parser import parse
+
+    try:
+        arguments = parse(load_recipe(model), model, ["--max_seq_length", str(seq_length)])
+        model_plan = blueprint(arguments)
+        return data_tokens(arguments, model_plan.tokenizer, model_plan.packing)
+    except ToolkitError as error:  # the Hub out of reach, a data set not here: the plan still stands
+        return f"the data cannot be read here ({str(error).split(':')[0]}); pass --tokens_per_sample"
+
+
 def build_plan(args) -> dict:
     values = recipe_values(args.model)
     config = model_config(values["model_name_or_path"])
@@ -67,7 +88,16 @@ def build_plan(args) -> dict:
     gpu = device_spec(args.gpu)
     samples = args.samples or stored_split_size(values)
     epochs = args.epochs or values.get("num_train_epochs", 1)
-    tokens_per_sample = args.tokens_per_sample or work.seq_length
+    tokens_per_sample, tokens_source = args.tokens_per_sample, "as given"
+    if tokens_per_sample is None:
+        measured = measured_tokens(args.model, task, work.seq_length)
+        if isinstance(measured, str):
+            tokens_per_sample, tokens_source = work.seq_length, f"full rows: {measured}"
+        else:
+            examples, tokens, tokens_source = measured
+            samples = args.samples or examples
+            tokens_per_sample = tokens / examples
+    data = dict(samples=samples, epochs=epochs, tokens_per_sample=tokens_per_sample, tokens_source=tokens_source)
     results = []
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values())):
@@ -105,7 +135,7 @@ def build_plan(args) -> dict:
         },  # fmt: skip
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
-        "data": {"samples": samples, "epochs": epochs, "tokens_per_sample": tokens_per_sample} if samples else None,
+        "data": data if samples else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task == "dpo"),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
@@ -130,8 +160,9 @@ def render(plan: dict) -> str:
     ]
     if plan["data"]:
         d = plan["data"]
-        lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x {d['tokens_per_sample']:,} "
-                     f"tokens; {plan['flops_per_token']:.3g} training FLOPs per token")  # fmt: skip
+        lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x "
+                     f"{d['tokens_per_sample']:,.0f} tokens ({d['tokens_source']}); {plan['flops_per_token']:.3g} "
+                     "training FLOPs per token")  # fmt: skip
     lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"
@@ -188,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda_context_gib", type=float, default=Workload.cuda_context_gib)
     parser.add_argument("--samples", type=int, help="training samples (default: the recipe's split, when known)")
     parser.add_argument("--epochs", type=float, help="default: the recipe's num_train_epochs")
-    parser.add_argument("--tokens_per_sample", type=int, help="default: the sequence length (full, packed rows)")
+    parser.add_argument("--tokens_per_sample", type=int, help="default: measured on the recipe's data where it "
+                        "can be read (toolkit prepare makes it exact), else the sequence length")  # fmt: skip
     parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")

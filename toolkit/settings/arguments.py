@@ -380,6 +380,10 @@ def check_training(training: TrainingArguments) -> None:
                           "unset: pass --num_train_epochs 1 or --max_steps N.")  # fmt: skip
     if training.use_liger_kernel:
         check_liger()
+    if str(training.include_num_input_tokens_seen) not in ("no", "False"):
+        raise ConfigError("include_num_input_tokens_seen: the toolkit counts every rank's real tokens itself, without "
+                          "the Trainer's gather and read of every micro-batch (num_input_tokens_seen is on every log "
+                          "line): drop the setting.")  # fmt: skip
     if training.warmup_steps < 0 or training.weight_decay < 0:
         raise ConfigError("warmup_steps and weight_decay cannot be negative: pass 0 to turn them off.")
     if Path(training.output_dir).exists() and not Path(training.output_dir).is_dir():
