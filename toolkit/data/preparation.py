@@ -168,7 +168,7 @@ def data_tokens(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bo
     if args.data.task == "classification":
         tokenized = tokenized_classification(part, tokenizer, args.data)[0]["train"]
     else:
-        tokenized = tokenized_sft(part, tokenizer, args.data, packing=False)
+        tokenized = tokenized_sft(part, tokenizer, args.data, packing=False)["train"]
     figures = counted(tokenized)
     scale = len(train) / len(sample)
     return (round(figures["examples"] * scale), round(figures["tokens"] * scale),

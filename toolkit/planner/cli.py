@@ -4,7 +4,10 @@ anything is launched, offline for the recipes' models.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 from dataclasses import asdict, fields, replace
 
 from ..data.sources import model_config, stored_split_size
@@ -229,6 +232,23 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {value}.")
-    plan = build_plan(args)
+    with stdout_to_stderr():  # what the libraries print on the way (DeepSpeed's logger among them) is not the plan
+        plan = build_plan(args)
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Standard output goes to standard error for the block, at the descriptor: a logging handler that holds
+    sys.stdout from before (DeepSpeed's, made at import) writes there too, so `plan --json` prints JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
