@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from bert import RECIPE as BERT
 
 from toolkit import train
 from toolkit.metrics import report
+from toolkit.metrics.samples import read_samples
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +48,164 @@ def test_report_charts_and_table_equal_the_summaries(two_runs, tmp_path, capsys)
 def test_report_on_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
     assert report.main([str(tmp_path), "--output", str(tmp_path / "r")]) == 2
     assert "neither a run's output folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- W&B Reports, published
+class WandbStandIn:
+    """W&B's API as `toolkit report --wandb_project` meets it, served on 127.0.0.1: the viewer and default entity,
+    the entity's projects (entity `nosuch` refused as W&B refuses it), and the report's upsert, answered as W&B
+    answers; every GraphQL request recorded. It proves the request the toolkit sends, not W&B's rendering."""
+
+    USER = {"id": "VXNlcjox", "name": "tester", "username": "tester", "email": "t@example.com", "admin": False,
+            "flags": "{}", "entity": "tester", "deletedAt": None, "apiKeys": {"edges": []}, "teams": {"edges": []},
+            "photoUrl": None, "userEntity": {"name": "tester"}}  # fmt: skip
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stand_in, self.requests = self, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.loads(raw) if self.path == "/graphql" else {}  # the SDK's telemetry is not JSON
+                if body:
+                    stand_in.requests.append(body)
+                reply = json.dumps(stand_in.answer(body.get("query", ""), body.get("variables") or {})).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def answer(self, query: str, variables: dict) -> dict:
+        if "upsertView" in query:
+            v = variables
+            project = {"id": "UHJvamVjdDox", "name": v["projectName"], "entityName": v["entityName"]}
+            view = {"id": "VmlldzoxMjM=", "type": v["type"], "name": v["name"], "displayName": v["displayName"],
+                    "description": v["description"], "project": project, "spec": v["spec"],
+                    "updatedAt": "2026-11-25T00:00:00"}  # fmt: skip
+            return {"data": {"upsertView": {"view": view, "inserted": True}}}
+        if "models(" in query:
+            if variables.get("entity") == "nosuch":
+                return {"data": None, "errors": [{"message": "entity nosuch not found", "path": ["models"]}]}
+            node = {"__typename": "Project", "id": "UHJvamVjdDox", "name": "finetune-recipes", "entityName": "tester",
+                    "createdAt": "2026-01-01T00:00:00", "isBenchmark": False, "user": self.USER}  # fmt: skip
+            page = {"__typename": "PageInfo", "endCursor": "c", "hasNextPage": False}
+            return {"data": {"models": {"edges": [{"node": node, "cursor": "c"}], "pageInfo": page}}}
+        if "viewer" in query:
+            return {"data": {"viewer": self.USER}}
+        return {"data": {}}
+
+    def saved_spec(self) -> dict:
+        (upsert,) = [r for r in self.requests if "upsertView" in r["query"]]
+        return json.loads(upsert["variables"]["spec"])
+
+
+@pytest.fixture(scope="module")
+def wandb_runs(tmp_path_factory):
+    """Two runs logged to W&B offline (no account here): a BERT one, and a Llama one with generation samples."""
+    from llama3_fft import RECIPE as LLAMA3_FFT
+
+    root = tmp_path_factory.mktemp("wandb-runs")
+    common = ["--tiny", "--max_steps", "4", "--logging_steps", "2", "--report_to", "wandb"]
+    train(BERT, [*common, "--output_dir", str(root / "bert")], "bert")
+    samples = ["--eval_fraction", "0.1", "--max_eval_samples", "8", "--generation_samples", "1",
+               "--generation_max_new_tokens", "4"]  # fmt: skip
+    train(LLAMA3_FFT, [*common, *samples, "--output_dir", str(root / "llama")], "llama3_fft")
+    return [root / "bert", root / "llama"]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    server = WandbStandIn()
+    monkeypatch.setenv("WANDB_BASE_URL", server.url)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    yield server
+    server.server.shutdown()
+
+
+def test_offline_runs_are_named_with_the_command_that_uploads_them(wandb_runs, stand_in, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report.main([*map(str, wandb_runs), "--wandb_project", "finetune-recipes", "--output", str(out)]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    folders = [json.loads((run / "run_summary.json").read_text())["summary"]["wandb_run_dir"] for run in wandb_runs]
+    assert "bert, llama were logged offline and are not on W&B yet" in line
+    assert f"`wandb sync {' '.join(folders)}`" in line and "--sync" in line
+    assert not any("upsertView" in r["query"] for r in stand_in.requests) and not out.exists()
+
+
+def test_the_published_report_compares_exactly_these_runs(wandb_runs, stand_in, tmp_path, capsys, monkeypatch):
+    """--sync uploads the offline runs first (`wandb sync`, here a stand-in that marks each run uploaded, as the real
+    one does); then the saved report: a runset of exactly the compared runs' ids, one chart per figure against the
+    step and loss against dollars, the plans against the measurements, the answers side by side, and its URL."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "wandb").write_text('#!/bin/sh\n[ "$1" = sync ] && for f in "$2"/*.wandb; do touch "$f.synced"; done\n')
+    (fake / "wandb").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    argv = [*map(str, wandb_runs), "--wandb_project", "finetune-recipes", "--sync", "--output", str(tmp_path / "r")]
+    assert report.main(argv) == 0
+    assert f"W&B report: {stand_in.url}/tester/finetune-recipes/reports/Run-comparison--VmlldzoxMjM=" in (
+        capsys.readouterr().out
+    )
+    summaries = [json.loads((run / "run_summary.json").read_text()) for run in wandb_runs]
+    blocks = stand_in.saved_spec()["blocks"]
+    (grid,) = [b for b in blocks if b["type"] == "panel-grid"]
+    (runset,) = grid["metadata"]["runSets"]
+    ids = [s["summary"]["wandb_run_id"] for s in summaries]
+    assert runset["filters"]["filters"] == [{"key": {"section": "run", "name": "name"}, "op": "IN", "value": ids,
+                                             "disabled": False}]  # fmt: skip
+    panels = [(p["config"]["xAxis"], p["config"]["metrics"], p["config"]["chartTitle"])
+              for p in grid["metadata"]["panelBankSectionConfig"]["panels"]]  # fmt: skip
+    assert panels == [("train/global_step", ["train/loss"], "training loss"),
+                      ("train/global_step", ["train/tokens_per_second"], "tokens/s"),
+                      ("train/global_step", ["train/mfu"], "MFU"),
+                      ("train/global_step", ["train/cost_usd"], "cost (USD)"),
+                      ("train/cost_usd", ["train/loss"], "loss vs dollars")]  # fmt: skip
+    markdown = [b["content"] for b in blocks if b["type"] == "markdown-block"]
+    plan_rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                 for line in markdown[0].splitlines()[2:]}  # fmt: skip
+    for run, written in zip(("bert", "llama"), summaries, strict=True):
+        summary, planned = written["summary"], written["config"]["memory_plan"]["device_total"]
+        assert plan_rows[run][:4] == [summary["strategy"], str(summary["processes"]), f"{planned / 2**30:.2f}",
+                                      f"{summary['peak_memory_gib']:.2f}"]  # fmt: skip
+        assert plan_rows[run][5] == f"{summary['cost_usd']:.4g}"
+    prompt = read_samples(wandb_runs[1])[0]["prompt"]
+    assert prompt in markdown[1] and "llama, step" in markdown[1]
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "entity", "message"),
+    [
+        ("no-account", {"WANDB_API_KEY": None}, None, "no W&B account on this machine: `wandb login`"),
+        ("no-network", {"WANDB_BASE_URL": "http://127.0.0.1:9"}, None, "W&B cannot be reached from here"),
+        ("bad-entity", {}, "nosuch", "W&B refused the report for nosuch/finetune-recipes"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and v in ("no-account", "no-network", "bad-entity") else "",
+)
+def test_publishing_that_cannot_work_is_one_line(case, env, entity, message, wandb_runs, stand_in, tmp_path, capsys,
+                                                monkeypatch):  # fmt: skip
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+    for run in wandb_runs:  # uploaded already: what fails is the report itself
+        folder = Path(json.loads((run / "run_summary.json").read_text())["summary"]["wandb_run_dir"])
+        for file in folder.glob("*.wandb"):
+            file.with_name(file.name + ".synced").touch()
+    argv = [*map(str, wandb_runs), "--wandb_project", "finetune-recipes", "--output", str(tmp_path / "r")]
+    assert report.main([*argv, *(["--wandb_entity", entity] if entity else [])]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in captured.err, captured.err[-2000:]

@@ -3,7 +3,8 @@
 Each RUN is a run's output folder (its `run_log.jsonl` and `run_summary.json`, written by every run) or a W&B
 offline run folder (`wandb/offline-run-*`). Writes, offline, PNG charts (loss against steps and against
 dollars; tokens/s, MFU, peak memory and cost per run) and a page in Markdown and HTML whose table is the runs'
-own summaries. With `--wandb_project` and a W&B account, the same charts go to a W&B Report too.
+own summaries. With `--wandb_project` and a W&B account, the same charts go to a W&B Report too, with the runs'
+plans against what they measured (wandb_report.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Run:
     history: list[dict[str, Any]]  # training log lines, one per logging step (last one kept per step)
     summary: dict[str, Any]
     samples: list[dict[str, Any]] = field(default_factory=list)  # --generation_samples: OUTPUT/samples.jsonl
+    config: dict[str, Any] = field(default_factory=dict)  # what defines the run, its plans included
 
 
 class ReportError(ToolkitError, ValueError):
@@ -51,7 +53,8 @@ class ReportError(ToolkitError, ValueError):
 def load_run(path: str | Path) -> Run:
     path = Path(path)
     if (path / "run_summary.json").is_file():
-        summary = json.loads((path / "run_summary.json").read_text())["summary"]
+        written = json.loads((path / "run_summary.json").read_text())
+        summary, config = written["summary"], written.get("config", {})
         lines = [json.loads(line) for line in (path / "run_log.jsonl").read_text().splitlines() if line.strip()]
         name = path.name
     elif list(path.glob("*.wandb")):
@@ -59,6 +62,9 @@ def load_run(path: str | Path) -> Run:
 
         run = read_offline_run(path)
         summary = {k.removeprefix("summary/"): v for k, v in run["summary"].items() if k.startswith("summary/")}
+        config = run["config"]
+        summary.setdefault("wandb_offline", True)
+        summary.setdefault("wandb_run_dir", str(path))
         lines = [{k.removeprefix("train/"): v for k, v in row.items()} for row in run["history"]]
         for line in lines:
             line["step"] = line.get("global_step")
@@ -70,7 +76,7 @@ def load_run(path: str | Path) -> Run:
     if not summary:
         raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
     by_step = {line["step"]: line for line in lines if "loss" in line}  # a resumed run repeats steps: last wins
-    return Run(name, [by_step[s] for s in sorted(by_step)], summary, read_samples(path))
+    return Run(name, [by_step[s] for s in sorted(by_step)], summary, read_samples(path), config)
 
 
 def unique_names(runs: list[Run]) -> None:
@@ -185,29 +191,6 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
     return folder / "report.md", folder / "index.html"
 
 
-def publish_to_wandb(runs: list[Run], project: str, entity: str | None) -> str:
-    """The same comparison as a W&B Report (wandb-workspaces' reports API): needs an account and network."""
-    import wandb_workspaces.reports.v2 as wr
-
-    keys = ["train/loss", "train/tokens_per_second", "train/mfu", "train/cost_usd"]
-    ids = [run.summary["wandb_run_id"] for run in runs if run.summary.get("wandb_run_id")]
-    report = wr.Report(
-        project=project,
-        entity=entity,
-        title="Run comparison",
-        description=", ".join(run.name for run in runs),
-        blocks=[
-            wr.PanelGrid(
-                runsets=[wr.Runset(project=project, entity=entity, filters=f"ID in {ids!r}" if ids else "")],
-                panels=[wr.LinePlot(x="train/global_step", y=[key], title=key) for key in keys]
-                + [wr.LinePlot(x="train/cost_usd", y=["train/loss"], title="loss vs dollars")],
-            )
-        ],  # fmt: skip
-    )
-    report.save()
-    return report.url
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit report", description=__doc__.splitlines()[0])
@@ -215,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="reports/latest", help="folder for the charts and pages")
     parser.add_argument("--wandb_project", help="also publish a W&B Report in this project (needs an account)")
     parser.add_argument("--wandb_entity")
+    parser.add_argument("--sync", action="store_true", help="upload runs logged offline first (wandb sync)")
     args = parser.parse_args(argv)
+    from .wandb_report import PublishError, check_on_wandb, publish_to_wandb
+
     try:
         runs = [load_run(path) for path in args.runs]
-    except ReportError as error:
+        unique_names(runs)
+        if args.wandb_project and not args.sync:
+            check_on_wandb(runs, sync=False)  # before anything is drawn: what to upload first
+    except (ReportError, PublishError) as error:
         return report_error(error)
-    unique_names(runs)
     folder = Path(args.output)
     folder.mkdir(parents=True, exist_ok=True)
     pngs = charts(runs, folder)
@@ -228,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     print(md.read_text())
     print(f"written: {page}, {md}, " + ", ".join(str(p) for p in pngs))
     if args.wandb_project:
-        print(f"W&B report: {publish_to_wandb(runs, args.wandb_project, args.wandb_entity)}")
+        try:
+            samples = samples_table(runs)
+            url = publish_to_wandb(runs, args.wandb_project, args.wandb_entity, args.sync,
+                                   "\n".join(markdown_table(*samples)) if samples else None)  # fmt: skip
+            print(f"W&B report: {url}")
+        except PublishError as error:
+            return report_error(error)
     return 0
 
 

@@ -221,7 +221,9 @@ class ToolkitTrainerMixin:
             return summary
         wandb = sys.modules.get("wandb")
         if wandb is not None and wandb.run is not None:
-            summary["wandb_run_id"] = wandb.run.id
+            summary.update(wandb_run_id=wandb.run.id, wandb_entity=wandb.run.entity or None,
+                           wandb_project=wandb.run.project, wandb_offline=bool(wandb.run.offline),
+                           wandb_run_dir=str(Path(wandb.run.dir).parent))  # fmt: skip  # `wandb sync` takes it
         mfu = f"{100 * summary['mean_mfu']:.2f}%" if summary.get("mean_mfu") is not None else "n/a (no peak)"
         losses = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in summary.items() if k.endswith("_loss"))
         print(
