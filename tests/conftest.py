@@ -55,6 +55,16 @@ def offline_env(tmp_path_factory):
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Each test starts from the session's environment: what an in-process run set there (wandb's service socket,
+    torch's compiler cache) does not reach the next test's launches."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -523,11 +523,13 @@ def test_plan_counts_the_tokens_the_data_has():
     exact count), not max_seq_length (256) for every conversation, which overstated the cost of a packed run as
     much as of an unpacked one; the exact count is each conversation rendered by the chat template, counted here."""
     import json
+    import shutil
 
     from conftest import BIN, run_cmd
     from smollm2_chat import RECIPE
 
     from toolkit.data.loading import load_data
+    from toolkit.data.preparation import prepared_folder, set_template
     from toolkit.models.loading import blueprint
     from toolkit.settings.parser import parse
 
@@ -537,15 +539,21 @@ def test_plan_counts_the_tokens_the_data_has():
         assert result.returncode == 0, result.stderr[-2000:]
         return json.loads(result.stdout)
 
+    # An earlier test (or run) may have prepared this data in the session's cache: start without it.
+    arguments = parse(RECIPE, "smollm2_chat", [])
+    model_plan = blueprint(arguments)
+    tokenizer = model_plan.tokenizer
+    raw = load_data(arguments.data)[0]
+    set_template(raw, tokenizer, arguments.data)
+    shutil.rmtree(prepared_folder(raw, tokenizer, arguments.data, model_plan.packing), ignore_errors=True)
+
     sampled = plan()["data"]
     assert run_cmd([str(BIN / "python"), "-m", "toolkit", "prepare", "smollm2_chat"], cwd=ROOT).returncode == 0
     exact = plan()
     assert "a sample of 1,000 of the 1,822 raw rows" in sampled["tokens_source"]
     assert exact["data"]["tokens_source"] == "the prepared data's own count"
 
-    arguments = parse(RECIPE, "smollm2_chat", [])
-    tokenizer = blueprint(arguments).tokenizer
-    train = load_data(arguments.data)[0]["train"]["messages"]
+    train = raw["train"]["messages"]
     tokens = sum(min(256, len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"]))
                  for m in train)  # fmt: skip
     assert exact["data"]["samples"] == len(train) == 1822  # 2,025 exchanges, a tenth held out

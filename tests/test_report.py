@@ -12,6 +12,7 @@ from bert import RECIPE as BERT
 from toolkit import train
 from toolkit.metrics import report
 from toolkit.metrics.samples import read_samples
+from toolkit.metrics.wandb_run import read_offline_run
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,15 @@ def wandb_runs(tmp_path_factory):
                "--generation_max_new_tokens", "4"]  # fmt: skip
     train(LLAMA3_FFT, [*common, *samples, "--output_dir", str(root / "llama")], "llama3_fft")
     return [root / "bert", root / "llama"]
+
+
+def test_runs_in_one_process_keep_their_own_group_and_tags(wandb_runs):
+    """The fixture's two runs share a process (as in a notebook): the second is grouped and tagged as itself, not
+    with the first run's W&B settings (which the first left in the environment)."""
+    for folder, recipe, other in [(wandb_runs[0], "bert", "llama3_fft"), (wandb_runs[1], "llama3_fft", "bert")]:
+        summary = json.loads((folder / "run_summary.json").read_text())["summary"]
+        run = read_offline_run(Path(summary["wandb_run_dir"]))
+        assert run["group"] == recipe and recipe in run["tags"] and other not in run["tags"], run["tags"]
 
 
 @pytest.fixture

@@ -54,15 +54,20 @@ def has_api_key() -> bool:
         return False
 
 
-def configure_env(project: str, group: str, tags: list[str]) -> str | None:
-    """Set what WandbCallback's `wandb.init` reads; go offline when there is no account. Returns a notice."""
-    os.environ.setdefault("WANDB_PROJECT", project)
-    os.environ.setdefault("WANDB_RUN_GROUP", group)
-    os.environ.setdefault("WANDB_TAGS", ",".join(tags))
+OFFLINE_NOTICE = (
+    "W&B: no API key found, logging offline to ./wandb (upload later with `wandb sync wandb/offline-run-*`)."
+)
+
+
+def init_args(project: str, group: str, tags: list[str]) -> dict[str, Any]:
+    """`wandb.init`'s project, group and tags for this run (the user's WANDB_PROJECT, WANDB_RUN_GROUP and WANDB_TAGS
+    win), offline where there is no account and no WANDB_MODE."""
+    env_tags = [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+    found = {"project": os.environ.get("WANDB_PROJECT") or project,
+             "group": os.environ.get("WANDB_RUN_GROUP") or group, "tags": env_tags or tags}  # fmt: skip
     if "WANDB_MODE" not in os.environ and not has_api_key():
-        os.environ["WANDB_MODE"] = "offline"
-        return "W&B: no API key found, logging offline to ./wandb (upload later with `wandb sync wandb/offline-run-*`)."
-    return None
+        found["mode"] = "offline"
+    return found
 
 
 def launch_environment() -> dict[str, str]:
@@ -71,27 +76,33 @@ def launch_environment() -> dict[str, str]:
     return redact({k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)})
 
 
-class WandbRunConfig(TrainerCallback):
-    """Logs the whole resolved configuration once, after WandbCallback has started the run (rank 0 only)."""
+class WandbRun(TrainerCallback):
+    """Starts this run's W&B run on rank 0, before WandbCallback (which then logs to the run it finds), with its
+    project, group and tags passed to `wandb.init`: wandb reads its environment once per process, so a second
+    run in the same process (a notebook, a sweep) would get the first one's. Then logs the whole resolved
+    configuration once."""
 
-    def __init__(self, config: dict[str, Any]):
-        self.config = redact(config)
+    def __init__(self, init: dict[str, Any], config: dict[str, Any]):
+        self.init, self.config = init, redact(config)
 
     def on_train_begin(self, args, state, control, **kwargs):
         import wandb
 
-        if state.is_world_process_zero and wandb.run is not None:
-            wandb.config.update(self.config, allow_val_change=True)
+        if not state.is_world_process_zero:
+            return
+        if wandb.run is None:
+            wandb.init(**self.init, name=args.run_name)  # no run_name: wandb's own
+        wandb.config.update(self.config, allow_val_change=True)
 
 
-def run_callback(run, recipe_name: str, tags: list[str], config: dict[str, Any], is_main: bool) -> WandbRunConfig:
-    """Point WandbCallback's `wandb.init` at this run (project, group = recipe, tags plus --wandb_tags; offline
-    without an account) and return the callback that logs its resolved `config`. `run`: the RunArguments."""
+def run_callback(run, recipe_name: str, tags: list[str], config: dict[str, Any], is_main: bool) -> WandbRun:
+    """The callback that starts this run's W&B run (project, group = recipe, tags plus --wandb_tags; offline
+    without an account) and logs its resolved `config`. `run`: the RunArguments. It goes before WandbCallback."""
     tags = [*tags, *(t.strip() for t in (run.wandb_tags or "").split(",") if t.strip())]
-    notice = configure_env(run.wandb_project, run.wandb_group or recipe_name, tags)
-    if notice and is_main:
-        print(notice)
-    return WandbRunConfig(config)
+    init = init_args(run.wandb_project, run.wandb_group or recipe_name, tags)
+    if init.get("mode") == "offline" and is_main:
+        print(OFFLINE_NOTICE)
+    return WandbRun(init, config)
 
 
 # ------------------------------------------------------------------------------ reading an offline run
@@ -125,11 +136,11 @@ def _records(data: bytes):
 
 
 def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
-    """History rows, final summary, config, tags and alerts of an offline run folder (wandb/offline-run-*)."""
+    """History rows, final summary, config, tags, group and alerts of an offline run folder (wandb/offline-run-*)."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = Path(run_dir).glob("*.wandb")
-    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "tags": [], "alerts": []}
+    out: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "tags": [], "group": "", "alerts": []}
     for raw in _records(path.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
@@ -147,6 +158,6 @@ def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
         elif which == "alert":
             out["alerts"].append({"title": record.alert.title, "text": record.alert.text})
         elif which == "run":
-            out["tags"] = list(record.run.tags)
+            out["tags"], out["group"] = list(record.run.tags), record.run.run_group
             out["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
     return out

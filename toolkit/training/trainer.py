@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.integrations import WandbCallback
 
 from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
@@ -99,8 +100,10 @@ class ToolkitTrainerMixin:
         if "wandb" in self.args.report_to:
             tags = [arguments.recipe_name, self.plan.strategy["distributed_type"],
                     f"world-{self.accelerator.num_processes}", self.plan.cost.device]  # fmt: skip
+            wandb_callback = self.pop_callback(WandbCallback)  # re-added after the callback that starts the run
             self.add_callback(run_callback(arguments.run, arguments.recipe_name, tags, self.run_config(),
                                            self.is_world_process_zero()))  # fmt: skip
+            self.add_callback(wandb_callback)
 
     # The plan's parts most often read from outside.
     cost = property(lambda self: self.plan.cost, doc="The run's CostModel (device, price, billed units).")
