@@ -48,7 +48,10 @@ STRATEGIES = {
     "fsdp_offload": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),  # on CPU: runs without offload, and says so
     # 2 nodes x 2 processes, through slurm/finetune.sbatch: test_hybrid_shard_on_two_nodes
     "fsdp_hybrid": ("FSDP", "FSDP2 HYBRID_SHARD (2 replicas x 2 shards)", True, True, 4),
+    # a Llama with 2 key/value heads (the tiny Llama 3 has one): test_tensor_parallel.py
+    "tp": ("MULTI_CPU", "tensor parallel, each layer split over 2 ranks", True, True, 2),
 }
+OWN_TESTS = ("fsdp_hybrid", "tp")  # launched by their own tests, named above
 CPU_WARNINGS = {
     "fsdp": "warning: FSDP1 needs a GPU: on CPU running its FSDP2 equivalent (FULL_SHARD",
     "fsdp_offload": "warning: fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without",
@@ -57,13 +60,13 @@ RECIPES = {"bert": ("classification", 1), "llama3_fft": ("sft", 2), "llama3_lora
 # Pairs left out, and why: on CPU these configs run the code fsdp2.yaml runs for every recipe (their own part,
 # the translation, is what the one recipe checks); the hybrid job needs 4 processes on 2 "nodes".
 ONE_RECIPE = {"fsdp": "llama3_fft", "fsdp_offload": "llama3_fft", "fsdp_hybrid": "llama3_fft"}
-MATRIX = [(c, r) for c in STRATEGIES if c != "fsdp_hybrid" for r in RECIPES if ONE_RECIPE.get(c, r) == r]
+MATRIX = [(c, r) for c in STRATEGIES if c not in OWN_TESTS for r in RECIPES if ONE_RECIPE.get(c, r) == r]
 # Save at this step and resume from it (llama3_fft: 1,024 rows / 32 per step = 32 steps). Configs that run the
 # same code as another on CPU are not resumed twice; the PREEMPTED ones are resumed from a preemption instead
 # (test_preempted_run_resumes_to_the_same_weights, the same checks at a random step).
 RESUME_STEP = 16
 PREEMPTED = ["ddp", "zero3", "fsdp2"]
-RESUMED = [c for c in STRATEGIES if c not in ONE_RECIPE and c not in PREEMPTED]
+RESUMED = [c for c in STRATEGIES if c not in ONE_RECIPE and c not in PREEMPTED and c not in OWN_TESTS]
 # Unpacked: one conversation per row, so steps and rows are the same for every recipe (packing, the SFT default,
 # has its own launch: test_packed_run_matches_one_process).
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",

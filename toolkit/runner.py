@@ -42,6 +42,7 @@ from .planner.estimate import workload_for
 from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
 from .settings.arguments import Arguments, global_batch_size
+from .settings.mesh import model_parallel_size
 from .settings.parser import parse
 from .training import checkpoints
 from .training.evaluation import metrics_for
@@ -89,7 +90,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     if args.model.load_in_4bit:
-        check_4bit_engine(Requested.from_env().engine)
+        check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else Requested.from_env().engine)
     if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
         raise ConfigError(FLEX_ON_CPU)
     training = args.training

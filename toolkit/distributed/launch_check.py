@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from ..data.sources import model_config
 from ..errors import ConfigError, command
+from ..models.loading import check_tensor_parallel
 from ..models.meta import meta_model
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 from .strategy import check_4bit_engine, layer_class
@@ -136,6 +138,28 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
                           "it to null to let the toolkit take the model's layer class.")  # fmt: skip
 
 
+def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
+    """A `parallelism_config` whose sizes do not multiply to the processes fails inside accelerate, after the
+    weights load; a tensor-parallel size the recipe's model cannot split, inside transformers."""
+    sizes = {key.removeprefix("parallelism_config_").removesuffix("_size"): int(value)
+             for key, value in (config.get("parallelism_config") or {}).items() if key.endswith("_size")}  # fmt: skip
+    mesh = {axis: size for axis, size in sizes.items() if size > 1}
+    if not mesh:
+        return
+    processes = int(config.get("num_processes", 1))
+    if math.prod(mesh.values()) != processes:
+        shown = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
+        raise ConfigError(f"{path}: the mesh {shown} covers {math.prod(mesh.values())} processes and num_processes "
+                          f"is {processes}: make the parallelism_config sizes multiply to num_processes.")  # fmt: skip
+    if recipe is not None and "tp" in mesh:
+        values = load_recipe(recipe)
+        try:
+            config = model_config(values["model_name_or_path"])
+        except ConfigError:
+            return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
+        check_tensor_parallel(config, mesh, processes)
+
+
 def check(config_file: str | Path, recipe: str | None = None) -> str:
     """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
     path = Path(config_file)
@@ -175,10 +199,12 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
         zero = check_deepspeed_json(json_path).get("zero_optimization", {})
         check_offload_builds(json_path, zero)
         summary += f", ZeRO-{zero.get('stage', 0)} ({json_path.name})"
+    check_mesh(config, path, recipe)
     if recipe is not None:
         check_wrap_class(config, path, recipe)
         if load_recipe(recipe).get("load_in_4bit"):
-            check_4bit_engine(kind if kind in ("FSDP", "DEEPSPEED") else "replicated")
+            tensor = "parallelism_config_tp_size" in str(config.get("parallelism_config"))
+            check_4bit_engine("tensor parallel" if tensor else kind if kind in ("FSDP", "DEEPSPEED") else "replicated")
         summary += f", recipe {recipe}"
     return summary + ": ok"
 

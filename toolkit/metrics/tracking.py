@@ -47,9 +47,10 @@ def mfu(flops_per_token: float, tokens_per_second: float, devices: int, peak_flo
 
 class RunTracker(TrainerCallback):
     def __init__(self, cost: CostModel, num_processes: int, flops_per_token: Callable[[float], float],
-                 peak_flops: float | None):  # fmt: skip
+                 peak_flops: float | None, model_parallel: int = 1):  # fmt: skip
         self.cost = cost
-        self.num_processes = num_processes
+        self.num_processes = num_processes  # devices: throughput per device and MFU divide by all of them
+        self.model_parallel = model_parallel  # ranks that train on one batch together (tp x cp x sp): counted once
         self.flops_per_token = flops_per_token  # of the mean row length
         self.peak_flops = peak_flops  # per device, FLOP/s; None: no MFU
         self.started: float | None = None  # the bill's start: the call to train()
@@ -86,7 +87,7 @@ class RunTracker(TrainerCallback):
 
     def count_batch(self, rows: int, tokens: torch.Tensor | int) -> None:
         """A micro-batch of `rows` examples and `tokens` real tokens (a device tensor: added there, not read)."""
-        self.samples += rows * self.num_processes
+        self.samples += rows * (self.num_processes // self.model_parallel)
         self._unread_tokens = tokens if self._unread_tokens is None else self._unread_tokens + tokens
 
     def reduce_tokens(self, state: TrainerState) -> None:
@@ -101,8 +102,8 @@ class RunTracker(TrainerCallback):
                 total = total.to(_group_device())
             dist.all_reduce(total)
             unread = total
-        if unread is not None:
-            self._tokens += int(unread)
+        if unread is not None:  # the ranks of a tensor-parallel group counted the same rows
+            self._tokens += int(unread) // self.model_parallel
         if self.training_started is not None:
             state.num_input_tokens_seen = self._start_tokens + self._tokens
 

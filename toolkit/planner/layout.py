@@ -32,6 +32,7 @@ class Layout:
     hybrid: bool = False  # shard inside a node, replicate across nodes
     ddp: bool = False
     ram_efficient_loading: bool = False  # FSDP: only rank 0 reads the checkpoint, the others receive it
+    tensor_parallel: int = 1  # ranks each layer's weights are split over (transformers' TP plan)
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -58,6 +59,13 @@ class Layout:
                    gathered_through_backward=mode == "SHARD_GRAD_OP", offload_params=offload,
                    offload_optimizer=offload, hybrid=mesh is not None, ram_efficient_loading=ram_efficient,
                    sharding=sharding + (" offload_params=cpu" if offload else ""))  # fmt: skip
+
+    @classmethod
+    def tensor(cls, name: str, tp: int) -> Layout:
+        """Tensor parallelism: the model sharded at load by transformers over `tp` ranks (0: set at launch), each
+        holding its slice of every split weight, with its gradients and optimizer states."""
+        sharding = f"tensor parallel, each layer split over {tp} ranks" if tp else "tensor parallel"
+        return cls(name, "torch", tensor_parallel=max(tp, 1), sharding=sharding)
 
     @classmethod
     def replicated(cls, name: str, processes: int) -> Layout:
@@ -87,6 +95,9 @@ class Layout:
             return cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
                             bool(fsdp.get("fsdp_offload_params", False)),
                             bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
+        tp = (config.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1)
+        if tp > 1:
+            return cls.tensor(path.stem, tp)
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
 
     @classmethod
@@ -110,4 +121,7 @@ class Layout:
             return cls.fsdp("fsdp", plugin.fsdp_version, mode, bool(offloaded),
                             bool(plugin.cpu_ram_efficient_loading),
                             (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
+        mesh = accelerator.parallelism_config
+        if mesh is not None and mesh.tp_enabled:
+            return cls.tensor(kind.value.lower(), mesh.tp_size)
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

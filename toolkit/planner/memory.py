@@ -231,6 +231,9 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
         "optimizer_states": layout.shard_optimizer,
     }
     per_rank = {k: v / shards if split[k] else v for k, v in states.items()}
+    # Tensor parallelism splits the weights themselves, and with them their gradients and optimizer states (the
+    # norms, a few KB a layer, stay whole on every rank: left out).
+    per_rank = {k: v / layout.tensor_parallel for k, v in per_rank.items()}
     # Offloaded optimizer: its states, master weights and fp32 gradients live in host RAM (ZeRO-Offload keeps
     # only the 16-bit parameters and gradient buckets on the device); FSDP's offload moves parameters too.
     on_host = {"parameters": layout.offload_params}

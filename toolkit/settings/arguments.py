@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 
 from ..errors import ConfigError
 from ..project import recipe_writing
+from .mesh import model_parallel_size
 from .tasks import task
 
 # What people type for a dtype, and the name torch and transformers use.
@@ -414,8 +415,9 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, PreferenceArguments, RunArgum
 
 
 def global_batch_size(training: TrainingArguments) -> int:
-    """Samples per optimizer step over the whole job."""
-    return training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+    """Samples per optimizer step over the whole job: the ranks of a tensor-parallel group share their batch."""
+    replicas = training.world_size // model_parallel_size()
+    return training.per_device_train_batch_size * training.gradient_accumulation_steps * replicas
 
 
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_batch: int) -> float:

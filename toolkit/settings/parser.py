@@ -34,6 +34,7 @@ from .arguments import (
     check_together,
     check_training,
 )
+from .mesh import launch_mesh
 
 
 def has_accelerator() -> bool:
@@ -65,6 +66,10 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
         defaults["use_cpu"] = True
+    if launch_mesh().get("tp", 1) > 1:
+        # transformers cannot yet save the optimizer of a model it sharded at load (tensor parallelism): its
+        # checkpoints (periodic, preemption, budget) hold the weights, and a resume starts a fresh optimizer.
+        defaults["save_only_model"] = True
     return defaults
 
 

@@ -26,6 +26,7 @@ from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape
 from ..settings.arguments import Arguments, global_batch_size
+from ..settings.mesh import launch_mesh, model_parallel_size
 
 
 class OverBudget(ToolkitError, ValueError):
@@ -44,7 +45,8 @@ def planned_steps(training, train_rows: int) -> int:
     """Optimizer steps the Trainer will take (as it counts them: last micro-batches kept)."""
     if training.max_steps > 0:
         return training.max_steps
-    batches = math.ceil(train_rows / (training.per_device_train_batch_size * training.world_size))
+    replicas = training.world_size // model_parallel_size()  # the ranks of a tensor-parallel group share rows
+    batches = math.ceil(train_rows / (training.per_device_train_batch_size * replicas))
     return math.ceil(math.ceil(batches / training.gradient_accumulation_steps) * training.num_train_epochs)
 
 
@@ -143,6 +145,8 @@ class RunPlan:
                        f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
         else:
             planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
+        mesh = launch_mesh()
+        replicas = s["num_processes"] // model_parallel_size()
         lines = [
             f"recipe        {recipe.recipe_name}",
             f"model         {recipe.model.model_name_or_path}" + ("  [tiny, random init]" if recipe.run.tiny else ""),
@@ -151,11 +155,13 @@ class RunPlan:
             f"strategy      {s['distributed_type']}, {s['num_processes']} process(es) on {s['num_machines']} "
             f"machine(s), {s['device']}, backend {s['backend']}",
             f"sharding      {s['sharding']}",
+            *([f"mesh          {' x '.join(f'{axis}={size}' for axis, size in mesh.items())}"] if mesh else []),
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
             + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
-            f"accumulation x {s['num_processes']} processes = {global_batch_size(training)} global",
+            f"accumulation x {replicas} {'processes' if replicas == s['num_processes'] else 'data-parallel replicas'}"
+            f" = {global_batch_size(training)} global",
             f"learning rate {lr}",
             *([f"data          {data_note}"] if data_note else []),
             f"memory plan   {human_bytes(self.memory.device_total)} per device predicted: "

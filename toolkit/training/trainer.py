@@ -57,6 +57,7 @@ from ..metrics.wandb_run import finish_run, launch_environment, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
+from ..settings.mesh import model_parallel_size
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, staging_dir
 from .fused_loss import FusedLoss
@@ -84,7 +85,7 @@ class ToolkitTrainerMixin:
         # The parts, each with its own state; the callbacks are called in the order added.
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
-                                  self.plan.peak_flops)  # fmt: skip
+                                  self.plan.peak_flops, model_parallel_size())  # fmt: skip
         self.health = Health(assumed_mfu(self.plan.layout), self.is_world_process_zero())
         self.checkpoints = StagedCheckpoints(self)
         self.safe_stop = SafeStop(over_budget=self.over_budget)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from .fsdp_cpu import PATCH as FSDP_CPU
 from .fsdp_loading import PATCH as FSDP_LOADING
 from .gate import Patch, Reliance, Target, warn_once
+from .tp_cpu import PATCH as TP_CPU
 
-PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP_LOADING)
+PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP_LOADING, TP_CPU)
 
 PRIVATE_TRANSFORMERS = Reliance(
     name="the toolkit's uses of private transformers API",
