@@ -1,5 +1,5 @@
-"""Tensor parallelism (accelerate_configs/tp.yaml): transformers shards the model by its own TP plan as it loads,
-accelerate hands both ranks the same rows; on CPU over gloo, for real."""
+"""Tensor parallelism (accelerate_configs/tp.yaml, fsdp2_tp.yaml): transformers shards the model by its own TP
+plan (and FSDP2) as it loads, accelerate hands a TP group's ranks the same rows; on CPU over gloo, for real."""
 
 from __future__ import annotations
 
@@ -40,47 +40,69 @@ def llama_two_kv_heads(tmp_path_factory) -> Path:
     return folder
 
 
-def test_tensor_parallel_matches_one_process(llama_two_kv_heads, tmp_path):
-    """2 ranks, tp=2 (one data-parallel replica) against 1 process with the same batch: both ranks train on the
-    1-process run's rows, with its losses, tokens counted once, each rank holding half of every split weight
-    (the norms stay whole: named below) and its optimizer state, as the run's own plan says; checkpoints and the
-    export are the whole model."""
+@pytest.fixture(scope="module")
+def one_process(llama_two_kv_heads, tmp_path_factory) -> Path:
+    one = tmp_path_factory.mktemp("tp-reference")
     model = ["--model_name_or_path", str(llama_two_kv_heads)]
-    one, two = tmp_path / "one", tmp_path / "two"
     check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *FLAGS, *model, "--save_only_model",
-                   "true", "--output_dir", str(one)], cwd=tmp_path))  # fmt: skip
-    result = check(launch("tp", "llama3_fft", *FLAGS, *model, "--output_dir", str(two), cwd=tmp_path))
-    assert "sharding      tensor parallel, each layer split over 2 ranks" in result.stdout
-    assert "mesh          tp=2" in result.stdout
-    assert "8 per device x 1 accumulation x 1 data-parallel replicas = 8 global" in result.stdout
+                   "true", "--output_dir", str(one)], cwd=one))  # fmt: skip
+    return one
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "shards", "header"),
+    [
+        ("tp", 2, 1, "tensor parallel, each layer split over 2 ranks"),
+        ("fsdp2_tp", 2, 2, "FSDP2 x tensor parallel, each layer split over 2 ranks, sharded over 2"),
+    ],
+)
+def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_two_kv_heads, one_process, tmp_path):
+    """tp.yaml (2 ranks, tp=2) and fsdp2_tp.yaml (4 ranks, dp_shard=2 x tp=2) against 1 process with the same
+    global batch: the ranks of a TP group train on the same rows, the shard groups on the 1-process run's rows
+    between them, with its losses; tokens counted once per row, not per rank; each rank holds 1/(tp x shards) of
+    every split weight and 1/shards of the norms (which TP leaves whole: the run's plan splits them too, the
+    test names the difference), and AdamW state twice that; checkpoints and the export are the whole model."""
+    one, out = one_process, tmp_path / "out"
+    processes = tp * shards
+    result = check(launch(config, "llama3_fft", *FLAGS, "--model_name_or_path", str(llama_two_kv_heads),
+                          "--per_device_train_batch_size", str(8 // shards), "--output_dir", str(out),
+                          cwd=tmp_path, num_processes=processes))  # fmt: skip
+    assert f"sharding      {header}\n" in result.stdout
+    mesh = f"dp_shard={shards} x tp={tp}" if shards > 1 else f"tp={tp}"
+    assert f"mesh          {mesh}\n" in result.stdout
+    assert f"x {shards} data-parallel replicas = 8 global" in result.stdout
 
     (reference,) = rank_reports(one)
-    ranks = rank_reports(two)
+    ranks = rank_reports(out)
+    groups = [ranks[g * tp : (g + 1) * tp] for g in range(shards)]  # tp is the mesh's inner axis
+    for group in groups:
+        assert all(rank["rows"] == group[0]["rows"] for rank in group)  # one batch per TP group
+    assert sorted(row for group in groups for row in group[0]["rows"]) == sorted(reference["rows"])
     for rank in ranks:
-        assert rank["rows"] == reference["rows"]  # the same rows, in the same order, on both ranks
         assert rank["losses"] == pytest.approx(reference["losses"], rel=2e-3, abs=1e-4)
-    summaries = [json.loads((d / "run_summary.json").read_text()) for d in (one, two)]
+    summaries = [json.loads((d / "run_summary.json").read_text()) for d in (one, out)]
     assert summaries[1]["summary"]["tokens"] == summaries[0]["summary"]["tokens"]  # once, not once per rank
 
     weights = load_file(one / "model.safetensors")
-    whole = {name for name in weights if "norm" in name}  # RMSNorm weights: replicated on every rank
+    whole = {name for name in weights if "norm" in name}  # RMSNorm weights: not split by TP
     replicated = sum(weights[n].nbytes for n in whole)
     split = sum(t.nbytes for n, t in weights.items() if n not in whole)
     for rank in ranks:
-        assert rank["param_bytes"] == split // 2 + replicated
-        assert rank["optimizer_state_bytes"] == 2 * rank["param_bytes"]  # AdamW's two moments of its slice
+        assert rank["param_bytes"] == split // processes + replicated // shards
+        assert rank["optimizer_state_bytes"] == 2 * rank["param_bytes"]  # AdamW's two moments of its part
+        assert rank["loaded_param_bytes"] == rank["param_bytes"]  # from_pretrained gave it its part only
     planned = summaries[1]["config"]["memory_plan"]["device"]["parameters"]
-    assert planned == (split + replicated) // 2  # the plan halves every weight: off by half the norms
-    assert abs(ranks[0]["param_bytes"] - planned) == replicated // 2
+    assert planned == (split + replicated) // processes
+    assert ranks[0]["param_bytes"] - planned == replicated // shards - replicated // processes
 
-    assert not list((two / "checkpoint-2").glob("optimizer*"))  # weights only, by the tensor-parallel default
-    for folder in (two, two / "checkpoint-2"):  # whole tensors, as from a 1-process run
+    assert not list((out / "checkpoint-2").glob("optimizer*"))  # weights only, by the tensor-parallel default
+    for folder in (out, out / "checkpoint-2"):  # whole tensors, as from a 1-process run
         saved = load_file(folder / "model.safetensors")
         assert {n: t.shape for n, t in saved.items()} == {n: t.shape for n, t in weights.items()}
-    exported = load_file(two / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
     for name, value in weights.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-3, atol=2e-4, msg=name)
-    assert "distributed_config" not in json.loads((two / "config.json").read_text())  # loads anywhere
+    assert "distributed_config" not in json.loads((out / "config.json").read_text())  # loads anywhere
 
 
 @pytest.mark.parametrize(

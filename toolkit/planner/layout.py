@@ -33,6 +33,7 @@ class Layout:
     ddp: bool = False
     ram_efficient_loading: bool = False  # FSDP: only rank 0 reads the checkpoint, the others receive it
     tensor_parallel: int = 1  # ranks each layer's weights are split over (transformers' TP plan)
+    tensor_shards: int = 1  # under TP: the data-parallel ranks FSDP2 shards each slice over
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -61,11 +62,21 @@ class Layout:
                    sharding=sharding + (" offload_params=cpu" if offload else ""))  # fmt: skip
 
     @classmethod
-    def tensor(cls, name: str, tp: int) -> Layout:
+    def tensor(cls, name: str, tp: int, shards: int = 1) -> Layout:
         """Tensor parallelism: the model sharded at load by transformers over `tp` ranks (0: set at launch), each
-        holding its slice of every split weight, with its gradients and optimizer states."""
+        holding its slice of every split weight, with its gradients and optimizer states; with `shards` > 1,
+        those slices FSDP2-sharded further over the data-parallel ranks (transformers' fsdp_size)."""
         sharding = f"tensor parallel, each layer split over {tp} ranks" if tp else "tensor parallel"
-        return cls(name, "torch", tensor_parallel=max(tp, 1), sharding=sharding)
+        if shards > 1:
+            sharding = f"FSDP2 x {sharding}, sharded over {shards}"
+        sharded = shards > 1
+        return cls(name, "torch", shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
+                   tensor_parallel=max(tp, 1), tensor_shards=max(shards, 1), sharding=sharding)  # fmt: skip
+
+    @property
+    def mesh_devices(self) -> int:
+        """The devices a tensor-parallel mesh covers (its product)."""
+        return self.tensor_parallel * self.tensor_shards
 
     @classmethod
     def replicated(cls, name: str, processes: int) -> Layout:
@@ -95,9 +106,10 @@ class Layout:
             return cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
                             bool(fsdp.get("fsdp_offload_params", False)),
                             bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
-        tp = (config.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1)
-        if tp > 1:
-            return cls.tensor(path.stem, tp)
+        mesh = config.get("parallelism_config") or {}
+        if mesh.get("parallelism_config_tp_size", 1) > 1:
+            tp, shards = mesh["parallelism_config_tp_size"], mesh.get("parallelism_config_dp_shard_size", 1)
+            return cls.tensor(path.stem, tp, shards)
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
 
     @classmethod
@@ -123,5 +135,5 @@ class Layout:
                             (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
         mesh = accelerator.parallelism_config
         if mesh is not None and mesh.tp_enabled:
-            return cls.tensor(kind.value.lower(), mesh.tp_size)
+            return cls.tensor(kind.value.lower(), mesh.tp_size, mesh.dp_shard_size)
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

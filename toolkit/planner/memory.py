@@ -218,6 +218,7 @@ def fused_head_bytes(shape: Shape, work: Workload) -> int:
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
     world = gpus_per_node * nodes
     shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
+    shards //= layout.tensor_parallel  # FSDP2 x TP: the data-parallel ranks shard what TP split
     # Trainable 16-bit weights kept in fp32, compute in 16 bits (Workload.master_weights): accelerate's FSDP
     # upcasts them at preparation (one dtype per unit), the toolkit's trainer on the device for single_gpu/DDP.
     upcast = layout.engine == "torch" and work.precision == "bf16" and work.master_weights
@@ -258,7 +259,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
         mem.device["gathered_buffers"] = 2 * compute * shape.largest_module
     elif layout.shard_params:
         gathered = shape.total if layout.gathered_through_backward else 2 * shape.largest_unit
-        mem.device["gathered_buffers"] = compute * gathered
+        mem.device["gathered_buffers"] = compute * gathered // layout.tensor_parallel  # a TP slice is gathered
     elif layout.ddp:
         mem.device["gathered_buffers"] = int(states["gradients"])  # DDP's gradient buckets: a second copy
     # Loading: every rank reads the whole checkpoint into host RAM, except under RAM-efficient loading (rank 0
@@ -266,7 +267,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # the parameters as they sit on the host before sharding: under FSDP mixed precision accelerate upcasts the
     # trainable ones to fp32 there, so a bf16 checkpoint takes twice its size (measured: bench/ram_loading.py);
     # the toolkit upcasts a replicated model's on its device, after loading.
-    if layout.ram_efficient_loading:
+    if layout.ram_efficient_loading or layout.tensor_parallel > 1:  # TP: each rank reads only its own slices
         copies = 1
     elif layout.engine == "deepspeed" and layout.shard_params:
         copies = gpus_per_node / world

@@ -1,7 +1,8 @@
 """Every change the toolkit makes to another library's code, and every private API it builds on, in one place.
 
 PATCHES replace a function of accelerate while a launch needs it: `fsdp_cpu` (FSDP really shards on a machine
-without GPUs) and `fsdp_loading` (RAM-efficient FSDP loading holds one copy of the model). Each is gated on the
+without GPUs), `fsdp_loading` (RAM-efficient FSDP loading holds one copy of the model) and `tp_cpu` (a tensor-
+parallel mesh is accepted on a machine without GPUs). Each is gated on the
 accelerate versions it was tested with and on the signatures of what it touches (gate.py): outside them it
 warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private `transformers.Trainer` methods
 the trainer overrides (training/trainer.py) and the other private names the toolkit reads: a changed
