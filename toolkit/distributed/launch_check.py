@@ -23,6 +23,8 @@ from ..errors import ConfigError, command
 from ..models.loading import check_tensor_parallel
 from ..models.meta import meta_model
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
+from ..settings.mesh import config_mesh
+from ..settings.mesh import describe as describe_mesh
 from .strategy import check_4bit_engine, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
@@ -141,16 +143,13 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
 def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     """A `parallelism_config` whose sizes do not multiply to the processes fails inside accelerate, after the
     weights load; a tensor-parallel size the recipe's model cannot split, inside transformers."""
-    sizes = {key.removeprefix("parallelism_config_").removesuffix("_size"): int(value)
-             for key, value in (config.get("parallelism_config") or {}).items() if key.endswith("_size")}  # fmt: skip
-    mesh = {axis: size for axis, size in sizes.items() if size > 1}
+    mesh = config_mesh(config.get("parallelism_config"))
     if not mesh:
         return
     processes = int(config.get("num_processes", 1))
-    if math.prod(mesh.values()) != processes:
-        shown = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
-        raise ConfigError(f"{path}: the mesh {shown} covers {math.prod(mesh.values())} processes and num_processes "
-                          f"is {processes}: make the parallelism_config sizes multiply to num_processes.")  # fmt: skip
+    if (covered := math.prod(mesh.values())) != processes:
+        raise ConfigError(f"{path}: the mesh {describe_mesh(mesh)} covers {covered} processes and num_processes is "
+                          f"{processes}: make the parallelism_config sizes multiply to num_processes.")  # fmt: skip
     if recipe is not None and "tp" in mesh:
         values = load_recipe(recipe)
         try:
@@ -203,7 +202,7 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
     if recipe is not None:
         check_wrap_class(config, path, recipe)
         if load_recipe(recipe).get("load_in_4bit"):
-            tensor = "parallelism_config_tp_size" in str(config.get("parallelism_config"))
+            tensor = "tp" in config_mesh(config.get("parallelism_config"))
             check_4bit_engine("tensor parallel" if tensor else kind if kind in ("FSDP", "DEEPSPEED") else "replicated")
         summary += f", recipe {recipe}"
     return summary + ": ok"

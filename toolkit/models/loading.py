@@ -19,6 +19,7 @@ from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
+from ..settings.mesh import describe as describe_mesh
 from ..settings.mesh import launch_mesh
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .counts import LoadRecord, ParameterCounts
@@ -160,9 +161,8 @@ def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
         return
     product = math.prod(mesh.values())
     if world_size > 1 and product != world_size:
-        sizes = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
         raise ConfigError(
-            f"the mesh {sizes} covers {product} processes and the launch has {world_size}: set "
+            f"the mesh {describe_mesh(mesh)} covers {product} processes and the launch has {world_size}: set "
             f"--num_processes {product}, or parallelism_config sizes whose product is {world_size}."
         )
     if not getattr(config, "base_model_tp_plan", None):

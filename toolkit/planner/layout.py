@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..project import project_path
+from ..settings.mesh import config_mesh
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,9 @@ class Layout:
             return cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
                             bool(fsdp.get("fsdp_offload_params", False)),
                             bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
-        mesh = config.get("parallelism_config") or {}
-        if mesh.get("parallelism_config_tp_size", 1) > 1:
-            tp, shards = mesh["parallelism_config_tp_size"], mesh.get("parallelism_config_dp_shard_size", 1)
-            return cls.tensor(path.stem, tp, shards)
+        mesh = config_mesh(config.get("parallelism_config"))
+        if "tp" in mesh:
+            return cls.tensor(path.stem, mesh["tp"], mesh.get("dp_shard", 1))
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
 
     @classmethod

@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 
 from ..errors import ConfigError
 from ..project import recipe_writing
-from .mesh import model_parallel_size
+from .mesh import data_parallel_replicas
 from .tasks import task
 
 # What people type for a dtype, and the name torch and transformers use.
@@ -416,7 +416,7 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, PreferenceArguments, RunArgum
 
 def global_batch_size(training: TrainingArguments) -> int:
     """Samples per optimizer step over the whole job: the ranks of a tensor-parallel group share their batch."""
-    replicas = training.world_size // model_parallel_size()
+    replicas = data_parallel_replicas(training.world_size)
     return training.per_device_train_batch_size * training.gradient_accumulation_steps * replicas
 
 

@@ -15,7 +15,24 @@ def launch_mesh() -> dict[str, int]:
     return {axis: size for axis, size in sizes.items() if size > 1}
 
 
+def config_mesh(parallelism_config: dict | None) -> dict[str, int]:
+    """The same, from an accelerate config file's `parallelism_config` section (`parallelism_config_tp_size`: 2)."""
+    sizes = {key.removeprefix("parallelism_config_").removesuffix("_size"): int(value)
+             for key, value in (parallelism_config or {}).items() if key.endswith("_size")}  # fmt: skip
+    return {axis: size for axis, size in sizes.items() if size > 1}
+
+
+def describe(mesh: dict[str, int]) -> str:
+    """`dp_shard=2 x tp=2`, as the header and the errors write a mesh."""
+    return " x ".join(f"{axis}={size}" for axis, size in mesh.items())
+
+
 def model_parallel_size() -> int:
     """Ranks that share one batch (tensor, context and sequence parallel axes): a data-parallel replica's size."""
     mesh = launch_mesh()
     return mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("sp", 1)
+
+
+def data_parallel_replicas(world_size: int) -> int:
+    """Groups of ranks that each train on their own rows."""
+    return world_size // model_parallel_size()

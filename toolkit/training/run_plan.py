@@ -26,7 +26,8 @@ from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape
 from ..settings.arguments import Arguments, global_batch_size
-from ..settings.mesh import launch_mesh, model_parallel_size
+from ..settings.mesh import data_parallel_replicas, launch_mesh
+from ..settings.mesh import describe as describe_mesh
 
 
 class OverBudget(ToolkitError, ValueError):
@@ -45,7 +46,7 @@ def planned_steps(training, train_rows: int) -> int:
     """Optimizer steps the Trainer will take (as it counts them: last micro-batches kept)."""
     if training.max_steps > 0:
         return training.max_steps
-    replicas = training.world_size // model_parallel_size()  # the ranks of a tensor-parallel group share rows
+    replicas = data_parallel_replicas(training.world_size)  # the ranks of a tensor-parallel group share rows
     batches = math.ceil(train_rows / (training.per_device_train_batch_size * replicas))
     return math.ceil(math.ceil(batches / training.gradient_accumulation_steps) * training.num_train_epochs)
 
@@ -146,7 +147,7 @@ class RunPlan:
         else:
             planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
         mesh = launch_mesh()
-        replicas = s["num_processes"] // model_parallel_size()
+        replicas = data_parallel_replicas(s["num_processes"])
         lines = [
             f"recipe        {recipe.recipe_name}",
             f"model         {recipe.model.model_name_or_path}" + ("  [tiny, random init]" if recipe.run.tiny else ""),
@@ -155,7 +156,7 @@ class RunPlan:
             f"strategy      {s['distributed_type']}, {s['num_processes']} process(es) on {s['num_machines']} "
             f"machine(s), {s['device']}, backend {s['backend']}",
             f"sharding      {s['sharding']}",
-            *([f"mesh          {' x '.join(f'{axis}={size}' for axis, size in mesh.items())}"] if mesh else []),
+            *([f"mesh          {describe_mesh(mesh)}"] if mesh else []),
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
             + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
