@@ -560,3 +560,34 @@ def test_plan_counts_the_tokens_the_data_has():
     assert exact["data"]["tokens_per_sample"] * len(train) == pytest.approx(tokens, abs=0.5)
     assert sampled["tokens_per_sample"] == pytest.approx(exact["data"]["tokens_per_sample"], rel=0.05)
     assert exact["data"]["tokens_per_sample"] < 256 / 4  # the full rows it used to assume
+
+
+def test_long_rows_plan_splits_the_sequence(capsys, llama):
+    """The issue's command: Llama-3-8B, 131,072-token rows, 8 x H100. Every data-parallel config holds a whole
+    row's activations per GPU and none fits; the sequence-split configs (zero3_sp, fsdp2_cp: 8 ranks per row)
+    hold 1/8 of them and one is recommended. Their activations are the unsplit ones at 131,072 / 8 tokens (a
+    launch measures this on CPU: test_sequence_parallel.py). At 2,048 tokens the recommendation is unchanged."""
+    import json
+
+    from toolkit.planner.cli import main
+
+    argv = ["llama3_fft", "--gpu", "H100-80GB", "--gpus", "8", "--micro_batch", "1", "--json"]
+    assert main([*argv, "--seq_length", "131072"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    configs = {c["config"]: c for c in plan["configs"]}
+    split = {"zero3_sp", "fsdp2_cp"}
+    assert not any(c["fits"] for name, c in configs.items() if name not in split)
+    assert all(configs[name]["fits"] for name in split) and plan["recommended"] in split
+    assert configs["zero3_sp"]["device_gib"] < 0.5 * configs["zero3"]["device_gib"]
+
+    work = Workload(precision="bf16", master_weights=True, seq_length=131072, activation_checkpointing=True)
+    eighth = Workload(**{**work.__dict__, "seq_length": 131072 // 8})
+    for name, whole in (("zero3_sp", "zero3"), ("fsdp2_cp", "fsdp2")):
+        assert layout(name).sequence_split == 8
+        ours, theirs = plan_memory(llama, layout(name), work, 8), plan_memory(llama, layout(whole), eighth, 8)
+        for term in ("activations", "recomputed_layer", "logits"):
+            assert ours.device[term] == theirs.device[term] > 0
+        assert ours.model_states == theirs.model_states  # the weights are sharded as without the split
+
+    assert main(argv) == 0  # the recipe's 2,048 tokens
+    assert json.loads(capsys.readouterr().out)["recommended"] == "zero1"

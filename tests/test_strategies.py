@@ -51,8 +51,11 @@ STRATEGIES = {
     # a Llama with 2 key/value heads (the tiny Llama 3 has one): test_tensor_parallel.py
     "tp": ("MULTI_CPU", "tensor parallel, each layer split over 2 ranks", True, True, 2),
     "fsdp2_tp": ("MULTI_CPU", "FSDP2 x tensor parallel, each layer split over 2 ranks, sharded over 2", True, True, 4),
+    # a row split over 2 ranks: test_sequence_parallel.py (context parallelism: refused on CPU, in one line)
+    "zero3_sp": ("DEEPSPEED", "ZeRO-3", True, True, 2),
+    "fsdp2_cp": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),
 }
-OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp")  # launched by their own tests, named above
+OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp")  # launched by their own tests, named above
 CPU_WARNINGS = {
     "fsdp": "warning: FSDP1 needs a GPU: on CPU running its FSDP2 equivalent (FULL_SHARD",
     "fsdp_offload": "warning: fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without",

@@ -29,7 +29,7 @@ from transformers import set_seed
 from .data.preparation import PreparedData, prepare_data
 from .distributed import op_builds, patches
 from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0, weights_arrive_upcast
-from .distributed.strategy import check_4bit_engine, check_processes, resolve_config_paths
+from .distributed.strategy import check_4bit_engine, check_mesh_engine, check_processes, resolve_config_paths
 from .errors import ConfigError, ToolkitError, command, report
 from .metrics.cost import check_device_name
 from .metrics.samples import side_by_side
@@ -42,7 +42,7 @@ from .planner.estimate import workload_for
 from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
 from .settings.arguments import Arguments, global_batch_size
-from .settings.mesh import model_parallel_size
+from .settings.mesh import launch_mesh, model_parallel_size
 from .settings.parser import parse
 from .training import checkpoints
 from .training.evaluation import metrics_for
@@ -89,8 +89,10 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     checkpoint this launch cannot resume. Returns the checkpoint to resume from, and a line saying so."""
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
+    engine = Requested.from_env().engine
+    check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
     if args.model.load_in_4bit:
-        check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else Requested.from_env().engine)
+        check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
     if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
         raise ConfigError(FLEX_ON_CPU)
     training = args.training

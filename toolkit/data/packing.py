@@ -114,15 +114,23 @@ class PackedCollator:
     model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
     transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
     whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
-    to each other; per batch, the saved config (and later generation) stays untouched."""
+    to each other; per batch, the saved config (and later generation) stays untouched.
+
+    Under a sequence split (context or sequence parallelism) it also collates unpacked rows (their positions
+    from 0), each padded to `width`: the engines slice every row into equal parts, and DeepSpeed's Ulysses loader
+    gathers the ranks' batches, which gloo allows only for equal shapes."""
 
     pad_token_id: int
     flatten: bool = False
+    width: int | None = None  # every row padded to this (a sequence split's max_seq_length), else to the longest
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         keys = ("input_ids", "labels", "position_ids")
+        features = [f if "position_ids" in f else {**f, "position_ids": range(len(f["input_ids"]))} for f in features]
         rows = [{k: [v for f in features for v in f[k]] for k in keys}] if self.flatten else features
         width = max(len(row["input_ids"]) for row in rows)
+        if self.width:  # a flattened micro-batch is as long as its rows' widths together
+            width = self.width * (len(features) if self.flatten else 1)
         batch: dict[str, list] = {k: [] for k in (*keys, "attention_mask")}
         for row in rows:
             pad = width - len(row["input_ids"])

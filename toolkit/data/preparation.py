@@ -25,6 +25,7 @@ from ..errors import ConfigError, DataError
 from ..metrics.samples import Prompt, held_out_prompts
 from ..project import cache_root
 from ..settings.arguments import Arguments, DataArguments
+from ..settings.mesh import sequence_split
 from .conversations import IGNORE_INDEX, TurnLayout, apply_chat_template_setting
 from .formats import kind, tokenize_rows
 from .length_grouping import LENGTH
@@ -209,8 +210,8 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
             note = f"tokenized {rows:,} rows in {meta['seconds']:.1f} s, kept in {folder}"
     if args.task == "classification":
         collator = DataCollatorWithPadding(tokenizer)
-    elif packing:
-        collator = PackedCollator(tokenizer.pad_token_id)
+    elif packing or sequence_split() > 1:  # a split's rows: each padded to max_seq_length (PackedCollator)
+        collator = PackedCollator(tokenizer.pad_token_id, width=args.max_seq_length if sequence_split() > 1 else None)
     else:
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,12 +19,11 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from ..data.sources import model_config
 from ..errors import ConfigError, command
-from ..models.loading import check_tensor_parallel
 from ..models.meta import meta_model
+from ..models.parallel import check_mesh_size, check_tensor_parallel
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 from ..settings.mesh import config_mesh
-from ..settings.mesh import describe as describe_mesh
-from .strategy import check_4bit_engine, layer_class
+from .strategy import check_4bit_engine, check_mesh_engine, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
 
@@ -141,15 +139,20 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
 
 
 def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
-    """A `parallelism_config` whose sizes do not multiply to the processes fails inside accelerate, after the
-    weights load; a tensor-parallel size the recipe's model cannot split, inside transformers."""
+    """A `parallelism_config` whose sizes do not cover the processes fails inside accelerate, after the weights
+    load; a split without its engine too; a tensor-parallel size the recipe's model cannot split, inside
+    transformers."""
     mesh = config_mesh(config.get("parallelism_config"))
     if not mesh:
         return
     processes = int(config.get("num_processes", 1))
-    if (covered := math.prod(mesh.values())) != processes:
-        raise ConfigError(f"{path}: the mesh {describe_mesh(mesh)} covers {covered} processes and num_processes is "
-                          f"{processes}: make the parallelism_config sizes multiply to num_processes.")  # fmt: skip
+    fix = "make the parallelism_config sizes multiply to num_processes" + (" (or divide it)" if "sp" in mesh else "")
+    try:
+        fsdp_version = int((config.get("fsdp_config") or {}).get("fsdp_version", 1))
+        check_mesh_engine(mesh, config.get("distributed_type", "NO"), fsdp_version)
+        check_mesh_size(mesh, processes, f"{fix}.")
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
     if recipe is not None and "tp" in mesh:
         values = load_recipe(recipe)
         try:

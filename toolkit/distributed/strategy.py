@@ -63,6 +63,21 @@ def check_4bit_engine(engine: str) -> None:
                           "is not supported yet.")  # fmt: skip
 
 
+def check_mesh_engine(mesh: dict[str, int], engine: str, fsdp_version: int) -> None:
+    """Each sequence split has its engine (engine as Requested.engine names it): DeepSpeed's Ulysses (sp) runs
+    inside DeepSpeed, torch's context parallelism (cp) inside FSDP2; elsewhere accelerate fails after the weights
+    load, or (sp) quietly trains without splitting."""
+    from ..errors import ConfigError
+
+    if mesh.get("sp", 1) > 1 and engine != "DEEPSPEED":
+        raise ConfigError("parallelism_config_sp_size is DeepSpeed's sequence parallelism (Ulysses): it needs a "
+                          "DeepSpeed config, accelerate_configs/zero3_sp.yaml (or cp_size with FSDP2: "
+                          "fsdp2_cp.yaml).")  # fmt: skip
+    if mesh.get("cp", 1) > 1 and (engine != "FSDP" or fsdp_version != 2):
+        raise ConfigError("parallelism_config_cp_size is torch's context parallelism: it needs FSDP2 (accelerate_"
+                          "configs/fsdp2_cp.yaml), or for DeepSpeed use sp_size (zero3_sp.yaml).")  # fmt: skip
+
+
 def check_processes(num_processes: int, requested: Requested | None = None) -> None:
     """Run as soon as the process group exists, before any weights are loaded."""
     requested = requested or Requested.from_env()

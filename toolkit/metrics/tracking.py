@@ -47,10 +47,11 @@ def mfu(flops_per_token: float, tokens_per_second: float, devices: int, peak_flo
 
 class RunTracker(TrainerCallback):
     def __init__(self, cost: CostModel, num_processes: int, flops_per_token: Callable[[float], float],
-                 peak_flops: float | None, model_parallel: int = 1):  # fmt: skip
+                 peak_flops: float | None, model_parallel: int = 1, sliced: int = 1):  # fmt: skip
         self.cost = cost
         self.num_processes = num_processes  # devices: throughput per device and MFU divide by all of them
         self.model_parallel = model_parallel  # ranks that train on one batch together (tp x cp x sp): counted once
+        self.sliced = sliced  # of those, ranks handed a slice of each row, not the row (sp: DeepSpeed's loader)
         self.flops_per_token = flops_per_token  # of the mean row length
         self.peak_flops = peak_flops  # per device, FLOP/s; None: no MFU
         self.started: float | None = None  # the bill's start: the call to train()
@@ -102,8 +103,8 @@ class RunTracker(TrainerCallback):
                 total = total.to(_group_device())
             dist.all_reduce(total)
             unread = total
-        if unread is not None:  # the ranks of a tensor-parallel group counted the same rows
-            self._tokens += int(unread) // self.model_parallel
+        if unread is not None:  # the ranks of a tensor or context parallel group counted the same rows
+            self._tokens += int(unread) // (self.model_parallel // self.sliced)
         if self.training_started is not None:
             state.num_input_tokens_seen = self._start_tokens + self._tokens
 

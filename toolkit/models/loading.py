@@ -4,7 +4,6 @@ tokenizer, packing, attention: seconds, no weights) and `load_for_training` (the
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,12 @@ from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
-from ..settings.mesh import describe as describe_mesh
 from ..settings.mesh import launch_mesh
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
+from .parallel import check_sequence_split, check_tensor_parallel
 
 
 def allocate_placeholders(model: torch.nn.Module, upcast: bool) -> None:
@@ -151,35 +150,6 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
                           f"layers are {', '.join(linear)}: pass some of them, or all-linear.")  # fmt: skip
 
 
-def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int,
-                          save_only_model: bool = True) -> None:  # fmt: skip
-    """A tensor-parallel launch (the accelerate config's `parallelism_config_tp_size`), before any weight loads:
-    a mesh that covers the processes, a model transformers can split, heads that split evenly, and checkpoints
-    that transformers can write for a model it sharded at load (weights only: no optimizer state)."""
-    tp = mesh.get("tp", 1)
-    if tp == 1:
-        return
-    product = math.prod(mesh.values())
-    if world_size > 1 and product != world_size:
-        raise ConfigError(
-            f"the mesh {describe_mesh(mesh)} covers {product} processes and the launch has {world_size}: set "
-            f"--num_processes {product}, or parallelism_config sizes whose product is {world_size}."
-        )
-    if not getattr(config, "base_model_tp_plan", None):
-        raise ConfigError(f"{config.model_type} has no tensor-parallel plan in transformers (base_model_tp_plan): "
-                          "train it with accelerate_configs/fsdp2.yaml (sharded data parallelism).")  # fmt: skip
-    heads = {"attention heads": getattr(config, "num_attention_heads", None),
-             "key/value heads": getattr(config, "num_key_value_heads", None)}  # fmt: skip
-    for what, count in heads.items():
-        if count and count % tp:
-            raise ConfigError(f"tp_size {tp} does not divide the model's {count} {what}: use a tp_size that "
-                              f"divides {count} (parallelism_config_tp_size in the accelerate config).")  # fmt: skip
-    if not save_only_model:  # the tensor-parallel default (settings/parser.py), turned off
-        raise ConfigError("a model sharded at load for tensor parallelism cannot checkpoint its optimizer state in "
-                          "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
-                          "starts a fresh optimizer).")  # fmt: skip
-
-
 def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
@@ -271,7 +241,9 @@ def blueprint(args: Arguments) -> Blueprint:
     config = load_config(args.model)
     check_model_settings(config, args.model, args.data.task)
     check_sequence_length(config, args.data.max_seq_length)
-    check_tensor_parallel(config, launch_mesh(), args.training.world_size, args.training.save_only_model)
+    mesh = launch_mesh()
+    check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model)
+    check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
     packing = use_packing(args.data.task, args.data.packing, config)
     m = args.model
     m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,

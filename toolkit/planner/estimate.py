@@ -40,6 +40,8 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             continue
         if layout.tensor_parallel > 1 and layout.mesh_devices != gpus_per_node * nodes:
             continue  # its mesh is exactly that many devices
+        if (gpus_per_node * nodes) % layout.sequence_split:
+            continue  # a row is split over a group of that many devices
         mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
         best = 0
         for b in (1, 2, 4, 8, 16, 32, 64):
@@ -139,7 +141,7 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 # Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
 # what fits; this order only breaks ties between configs that fit.
 PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
-              "tp", "fsdp2_tp", "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
+              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
 # Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides). sharded:
 # torchtitan's published Llama 3.1 8B FSDP run on 8 x H100 without torch.compile (docs/performance.md, Table 1:
 # 5,762 tokens/s per GPU, 33.7% by this module's FLOPs per token; tests/test_planner.py). replicated: above it,

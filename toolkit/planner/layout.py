@@ -9,7 +9,7 @@ so a setting means the same thing whichever way it was read.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -35,6 +35,7 @@ class Layout:
     ram_efficient_loading: bool = False  # FSDP: only rank 0 reads the checkpoint, the others receive it
     tensor_parallel: int = 1  # ranks each layer's weights are split over (transformers' TP plan)
     tensor_shards: int = 1  # under TP: the data-parallel ranks FSDP2 shards each slice over
+    sequence_split: int = 1  # ranks each row's sequence is split over (cp: torch's ring attention; sp: Ulysses)
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -90,10 +91,11 @@ class Layout:
         """The layout an accelerate config file asks for."""
         path = Path(path)
         config = yaml.safe_load(path.read_text())
-        kind = config["distributed_type"]
+        kind, mesh = config["distributed_type"], config_mesh(config.get("parallelism_config"))
+        split = {"sequence_split": mesh.get("cp", 1) * mesh.get("sp", 1)}
         if kind == "DEEPSPEED":
             ds_file = project_path(config["deepspeed_config"]["deepspeed_config_file"])
-            return cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {}))
+            return replace(cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {})), **split)
         if kind == "FSDP":
             fsdp = config.get("fsdp_config", {})
             version = fsdp.get("fsdp_version", 1)
@@ -101,13 +103,14 @@ class Layout:
                 keep = fsdp.get("fsdp_reshard_after_forward", True) is False
             else:
                 keep = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper() == "SHARD_GRAD_OP"
-            mesh = config.get("parallelism_config")
-            sizes = None if mesh is None else (mesh.get("parallelism_config_dp_replicate_size", 0),
-                                               mesh.get("parallelism_config_dp_shard_size", 0))  # fmt: skip
-            return cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
-                            bool(fsdp.get("fsdp_offload_params", False)),
-                            bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
-        mesh = config_mesh(config.get("parallelism_config"))
+            raw = config.get("parallelism_config") or {}  # HYBRID_SHARD: replicas x shards (0: set at launch)
+            sizes = None
+            if "parallelism_config_dp_replicate_size" in raw:
+                sizes = (raw["parallelism_config_dp_replicate_size"], raw.get("parallelism_config_dp_shard_size", 0))
+            layout = cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
+                              bool(fsdp.get("fsdp_offload_params", False)),
+                              bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
+            return replace(layout, **split)
         if "tp" in mesh:
             return cls.tensor(path.stem, mesh["tp"], mesh.get("dp_shard", 1))
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
@@ -118,8 +121,11 @@ class Layout:
         from accelerate.utils import DistributedType
 
         kind, state = accelerator.distributed_type, accelerator.state
+        mesh = accelerator.parallelism_config
+        split = {"sequence_split": mesh.cp_size * mesh.sp_size if mesh is not None else 1}
         if kind == DistributedType.DEEPSPEED:
-            return cls.zero("deepspeed", state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
+            zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+            return replace(cls.zero("deepspeed", zero), **split)
         if kind == DistributedType.FSDP:
             plugin = state.fsdp_plugin
             if plugin.fsdp_version == 2:  # FSDP2 expresses FULL_SHARD / SHARD_GRAD_OP as reshard_after_forward
@@ -128,12 +134,11 @@ class Layout:
                 mode = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
             offload = plugin.cpu_offload  # FSDP1: CPUOffload(offload_params); FSDP2: an OffloadPolicy subclass
             offloaded = getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy"
-            mesh = accelerator.parallelism_config
             hybrid = mesh is not None and mesh.dp_replicate_enabled and mesh.dp_shard_enabled  # FSDP2's HSDP
-            return cls.fsdp("fsdp", plugin.fsdp_version, mode, bool(offloaded),
-                            bool(plugin.cpu_ram_efficient_loading),
-                            (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
-        mesh = accelerator.parallelism_config
+            layout = cls.fsdp("fsdp", plugin.fsdp_version, mode, bool(offloaded),
+                              bool(plugin.cpu_ram_efficient_loading),
+                              (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
+            return replace(layout, **split)
         if mesh is not None and mesh.tp_enabled:
             return cls.tensor(kind.value.lower(), mesh.tp_size, mesh.dp_shard_size)
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

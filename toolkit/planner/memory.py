@@ -280,7 +280,11 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # partitions it, FSDP shards it; DDP and ZeRO-1/2 hold it whole, as stage 0).
     if work.reference_weights:
         mem.device["reference_model"] = int(weight * shape.total / (shards if layout.shard_params else 1))
-    sequences = replace(work, micro_batch=work.micro_batch * work.sequences_per_sample)
+    # Context and sequence parallelism: each rank holds 1/split of every row's tokens through the layers and the
+    # loss (Ulysses' attention: the whole row for 1/split of the heads, the same bytes), so every term below,
+    # linear in the tokens under sdpa and flash attention (the kernels a split runs), is taken at s / split.
+    sequences = replace(work, micro_batch=work.micro_batch * work.sequences_per_sample,
+                        seq_length=work.seq_length // layout.sequence_split)  # fmt: skip
     mem.device["activations"] = activation_bytes(shape, sequences)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
     mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)

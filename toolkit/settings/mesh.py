@@ -33,6 +33,21 @@ def model_parallel_size() -> int:
     return mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("sp", 1)
 
 
+def sequence_split() -> int:
+    """Ranks one row's sequence is split over (context or sequence parallel): under a split, rows are padded to
+    max_seq_length, a multiple of it, so every rank's slice is equally long."""
+    mesh = launch_mesh()
+    return mesh.get("cp", 1) * mesh.get("sp", 1)
+
+
+def sequence_attention() -> str:
+    """The kernel DeepSpeed's Ulysses runs on each rank's heads (the config's
+    `parallelism_config_sp_attn_implementation`; sdpa when unset): under sequence parallelism it, not the model's
+    attn_implementation, computes attention."""
+    value = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION")
+    return value if value not in (None, "", "None") else "sdpa"
+
+
 def data_parallel_replicas(world_size: int) -> int:
     """Groups of ranks that each train on their own rows."""
     return world_size // model_parallel_size()

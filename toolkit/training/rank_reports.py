@@ -7,6 +7,7 @@ strategy-matrix tests compare them across ranks and against a 1-process run and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -61,6 +62,28 @@ class RankReports(TrainerCallback):
         self.rows: list[str] = []
         self.load_host: dict[str, Any] | None = None  # the loading footprint through placing and sharding
         self.gradient_bytes: int | None = None
+        self.saved_bytes: int | None = None
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around the first training step: the bytes autograd saves in its forward pass, once per storage, the
+        parameters (ZeRO-3's gathered ones too) and backward's recomputation of checkpointed layers left out:
+        what the planner calls `activations`, on this rank."""
+        if self.saved_bytes is not None:
+            yield
+            return
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.nn.Parameter) and torch._C._current_autograd_node() is None:
+                storage = local_tensor(tensor).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        parameters = {local_tensor(p).untyped_storage().data_ptr() for p in self.trainer.model.parameters()}
+        self.saved_bytes = sum(n for ptr, n in storages.items() if ptr not in parameters)
 
     def record(self, inputs: dict[str, torch.Tensor]) -> None:
         self.rows += [hashlib.sha1(json.dumps(row).encode()).hexdigest()
@@ -92,6 +115,7 @@ class RankReports(TrainerCallback):
             "tokens_seen": state.num_input_tokens_seen,
             **held_bytes(trainer.model_wrapped, trainer.optimizer),
             "gradient_bytes": self.gradient_bytes,
+            "saved_bytes": self.saved_bytes,  # activations of the first step's forward
             "loaded_param_bytes": self.load.param_bytes,  # held right after from_pretrained, before sharding
             "loaded_host": self.load.host,  # peak host RAM (PSS) added by from_pretrained: anon and file-backed
             "load_host": self.load_host,  # the same through placing and sharding

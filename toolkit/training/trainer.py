@@ -36,6 +36,7 @@ the state a resumed run continues from; RankReports writes its report at on_trai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -57,7 +58,7 @@ from ..metrics.wandb_run import finish_run, launch_environment, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
-from ..settings.mesh import model_parallel_size
+from ..settings.mesh import launch_mesh, model_parallel_size
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, staging_dir
 from .fused_loss import FusedLoss
@@ -85,7 +86,7 @@ class ToolkitTrainerMixin:
         # The parts, each with its own state; the callbacks are called in the order added.
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
-                                  self.plan.peak_flops, model_parallel_size())  # fmt: skip
+                                  self.plan.peak_flops, model_parallel_size(), launch_mesh().get("sp", 1))  # fmt: skip
         self.health = Health(assumed_mfu(self.plan.layout), self.is_world_process_zero())
         self.checkpoints = StagedCheckpoints(self)
         self.safe_stop = SafeStop(over_budget=self.over_budget)
@@ -125,10 +126,12 @@ class ToolkitTrainerMixin:
         return super().train(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.rank_reports is not None:
-            self.rank_reports.record(inputs)
+        reports = self.rank_reports
+        if reports is not None:
+            reports.record(inputs)
         self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
-        loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
+        with reports.saving() if reports is not None else contextlib.nullcontext():
+            loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
 

@@ -1,0 +1,159 @@
+"""Long rows split over ranks: DeepSpeed's Ulysses sequence parallelism (accelerate_configs/zero3_sp.yaml) trains
+on CPU over gloo, for real; torch's context parallelism (fsdp2_cp.yaml) is refused there in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+
+from toolkit.errors import ConfigError
+from toolkit.models.parallel import CP_ON_CPU, check_mesh_size, check_sequence_split
+from toolkit.settings.parser import parse
+
+# Unpacked rows: under sdpa a split does not pack (its mask is one causal row), so the reference does not either.
+FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "1", "--packing", "false",
+         "--record_rank_reports", "true", "--save_strategy", "no"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    one = tmp_path_factory.mktemp("sp-reference")
+    check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *FLAGS, "--output_dir", str(one)], one))
+    return one
+
+
+@pytest.mark.launch
+def test_sequence_parallel_matches_one_process(one_process, tmp_path):
+    """zero3_sp.yaml, 2 ranks, sp=2, against 1 process with the same global batch (8 rows a step): a step trains
+    one rank's rows cut across both, so the losses and gradient norms are the 1-process run's step for step, the
+    tokens are counted once, the export is the same model; each rank holds half the parameters (ZeRO-3) and,
+    measured in the first step's forward, the activations the plan gives at half the sequence."""
+    one, out = one_process, tmp_path / "out"
+    result = check(launch("zero3_sp", "llama3_fft", *FLAGS, "--output_dir", str(out), cwd=tmp_path,
+                          launcher_args=("--parallelism_config_sp_size", "2")))  # fmt: skip
+    assert "mesh          sp=2\n" in result.stdout
+    assert "8 per device x 1 accumulation x 1 data-parallel replicas = 8 global" in result.stdout
+
+    (reference,) = rank_reports(one)
+    ranks = rank_reports(out)
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=2e-3, abs=1e-4)
+    logs = [[json.loads(line) for line in (d / "run_log.jsonl").read_text().splitlines()] for d in (one, out)]
+    norms = [[e["grad_norm"] for e in log if "grad_norm" in e] for log in logs]
+    assert norms[1] == pytest.approx(norms[0], rel=2e-3)
+    summaries = [json.loads((d / "run_summary.json").read_text()) for d in (one, out)]
+    assert summaries[1]["summary"]["tokens"] == summaries[0]["summary"]["tokens"]  # slices add up to the rows
+
+    weights = load_file(one / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    for name, value in weights.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-3, atol=2e-4, msg=name)
+    total = sum(t.nbytes for t in weights.values())
+    for rank in ranks:
+        assert rank["param_bytes"] == pytest.approx(total / 2, rel=0.01)  # ZeRO-3 over both ranks (padding)
+
+    # Activations: the rows are padded to max_seq_length (128), each rank runs 64 of each row's tokens.
+    planned = summaries[1]["config"]["memory_plan"]["device"]["activations"]
+    whole_rows = reference["memory_plan"]["device"]["activations"]  # the same model at the whole 128 tokens
+    assert planned < 0.6 * whole_rows
+    for rank in ranks:
+        assert rank["saved_bytes"] == pytest.approx(planned, rel=0.15)
+
+
+@pytest.mark.launch
+def test_context_parallel_is_refused_on_cpu_in_one_line(tmp_path):
+    """fsdp2_cp.yaml, launched (by the toolkit's launcher, as `make finetune` does): torch's ring attention
+    shards only the GPU kernels, so on a CPU the run stops before any weight loads, with the reason and the
+    config that does run here."""
+    result = run_cmd([str(BIN / "python"), "-m", "toolkit", "launch", "--config_file",
+                      str(ROOT / "accelerate_configs" / "fsdp2_cp.yaml"), "--num_processes", "2",
+                      "--parallelism_config_cp_size", "2", "--main_process_port", str(free_port()),
+                      str(ROOT / "recipes" / "llama3_fft.py"), "--tiny", "--output_dir", str(tmp_path / "o")],
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2  # bad input, as the toolkit's launcher passes it on
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and errors[0] == f"error: {CP_ON_CPU}"
+    assert "Traceback" not in result.stderr
+
+
+def recipe_args(*flags: str):
+    from llama3_fft import RECIPE
+
+    return parse(RECIPE, "llama3_fft", ["--output_dir", "/tmp/unused", "--tiny", *flags])
+
+
+@pytest.mark.parametrize(
+    ("mesh", "flags", "on_gpu", "message"),
+    [
+        ({"cp": 2}, [], False, "context parallelism .* needs CUDA GPUs"),
+        ({"sp": 2}, ["--max_seq_length", "127"], False, "pass --max_seq_length 128"),
+        ({"cp": 2}, ["--max_seq_length", "130"], True, r"cut into 4 equal slices\): pass --max_seq_length 132"),
+        ({"sp": 3}, ["--max_seq_length", "129"], False, "sp_size 3 does not divide the model's 4 attention heads"),
+        ({"sp": 2}, ["--packing", "true"], False, "packed conversations would attend to each other"),
+        ({"sp": 2}, ["--attn_implementation", "eager"], False, "set parallelism_config_sp_attn_implementation"),
+        ({"cp": 2}, ["--attn_implementation", "eager"], True, "torch's ring attention shards sdpa only"),
+    ],
+)  # fmt: skip
+def test_sequence_split_refusals_name_the_fix(mesh, flags, on_gpu, message):
+    """Before any weight loads: what DeepSpeed, torch or accelerate would fail on later, or train wrongly."""
+    args = recipe_args(*flags)
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1)
+    with pytest.raises(ConfigError, match=message):
+        check_sequence_split(config, mesh, args, on_gpu=on_gpu, world_size=2 if mesh != {"sp": 3} else 3)
+
+
+def test_sequence_split_settles_packing_and_attention():
+    """Left open by the recipe: no packing under sdpa, Ulysses' kernel named as the run's attention; with
+    flash attention as Ulysses' kernel, packed rows stay (its varlen path keeps conversations apart)."""
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1)
+    args = recipe_args()
+    check_sequence_split(config, {"sp": 2}, args, on_gpu=False, world_size=2)
+    assert (args.data.packing, args.model.attn_implementation) == (False, "sdpa")
+    args = recipe_args()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "flash_attention_2")
+        check_sequence_split(config, {"sp": 2}, args, on_gpu=True, world_size=2)
+    assert (args.data.packing, args.model.attn_implementation) == (True, "flash_attention_2")
+    args.data.task = "dpo"
+    with pytest.raises(ConfigError, match="a dpo recipe has none to split"):
+        check_sequence_split(config, {"sp": 2}, args, on_gpu=False, world_size=2)
+
+
+def test_mesh_sizes():
+    """Ulysses forms its data-parallel axis from the rest of the ranks: its mesh need only divide them."""
+    check_mesh_size({"sp": 2}, 8, "fix")
+    check_mesh_size({"cp": 4, "dp_shard": 2}, 8, "fix")
+    with pytest.raises(ConfigError, match="covers 4 processes and the launch has 8: fix"):
+        check_mesh_size({"cp": 4}, 8, "fix")
+    with pytest.raises(ConfigError, match="covers 3 processes"):
+        check_mesh_size({"sp": 3}, 8, "fix")
+
+
+@pytest.mark.parametrize(
+    ("base", "sizes", "message"),
+    [
+        ("fsdp2", {"parallelism_config_sp_size": 2}, r"sp_size is DeepSpeed.s sequence parallelism .*zero3_sp"),
+        ("zero3", {"parallelism_config_cp_size": 2}, "cp_size is torch's context parallelism: it needs FSDP2"),
+        ("zero3_sp", {"parallelism_config_sp_size": 3}, "covers 3 processes and the launch has 8: .*divide it"),
+    ],
+)  # fmt: skip
+def test_check_refuses_a_split_without_its_engine(base, sizes, message, tmp_path):
+    """`toolkit check` (and so `make finetune`, `toolkit launch`): a split in a config of the other engine, or one
+    that divides the processes unevenly, in one line before anything starts."""
+    import yaml
+
+    from toolkit.distributed.launch_check import check as check_file
+
+    config = yaml.safe_load((ROOT / "accelerate_configs" / f"{base}.yaml").read_text())
+    config["parallelism_config"] = {**(config.get("parallelism_config") or {}), **sizes}
+    path = tmp_path / f"{base}_split.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=message):
+        check_file(path)

@@ -1,0 +1,109 @@
+"""What a model and a recipe must allow for the mesh a launch asked for (settings/mesh.py), checked from the config
+before any weight loads. Tensor parallelism splits each layer by transformers' own plan; context parallelism
+(torch's ring attention under FSDP2) and sequence parallelism (DeepSpeed's Ulysses) split each row's sequence."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+from ..errors import ConfigError
+from ..settings.arguments import Arguments
+from ..settings.mesh import describe as describe_mesh
+from ..settings.mesh import sequence_attention
+
+CP_ON_CPU = (
+    "context parallelism (parallelism_config_cp_size) needs CUDA GPUs: torch's ring attention shards only the GPU "
+    "attention kernels (on a CPU: 'aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding "
+    "strategy registered'): on a CPU use accelerate_configs/zero3_sp.yaml (DeepSpeed's sequence parallelism)."
+)
+
+
+def check_mesh_size(mesh: dict[str, int], world_size: int, fix: str) -> None:
+    """The mesh must cover the processes. Under DeepSpeed's sequence parallelism the data-parallel axis is
+    implicit (DeepSpeed forms it from the rest), so there the mesh need only divide them."""
+    product = math.prod(mesh.values())
+    if world_size <= 1 or not mesh:
+        return
+    if "sp" in mesh and world_size % product == 0:
+        return
+    if product != world_size:
+        raise ConfigError(f"the mesh {describe_mesh(mesh)} covers {product} processes and the launch has "
+                          f"{world_size}: {fix}")  # fmt: skip
+
+
+def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int,
+                          save_only_model: bool = True) -> None:  # fmt: skip
+    """A tensor-parallel launch (the accelerate config's `parallelism_config_tp_size`), before any weight loads:
+    a mesh that covers the processes, a model transformers can split, heads that split evenly, and checkpoints
+    that transformers can write for a model it sharded at load (weights only: no optimizer state)."""
+    tp = mesh.get("tp", 1)
+    if tp == 1:
+        return
+    check_mesh_size(mesh, world_size, f"set --num_processes {math.prod(mesh.values())}, or parallelism_config "
+                                      f"sizes whose product is {world_size}.")  # fmt: skip
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ConfigError(f"{config.model_type} has no tensor-parallel plan in transformers (base_model_tp_plan): "
+                          "train it with accelerate_configs/fsdp2.yaml (sharded data parallelism).")  # fmt: skip
+    heads = {"attention heads": getattr(config, "num_attention_heads", None),
+             "key/value heads": getattr(config, "num_key_value_heads", None)}  # fmt: skip
+    for what, count in heads.items():
+        if count and count % tp:
+            raise ConfigError(f"tp_size {tp} does not divide the model's {count} {what}: use a tp_size that "
+                              f"divides {count} (parallelism_config_tp_size in the accelerate config).")  # fmt: skip
+    if not save_only_model:  # the tensor-parallel default (settings/parser.py), turned off
+        raise ConfigError("a model sharded at load for tensor parallelism cannot checkpoint its optimizer state in "
+                          "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
+                          "starts a fresh optimizer).")  # fmt: skip
+
+
+def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: Arguments, *, on_gpu: bool,
+                         world_size: int = 1) -> None:  # fmt: skip
+    """Context (cp) or sequence (sp) parallelism: the rows of a causal LM, padded to max_seq_length so that every
+    rank's slice is equally long (collated in data/packing.py), attention each engine can run, and packed rows
+    only where the kernel keeps them apart. Sets what the recipe left open: packing (off unless Ulysses runs flash
+    attention), the attention (Ulysses' kernel). TRL's fused loss scores the pre-shifted labels a split passes."""
+    cp, sp = mesh.get("cp", 1), mesh.get("sp", 1)
+    if cp * sp == 1:
+        return
+    axis, size = ("cp", cp) if cp > 1 else ("sp", sp)
+    setting = f"parallelism_config_{axis}_size {size}"
+    fix = "dividing" if sp > 1 else "times the other sizes equal to"
+    check_mesh_size(mesh, world_size, f"set --num_processes {math.prod(mesh.values())}, or a {axis}_size {fix} "
+                                      f"{world_size}.")  # fmt: skip
+    data, model = args.data, args.model
+    if data.task != "sft":
+        raise ConfigError(f"{setting} splits the rows of a causal language model (sft recipes); a {data.task} recipe "
+                          "has none to split: use a config without it (fsdp2.yaml, zero3.yaml).")  # fmt: skip
+    if cp > 1 and not on_gpu:
+        raise ConfigError(CP_ON_CPU)
+    multiple = 2 * cp if cp > 1 else sp  # torch's load-balanced ring attention cuts a row into 2 x cp chunks
+    if data.max_seq_length % multiple:
+        fit = math.ceil(data.max_seq_length / multiple) * multiple
+        raise ConfigError(f"max_seq_length {data.max_seq_length} does not split evenly under {setting} (rows are "
+                          f"cut into {multiple} equal slices): pass --max_seq_length {fit}.")  # fmt: skip
+    heads = getattr(config, "num_attention_heads", None)
+    if sp > 1 and heads and heads % sp:
+        raise ConfigError(f"sp_size {sp} does not divide the model's {heads} attention heads (Ulysses gives each "
+                          f"rank whole heads): use an sp_size that divides {heads}.")  # fmt: skip
+    attention = model.attn_implementation or "auto"
+    if sp > 1:  # Ulysses runs its own kernel on each rank's heads (settings/mesh.py)
+        kernel = sequence_attention()
+        if attention not in ("auto", kernel):
+            raise ConfigError(f"--attn_implementation {attention}: under {setting} attention runs on DeepSpeed's "
+                              f"kernel, {kernel}: set parallelism_config_sp_attn_implementation: {attention} in the "
+                              "accelerate config, or leave --attn_implementation at auto.")  # fmt: skip
+        model.attn_implementation = kernel
+    elif attention not in ("auto", "sdpa"):
+        raise ConfigError(f"--attn_implementation {attention} cannot run under {setting}: torch's ring attention "
+                          "shards sdpa only: pass --attn_implementation sdpa (or auto).")  # fmt: skip
+    # Ulysses gives sdpa one causal mask over the gathered row and torch's ring attention is causal only: packed
+    # conversations would see each other. flash attention's varlen path reads the restarts of position_ids.
+    keeps_apart = sp > 1 and model.attn_implementation.startswith("flash")
+    if data.packing and not keeps_apart:
+        other = " or parallelism_config_sp_attn_implementation: flash_attention_2 (a GPU)" if sp > 1 else ""
+        raise ConfigError(f"--packing true under {setting}: its attention masks one causal row, so packed "
+                          f"conversations would attend to each other: pass --packing false{other}.")  # fmt: skip
+    if data.packing is None:
+        data.packing = keeps_apart
