@@ -19,12 +19,24 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 def test_every_shipped_config_passes_with_every_recipe(config):
     """Every pair passes but QLoRA's under a sharding engine or tensor parallelism, which is refused by name (its
     4-bit base is replicated), and under tensor parallelism the encoders' (transformers has no TP plan for them)
-    and SmolLM2's (heads that 2 ranks cannot split)."""
+    and SmolLM2's (heads that 2 ranks cannot split); under a sequence split the recipes that are not SFT, and
+    SmolLM2's 9 heads over 8 Ulysses ranks; FP8 on this machine (no FP8 tensor cores), QLoRA's first."""
     text = config.read_text()
     tensor = "parallelism_config_tp_size" in text
+    split = "parallelism_config_cp_size" in text or "parallelism_config_sp_size" in text
     sharding = any(f"distributed_type: {kind}" in text for kind in ("FSDP", "DEEPSPEED")) or tensor
     for recipe in RECIPES:
-        if recipe == "llama3_qlora" and sharding:
+        if "mixed_precision: fp8" in text:  # QLoRA's combination, then this machine: no FP8 tensor cores
+            message = "with mixed_precision fp8" if recipe == "llama3_qlora" else "this machine has no CUDA GPU"
+            with pytest.raises(ConfigError, match=message):
+                check(config, recipe)
+        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora"):
+            with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
+                check(config, recipe)
+        elif split and recipe == "smollm2_chat" and "sp_size" in text:  # 9 heads over 8 ranks
+            with pytest.raises(ConfigError, match="sp_size 8 does not divide the model's 9 attention heads"):
+                check(config, recipe)
+        elif recipe == "llama3_qlora" and sharding:
             with pytest.raises(ConfigError, match="QLoRA \\(--load_in_4bit\\) trains under single_gpu.yaml or ddp"):
                 check(config, recipe)
         elif recipe in ("bert", "minilm_bbc") and tensor:

@@ -54,8 +54,10 @@ STRATEGIES = {
     # a row split over 2 ranks: test_sequence_parallel.py (context parallelism: refused on CPU, in one line)
     "zero3_sp": ("DEEPSPEED", "ZeRO-3", True, True, 2),
     "fsdp2_cp": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),
+    # FP8: refused on CPU in one line, test_fp8.py
+    "fsdp2_fp8": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),
 }
-OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp")  # launched by their own tests, named above
+OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8")  # launched by their own tests
 CPU_WARNINGS = {
     "fsdp": "warning: FSDP1 needs a GPU: on CPU running its FSDP2 equivalent (FULL_SHARD",
     "fsdp_offload": "warning: fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without",

@@ -29,7 +29,14 @@ from transformers import set_seed
 from .data.preparation import PreparedData, prepare_data
 from .distributed import op_builds, patches
 from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0, weights_arrive_upcast
-from .distributed.strategy import check_4bit_engine, check_mesh_engine, check_processes, resolve_config_paths
+from .distributed.strategy import (
+    check_4bit_engine,
+    check_fp8,
+    check_mesh_engine,
+    check_processes,
+    cuda_capability,
+    resolve_config_paths,
+)
 from .errors import ConfigError, ToolkitError, command, report
 from .metrics.cost import check_device_name
 from .metrics.samples import side_by_side
@@ -93,6 +100,9 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
     if args.model.load_in_4bit:
         check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # the config's; the recipe's bf16 would override it
+        check_fp8(os.environ.get("ACCELERATE_FP8_BACKEND"), args.model.load_in_4bit, cuda_capability())
+        args.training.mixed_precision = "fp8"
     if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
         raise ConfigError(FLEX_ON_CPU)
     training = args.training

@@ -20,12 +20,12 @@ from accelerate.commands.config.config_args import ClusterConfig
 from ..data.sources import model_config
 from ..errors import ConfigError, command
 from ..models.meta import meta_model
-from ..models.parallel import check_mesh_size, check_tensor_parallel
+from ..models.parallel import check_mesh_size, check_sequence_heads, check_tensor_parallel
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 from ..settings.mesh import config_mesh
-from .strategy import check_4bit_engine, check_mesh_engine, layer_class
+from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
 
-SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")  # keys that are accelerate launch flags
+SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "fp8_config")  # keys: accelerate launch flags
 
 
 def suggest(key: str, known: set[str]) -> str:
@@ -153,13 +153,20 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         check_mesh_size(mesh, processes, f"{fix}.")
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
-    if recipe is not None and "tp" in mesh:
-        values = load_recipe(recipe)
-        try:
-            config = model_config(values["model_name_or_path"])
-        except ConfigError:
-            return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
-        check_tensor_parallel(config, mesh, processes)
+    if recipe is None or not {"tp", "cp", "sp"} & set(mesh):
+        return
+    values = load_recipe(recipe)
+    split = next((axis for axis in ("cp", "sp") if axis in mesh), None)
+    task = values.get("task", "sft")
+    if split and task != "sft":  # as the run's check_sequence_split, with what a file and a recipe tell
+        raise ConfigError(f"{path}: parallelism_config_{split}_size splits the rows of a causal language model "
+                          f"(sft recipes); {recipe} is a {task} recipe: use a config without it.")  # fmt: skip
+    try:
+        config = model_config(values["model_name_or_path"])
+    except ConfigError:
+        return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
+    check_tensor_parallel(config, mesh, processes)
+    check_sequence_heads(config, mesh.get("sp", 1))
 
 
 def check(config_file: str | Path, recipe: str | None = None) -> str:
@@ -179,9 +186,12 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
         if not isinstance(values, dict):
             raise ConfigError(f"{section} in {path} must be a mapping of settings, got {values!r}.")
         for key, value in values.items():
-            if key not in flags:
-                raise ConfigError(f"Unknown key '{key}' under {section} in {path}.{suggest(key, flags)}")
-            check_value(key, value, flag_types.get(key), path, section)
+            # accelerate reads fp8_config's keys as --fp8_<key> flags
+            flag = f"fp8_{key}" if section == "fp8_config" and not key.startswith("fp8") else key
+            if flag not in flags:
+                known = {f.removeprefix("fp8_") for f in flags if f.startswith("fp8_")} if flag != key else flags
+                raise ConfigError(f"Unknown key '{key}' under {section} in {path}.{suggest(key, known)}")
+            check_value(flag, value, flag_types.get(flag), path, section)
     kind = config.get("distributed_type")
     from accelerate.utils import DistributedType
 
@@ -202,6 +212,10 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
         check_offload_builds(json_path, zero)
         summary += f", ZeRO-{zero.get('stage', 0)} ({json_path.name})"
     check_mesh(config, path, recipe)
+    if str(config.get("mixed_precision")).lower() == "fp8":  # before accelerate's launcher fails on it
+        qlora = recipe is not None and bool(load_recipe(recipe).get("load_in_4bit"))
+        check_fp8((config.get("fp8_config") or {}).get("backend"), qlora, cuda_capability())
+        summary += ", FP8"
     if recipe is not None:
         check_wrap_class(config, path, recipe)
         if load_recipe(recipe).get("load_in_4bit"):

@@ -78,6 +78,41 @@ def check_mesh_engine(mesh: dict[str, int], engine: str, fsdp_version: int) -> N
                           "configs/fsdp2_cp.yaml), or for DeepSpeed use sp_size (zero3_sp.yaml).")  # fmt: skip
 
 
+# accelerate's fp8_config backends: the module each imports, and what installs it.
+FP8_BACKENDS = {"AO": ("torchao", "torchao"), "TE": ("transformer_engine", "transformer-engine[pytorch]"),
+                "MSAMP": ("msamp", "ms-amp")}  # fmt: skip
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def check_fp8(backend: str | None, load_in_4bit: bool, capability: tuple[int, int] | None) -> None:
+    """FP8 (mixed_precision: fp8) needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell; on an
+    older GPU accelerate quietly trains in fp16 instead), its backend installed (accelerate's launcher otherwise
+    stops with a traceback), and weights it can cast: not QLoRA's 4-bit base. `capability`: None, no CUDA."""
+    from ..errors import ConfigError
+
+    if load_in_4bit:
+        raise ConfigError("QLoRA (--load_in_4bit) with mixed_precision fp8: the 4-bit base has no float8 path. "
+                          "Train QLoRA with single_gpu.yaml or ddp.yaml, or full or LoRA runs in FP8.")  # fmt: skip
+    name = (backend or "AO").upper()
+    module, package = FP8_BACKENDS.get(name, (None, None))
+    if module is None:
+        raise ConfigError(f"fp8_config backend {backend}: accelerate knows {', '.join(FP8_BACKENDS)}.")
+    if capability is None or capability < (8, 9):
+        found = "this machine has no CUDA GPU" if capability is None else f"this GPU is {capability[0]}.{capability[1]}"
+        raise ConfigError(f"mixed_precision fp8 needs GPUs with FP8 tensor cores (compute capability 8.9+: H100, "
+                          f"H200, L40S, B200) and {found}: use the same strategy without FP8 (fsdp2.yaml), "
+                          "in bf16.")  # fmt: skip
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"fp8_config backend {name} needs {module}: `pip install {package}`.")
+
+
 def check_processes(num_processes: int, requested: Requested | None = None) -> None:
     """Run as soon as the process group exists, before any weights are loaded."""
     requested = requested or Requested.from_env()

@@ -58,6 +58,13 @@ def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
                           "starts a fresh optimizer).")  # fmt: skip
 
 
+def check_sequence_heads(config: PretrainedConfig, sp: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if sp > 1 and heads and heads % sp:
+        raise ConfigError(f"sp_size {sp} does not divide the model's {heads} attention heads (Ulysses gives each "
+                          f"rank whole heads): use an sp_size that divides {heads}.")  # fmt: skip
+
+
 def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: Arguments, *, on_gpu: bool,
                          world_size: int = 1) -> None:  # fmt: skip
     """Context (cp) or sequence (sp) parallelism: the rows of a causal LM, padded to max_seq_length so that every
@@ -83,10 +90,7 @@ def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: A
         fit = math.ceil(data.max_seq_length / multiple) * multiple
         raise ConfigError(f"max_seq_length {data.max_seq_length} does not split evenly under {setting} (rows are "
                           f"cut into {multiple} equal slices): pass --max_seq_length {fit}.")  # fmt: skip
-    heads = getattr(config, "num_attention_heads", None)
-    if sp > 1 and heads and heads % sp:
-        raise ConfigError(f"sp_size {sp} does not divide the model's {heads} attention heads (Ulysses gives each "
-                          f"rank whole heads): use an sp_size that divides {heads}.")  # fmt: skip
+    check_sequence_heads(config, sp)
     attention = model.attn_implementation or "auto"
     if sp > 1:  # Ulysses runs its own kernel on each rank's heads (settings/mesh.py)
         kernel = sequence_attention()

@@ -20,6 +20,7 @@ from ..settings.tasks import TASKS, infer_task
 from .activations import measured_activations
 from .estimate import (
     ASSUMED_MFU,
+    FP8_SPEEDUP,
     PREFERENCE,
     assumed_mfu,
     cost_from_throughput,
@@ -103,7 +104,9 @@ def build_plan(args) -> dict:
     data = dict(samples=samples, epochs=epochs, tokens_per_sample=tokens_per_sample, tokens_source=tokens_source)
     results = []
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
-    for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values())):
+    fp8 = "fp8" in gpu["peak_tflops"]  # FP8 tensor cores (metrics/hardware.yaml)
+    for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values()),
+                      fp8):  # fmt: skip
         row = asdict(v)
         if samples:
             layout = layouts[v.config]
@@ -111,6 +114,7 @@ def build_plan(args) -> dict:
             peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
                                              work.sequences_per_sample, task == "dpo")  # fmt: skip
+            rate *= FP8_SPEEDUP if layout.fp8 else 1
             cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
             row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,

@@ -28,9 +28,10 @@ class Verdict:
 
 
 def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
-             headroom: float = 0.1, layouts: list[Layout] | None = None) -> list[Verdict]:  # fmt: skip
+             headroom: float = 0.1, layouts: list[Layout] | None = None,
+             fp8: bool = True) -> list[Verdict]:  # fmt: skip
     """Each strategy on this hardware: memory at the workload's micro-batch, and the largest micro-batch that
-    fits with `headroom` of the device memory left free."""
+    fits with `headroom` of the device memory left free. `fp8`: the devices have FP8 tensor cores."""
     out = []
     budget = device_gib * (1 - headroom) * GIB
     for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
@@ -42,6 +43,8 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             continue  # its mesh is exactly that many devices
         if (gpus_per_node * nodes) % layout.sequence_split:
             continue  # a row is split over a group of that many devices
+        if layout.fp8 and not fp8:
+            continue
         mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
         best = 0
         for b in (1, 2, 4, 8, 16, 32, 64):
@@ -141,7 +144,12 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 # Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
 # what fits; this order only breaks ties between configs that fit.
 PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
-              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "zero2_offload", "fsdp_offload", "zero3_offload")  # fmt: skip
+              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "zero2_offload", "fsdp_offload",
+              "zero3_offload")  # fmt: skip
+# FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
+# at 8 GPUs / 8B parameters (docs.pytorch.org/ao, "Quantized Training": "up to 1.25x"; up to 1.5x at 512 GPUs /
+# 405B). Assumed, not measured here (issue #33 measures it on an H100).
+FP8_SPEEDUP = 1.25
 # Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides). sharded:
 # torchtitan's published Llama 3.1 8B FSDP run on 8 x H100 without torch.compile (docs/performance.md, Table 1:
 # 5,762 tokens/s per GPU, 33.7% by this module's FLOPs per token; tests/test_planner.py). replicated: above it,

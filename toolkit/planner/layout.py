@@ -36,6 +36,7 @@ class Layout:
     tensor_parallel: int = 1  # ranks each layer's weights are split over (transformers' TP plan)
     tensor_shards: int = 1  # under TP: the data-parallel ranks FSDP2 shards each slice over
     sequence_split: int = 1  # ranks each row's sequence is split over (cp: torch's ring attention; sp: Ulysses)
+    fp8: bool = False  # mixed_precision fp8: float8 GEMMs; memory as in bf16 (estimate.py's FP8_SPEEDUP: time)
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -92,7 +93,8 @@ class Layout:
         path = Path(path)
         config = yaml.safe_load(path.read_text())
         kind, mesh = config["distributed_type"], config_mesh(config.get("parallelism_config"))
-        split = {"sequence_split": mesh.get("cp", 1) * mesh.get("sp", 1)}
+        split = {"sequence_split": mesh.get("cp", 1) * mesh.get("sp", 1),
+                 "fp8": str(config.get("mixed_precision")).lower() == "fp8"}  # fmt: skip
         if kind == "DEEPSPEED":
             ds_file = project_path(config["deepspeed_config"]["deepspeed_config_file"])
             return replace(cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {})), **split)
@@ -122,7 +124,8 @@ class Layout:
 
         kind, state = accelerator.distributed_type, accelerator.state
         mesh = accelerator.parallelism_config
-        split = {"sequence_split": mesh.cp_size * mesh.sp_size if mesh is not None else 1}
+        split = {"sequence_split": mesh.cp_size * mesh.sp_size if mesh is not None else 1,
+                 "fp8": str(accelerator.mixed_precision) == "fp8"}  # fmt: skip
         if kind == DistributedType.DEEPSPEED:
             zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
             return replace(cls.zero("deepspeed", zero), **split)
