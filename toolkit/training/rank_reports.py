@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from ..data.packing import SEQUENCES
 from ..metrics.memory import local_tensor, nbytes
 from ..models.counts import LoadRecord
+from ..settings.mesh import sequence_split
 
 
 def sequences_of(inputs: dict[str, torch.Tensor], packed: bool) -> list[list[int]]:
@@ -68,8 +69,10 @@ class RankReports(TrainerCallback):
     def saving(self):
         """Around the first training step: the bytes autograd saves in its forward pass, once per storage, the
         parameters (ZeRO-3's gathered ones too) and backward's recomputation of checkpointed layers left out:
-        what the planner calls `activations`, on this rank."""
-        if self.saved_bytes is not None:
+        what the planner calls `activations`, on this rank. Only under a sequence split (the one strategy whose
+        activations a test compares with the plan): autograd hands the hooks' tensors back without their
+        Parameter class, and ZeRO-3's fused head (TRL reads `ds_status` in backward) needs it."""
+        if self.saved_bytes is not None or sequence_split() == 1:
             yield
             return
         storages: dict[int, int] = {}
