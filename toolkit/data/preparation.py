@@ -208,10 +208,11 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
                 keep(tokenized, meta, folder)
             rows = sum(len(split) for split in ds.values())
             note = f"tokenized {rows:,} rows in {meta['seconds']:.1f} s, kept in {folder}"
+    split = sequence_split() > 1  # a split's rows: each padded to max_seq_length (PackedCollator)
     if args.task == "classification":
         collator = DataCollatorWithPadding(tokenizer)
-    elif packing or sequence_split() > 1:  # a split's rows: each padded to max_seq_length (PackedCollator)
-        collator = PackedCollator(tokenizer.pad_token_id, width=args.max_seq_length if sequence_split() > 1 else None)
+    elif packing or split:
+        collator = PackedCollator(tokenizer.pad_token_id, width=args.max_seq_length if split else None)
     else:
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)

@@ -20,7 +20,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 from ..data.sources import model_config
 from ..errors import ConfigError, command
 from ..models.meta import meta_model
-from ..models.parallel import check_mesh_size, check_sequence_heads, check_tensor_parallel
+from ..models.parallel import check_mesh_size, check_sequence_heads, check_split_task, check_tensor_parallel
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 from ..settings.mesh import config_mesh
 from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
@@ -156,11 +156,10 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     if recipe is None or not {"tp", "cp", "sp"} & set(mesh):
         return
     values = load_recipe(recipe)
-    split = next((axis for axis in ("cp", "sp") if axis in mesh), None)
-    task = values.get("task", "sft")
-    if split and task != "sft":  # as the run's check_sequence_split, with what a file and a recipe tell
-        raise ConfigError(f"{path}: parallelism_config_{split}_size splits the rows of a causal language model "
-                          f"(sft recipes); {recipe} is a {task} recipe: use a config without it.")  # fmt: skip
+    try:
+        check_split_task(mesh, values.get("task", "sft"))
+    except ConfigError as error:
+        raise ConfigError(f"{path} with {recipe}: {error}") from None
     try:
         config = model_config(values["model_name_or_path"])
     except ConfigError:

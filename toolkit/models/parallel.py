@@ -65,6 +65,15 @@ def check_sequence_heads(config: PretrainedConfig, sp: int) -> None:
                           f"rank whole heads): use an sp_size that divides {heads}.")  # fmt: skip
 
 
+def check_split_task(mesh: dict[str, int], task: str) -> None:
+    """A split cuts the rows of a causal language model: sft recipes only (the run's and `toolkit check`'s)."""
+    axis = next((axis for axis in ("cp", "sp") if mesh.get(axis, 1) > 1), None)
+    if axis and task != "sft":
+        raise ConfigError(f"parallelism_config_{axis}_size {mesh[axis]} splits the rows of a causal language model "
+                          f"(sft recipes); a {task} recipe has none to split: use a config without it (fsdp2.yaml, "
+                          "zero3.yaml).")  # fmt: skip
+
+
 def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: Arguments, *, on_gpu: bool,
                          world_size: int = 1) -> None:  # fmt: skip
     """Context (cp) or sequence (sp) parallelism: the rows of a causal LM, padded to max_seq_length so that every
@@ -80,9 +89,7 @@ def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: A
     check_mesh_size(mesh, world_size, f"set --num_processes {math.prod(mesh.values())}, or a {axis}_size {fix} "
                                       f"{world_size}.")  # fmt: skip
     data, model = args.data, args.model
-    if data.task != "sft":
-        raise ConfigError(f"{setting} splits the rows of a causal language model (sft recipes); a {data.task} recipe "
-                          "has none to split: use a config without it (fsdp2.yaml, zero3.yaml).")  # fmt: skip
+    check_split_task(mesh, data.task)
     if cp > 1 and not on_gpu:
         raise ConfigError(CP_ON_CPU)
     multiple = 2 * cp if cp > 1 else sp  # torch's load-balanced ring attention cuts a row into 2 x cp chunks

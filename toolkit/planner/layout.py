@@ -93,11 +93,11 @@ class Layout:
         path = Path(path)
         config = yaml.safe_load(path.read_text())
         kind, mesh = config["distributed_type"], config_mesh(config.get("parallelism_config"))
-        split = {"sequence_split": mesh.get("cp", 1) * mesh.get("sp", 1),
+        axes = {"sequence_split": mesh.get("cp", 1) * mesh.get("sp", 1),
                  "fp8": str(config.get("mixed_precision")).lower() == "fp8"}  # fmt: skip
         if kind == "DEEPSPEED":
             ds_file = project_path(config["deepspeed_config"]["deepspeed_config_file"])
-            return replace(cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {})), **split)
+            return replace(cls.zero(path.stem, json.loads(ds_file.read_text()).get("zero_optimization", {})), **axes)
         if kind == "FSDP":
             fsdp = config.get("fsdp_config", {})
             version = fsdp.get("fsdp_version", 1)
@@ -112,7 +112,7 @@ class Layout:
             layout = cls.fsdp(path.stem, version, "SHARD_GRAD_OP" if keep else "FULL_SHARD",
                               bool(fsdp.get("fsdp_offload_params", False)),
                               bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
-            return replace(layout, **split)
+            return replace(layout, **axes)
         if "tp" in mesh:
             return cls.tensor(path.stem, mesh["tp"], mesh.get("dp_shard", 1))
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
@@ -124,11 +124,11 @@ class Layout:
 
         kind, state = accelerator.distributed_type, accelerator.state
         mesh = accelerator.parallelism_config
-        split = {"sequence_split": mesh.cp_size * mesh.sp_size if mesh is not None else 1,
+        axes = {"sequence_split": mesh.cp_size * mesh.sp_size if mesh is not None else 1,
                  "fp8": str(accelerator.mixed_precision) == "fp8"}  # fmt: skip
         if kind == DistributedType.DEEPSPEED:
             zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-            return replace(cls.zero("deepspeed", zero), **split)
+            return replace(cls.zero("deepspeed", zero), **axes)
         if kind == DistributedType.FSDP:
             plugin = state.fsdp_plugin
             if plugin.fsdp_version == 2:  # FSDP2 expresses FULL_SHARD / SHARD_GRAD_OP as reshard_after_forward
@@ -141,7 +141,7 @@ class Layout:
             layout = cls.fsdp("fsdp", plugin.fsdp_version, mode, bool(offloaded),
                               bool(plugin.cpu_ram_efficient_loading),
                               (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
-            return replace(layout, **split)
+            return replace(layout, **axes)
         if mesh is not None and mesh.tp_enabled:
             return cls.tensor(kind.value.lower(), mesh.tp_size, mesh.dp_shard_size)
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

@@ -64,6 +64,7 @@ class RankReports(TrainerCallback):
         self.load_host: dict[str, Any] | None = None  # the loading footprint through placing and sharding
         self.gradient_bytes: int | None = None
         self.saved_bytes: int | None = None
+        self.measure_saved = sequence_split() > 1  # see saving()
 
     @contextlib.contextmanager
     def saving(self):
@@ -72,7 +73,7 @@ class RankReports(TrainerCallback):
         what the planner calls `activations`, on this rank. Only under a sequence split (the one strategy whose
         activations a test compares with the plan): autograd hands the hooks' tensors back without their
         Parameter class, and ZeRO-3's fused head (TRL reads `ds_status` in backward) needs it."""
-        if self.saved_bytes is not None or sequence_split() == 1:
+        if self.saved_bytes is not None or not self.measure_saved:
             yield
             return
         storages: dict[int, int] = {}
