@@ -94,7 +94,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     from toolkit.data.packing import PackedCollator
     from toolkit.metrics.cost import detect_device, peak_tflops
     from toolkit.models import tiny
-    from toolkit.models.loading import choose_attention
+    from toolkit.models.attention import choose_attention
     from toolkit.planner import Shape, meta_model
     from toolkit.planner.estimate import training_flops_per_token
 

@@ -123,7 +123,7 @@ def test_auto_attention_skips_masked_blocks_where_it_can(model, setting, packing
     import transformers.utils
     from transformers import Gemma2Config, GPT2Config, LlamaConfig
 
-    from toolkit.models.loading import choose_attention
+    from toolkit.models.attention import choose_attention
 
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
     config = {"llama": LlamaConfig, "gpt2": GPT2Config, "gemma2": Gemma2Config}[model]()

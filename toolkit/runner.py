@@ -41,7 +41,8 @@ from .errors import ConfigError, ToolkitError, command, report
 from .metrics.cost import check_device_name
 from .metrics.samples import side_by_side
 from .metrics.wandb_run import finish_run, redact_argv
-from .models.loading import FLEX_ON_CPU, Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
+from .models.attention import FLEX_ON_CPU, pad_multiple
+from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
 from .models.lora import save_merged
 from .models.tiny import tiny_layer
 from .planner.activations import measured_activations
@@ -70,7 +71,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer)
     resume, resume_note = checked_launch(args)
     model_plan = blueprint(args)
-    data = prepare_data(args, model_plan.tokenizer, model_plan.packing)
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, pad_multiple(args.model.attn_implementation))
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
@@ -134,6 +135,8 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
         from .training.preference import RecipeDPOTrainer, reference_model
 
         trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
+        if multiple := pad_multiple(args.model.attn_implementation):  # TRL's collator pads to it
+            args.training.pad_to_multiple_of = multiple
     else:
         compute_metrics, preprocess_logits = metrics_for(args.data.task)
         trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,

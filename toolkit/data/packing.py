@@ -110,6 +110,7 @@ class PackedCollator:
     micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
     why the other kernels keep rows.
 
+    `pad_to_multiple_of` rounds the width up (flex attention's kernels need a batch of at least one mask block).
     `attention_mask` marks real tokens for the token count only: `model_inputs` withholds it from the
     model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
     transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
@@ -123,6 +124,7 @@ class PackedCollator:
     pad_token_id: int
     flatten: bool = False
     width: int | None = None  # every row padded to this (a sequence split's max_seq_length), else to the longest
+    pad_to_multiple_of: int | None = None  # the width rounded up to it (flex attention's block: models/attention.py)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         keys = ("input_ids", "labels", "position_ids")
@@ -131,6 +133,8 @@ class PackedCollator:
         width = max(len(row["input_ids"]) for row in rows)
         if self.width:  # a flattened micro-batch is as long as its rows' widths together
             width = self.width * (len(features) if self.flatten else 1)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch: dict[str, list] = {k: [] for k in (*keys, "attention_mask")}
         for row in rows:
             pad = width - len(row["input_ids"])

@@ -229,13 +229,17 @@ def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def prepare_data(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bool) -> PreparedData:
+def prepare_data(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bool,
+                 pad_to_multiple_of: int | None = None) -> PreparedData:  # fmt: skip
     """The data room's entry: the recipe's data read and checked (loading.py), prepared for its task (tokenized,
-    packed, cached), with the held-out prompts --generation_samples answers."""
+    packed, cached), with the held-out prompts --generation_samples answers. `pad_to_multiple_of`: every batch's
+    width is a multiple of it (what the attention kernel needs, models/attention.py's pad_multiple)."""
     raw, read = load_data(args.data)
     data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
         data.collator.flatten = "flash" in str(args.model.attn_implementation)
+    if data.collator is not None:  # each of the three collators has the setting (DPO's is TRL's: the runner's)
+        data.collator.pad_to_multiple_of = pad_to_multiple_of
     data.note = "; ".join(filter(None, [read, data.note]))
     if args.run.generation_samples:
         held_out = raw["eval"]

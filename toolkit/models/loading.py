@@ -20,6 +20,7 @@ from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
+from .attention import ATTENTION_SUPPORT, choose_attention
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
@@ -87,40 +88,6 @@ def load_config(args: ModelArguments) -> PretrainedConfig:
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
     return read_config(name, args.model_name_or_path, args.trust_remote_code)
-
-
-ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
-                     "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}  # fmt: skip
-
-
-FLEX_ON_CPU = ("flex_attention trains on a GPU only (torch's CPU compiler has no backward for it, pytorch#169646): "
-               "pass --attn_implementation sdpa, or auto.")  # fmt: skip
-
-
-def choose_attention(config: PretrainedConfig, setting: str | None, task: str, packing: bool, *,
-                     on_gpu: bool) -> tuple[str | None, str]:  # fmt: skip
-    """The attention kernel and why, for the run's header. `auto` (the default): packed rows on a GPU get a kernel
-    that skips the blocks packing masks out, flash-attention's varlen path where flash-attn is installed, else flex
-    attention with a document mask (transformers builds one from the position ids' restarts, as for sdpa); any
-    other run gets sdpa, which computes the block-diagonal mask densely. None: the model's own default."""
-    if setting != "auto":
-        return setting, ""
-    from transformers.utils import is_flash_attn_2_available
-
-    cls = architecture(config, task)
-    supports = lambda name: cls is not None and getattr(cls, ATTENTION_SUPPORT[name], False)  # noqa: E731
-    if packing and on_gpu:
-        if is_flash_attn_2_available() and supports("flash_attention_2"):
-            return "flash_attention_2", "auto: packed rows on a GPU, flash-attn's varlen path"
-        if supports("flex_attention"):
-            return "flex_attention", "auto: packed rows on a GPU, a document mask that skips other rows' blocks"
-    if not packing:
-        why = "auto"
-    elif on_gpu:
-        why = "auto: packed rows, but the model has no flex attention"
-    else:
-        why = "auto: packed rows on a CPU, where flex attention does not train"
-    return ("sdpa", why) if supports("sdpa") else (None, "auto: the model's default, it has no sdpa")
 
 
 def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: str) -> None:

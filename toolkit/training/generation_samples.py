@@ -1,9 +1,10 @@
 """Trainer part: after each evaluation, greedy answers to `--generation_samples` held-out prompts (a callback).
 
-The answer is greedy, so runs and steps compare. Every rank generates (under FSDP and ZeRO-3 each forward gathers
-the sharded weights, a collective every rank must join: `synced_gpus`); rank 0 appends to OUTPUT/samples.jsonl
-(metrics/samples.py reads it back) and logs a W&B table. With an evaluation before training (`--eval_on_start
-true`), step 0 holds the base model's answers.
+The answer is greedy, so runs and steps compare. A model that trains with flex attention generates with sdpa
+(models/attention.py's for_generation: flex cannot lower every prompt length). Every rank generates (under FSDP
+and ZeRO-3 each forward gathers the sharded weights, a collective every rank must join: `synced_gpus`); rank 0
+appends to OUTPUT/samples.jsonl (metrics/samples.py reads it back) and logs a W&B table. With an evaluation
+before training (`--eval_on_start true`), step 0 holds the base model's answers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers import TrainerCallback
 
 from ..data.conversations import stop_token_ids
 from ..metrics.samples import SAMPLES_FILE, Prompt
+from ..models.attention import for_generation
 
 
 def root_unsharded(model: torch.nn.Module):
@@ -47,7 +49,7 @@ class GenerationSamples(TrainerCallback):
         training = model.training
         model.eval()
         answers = []
-        with torch.no_grad(), root_unsharded(self.trainer.model_wrapped):
+        with torch.no_grad(), root_unsharded(self.trainer.model_wrapped), for_generation(model):
             for prompt in self.prompts:
                 ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
                                                     return_dict=True)["input_ids"].to(device)  # fmt: skip
