@@ -46,7 +46,7 @@ def test_the_rule_reads_torchs_own_conditions():
 
     source = inspect.getsource(flex_decoding)
     assert "sympy.Lt(query.get_size()[-2], 128)" in source
-    assert "SPARSE_Q_BLOCK_SIZE % kernel_options[\"BLOCK_M\"] != 0" in source
+    assert 'SPARSE_Q_BLOCK_SIZE % kernel_options["BLOCK_M"] != 0' in source
     assert "next_power_of_2(" in source and "* gqa_shared_heads" in source
     assert _DEFAULT_SPARSE_BLOCK_SIZE == FLEX_BLOCK
 
