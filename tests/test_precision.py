@@ -1,6 +1,6 @@
 """fp32 master weights, on a real checkpoint: 16-bit weights updated in place at a fine-tuning learning rate lose
-most AdamW updates (below bf16's resolution); the toolkit keeps fp32 masters where no engine does, plans their
-memory, and the header says what is in effect."""
+most AdamW updates (below bf16's resolution); the toolkit's optimizer keeps fp32 masters where no engine does,
+beside bf16 compute weights, plans their memory, resumes them exactly, and the header says what is in effect."""
 
 from __future__ import annotations
 
@@ -17,20 +17,28 @@ from toolkit.data.sources import resolve
 
 def test_master_weights_keep_the_updates_bf16_would_lose(tmp_path, capsys):
     """SmolLM2-135M, every weight trained (no LoRA), llama3_fft's learning rate 2e-5, bf16 weights and bf16
-    compute, one AdamW step: with fp32 masters (the default) every weight moves; the same update applied to the
-    bf16 weights leaves most of them where they were (measured here, printed)."""
+    compute, one AdamW step: the optimizer's fp32 masters take every update; the same update applied to the bf16
+    weights leaves most of them where they were (measured here, printed). The compute weights and the residual
+    stream stay bf16 (no per-forward casts, no fp32 activations), the masters and AdamW's states are fp32."""
     flags = ["--use_lora", "false", "--bf16", "true", "--learning_rate", "2e-5", "--warmup_steps", "0",
              "--max_steps", "1", "--eval_fraction", "0", "--eval_on_start", "false", "--generation_samples", "0",
              "--report_to", "none", "--output_dir", str(tmp_path)]  # fmt: skip
     trainer = train(SMOLLM2_CHAT, flags, "smollm2_chat").trainer
-    header = "precision     bf16, weights bfloat16, fp32 master weights, bf16 compute (autocast)\n"
-    assert header in capsys.readouterr().out
+    header = "precision     bf16, weights bfloat16, bf16 weights and compute, fp32 master weights in the optimizer step"
+    assert header + "\n" in capsys.readouterr().out
     start = load_file(f"{resolve(SMOLLM2_CHAT['model_name_or_path'])}/model.safetensors")
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    masters = trainer.masters
+    assert len(masters.masters) == len(names)
     total = unmoved = lost_in_bf16 = 0
-    for name, weight in trainer.model.named_parameters():
-        assert weight.dtype == torch.float32, name  # the master copy
+    optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around torch's AdamW
+    for weight, master in zip(masters.weights, masters.masters, strict=True):
+        name = names[id(weight)]
+        assert weight.dtype == torch.bfloat16 and master.dtype == torch.float32, name
+        assert {t.dtype for t in optimizer.state[master].values() if t.dim()} == {torch.float32}, name
+        assert torch.equal(weight, master.to(torch.bfloat16)), name  # what the next forward computes with
         loaded = start[name].to(torch.bfloat16).float()  # as the run loaded it
-        update = weight.detach().float() - loaded
+        update = master.detach() - loaded
         total += update.numel()
         unmoved += int((update == 0).sum())
         lost_in_bf16 += int(((loaded + update).to(torch.bfloat16).float() == loaded).sum())
@@ -38,9 +46,18 @@ def test_master_weights_keep_the_updates_bf16_would_lose(tmp_path, capsys):
     assert unmoved / total < 0.01  # tied embeddings: the head's gradient reaches every row
     assert lost_in_bf16 / total > 0.5
 
-    # The plan is what the run holds: fp32 weights and fp32 Adam states for every trainable weight.
+    dtypes = []  # the residual stream between layers, under the Trainer's own autocast
+    hook = trainer.model.model.layers[0].register_forward_hook(lambda m, i, out: dtypes.append(out[0].dtype))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    with torch.no_grad(), trainer.autocast_smart_context_manager():
+        trainer.model(**{k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask")})
+    hook.remove()
+    assert dtypes == [torch.bfloat16]
+
+    # The plan is what the run holds: bf16 weights, fp32 masters and fp32 Adam states for every trainable weight.
     held, plan = trainer.held_bytes(), trainer.memory_plan.device
-    assert plan["parameters"] == held["param_bytes"] == 4 * trainer.param_counts.total
+    assert plan["parameters"] == held["param_bytes"] == 2 * trainer.param_counts.total
+    assert plan["master_weights"] == held["master_bytes"] == 4 * trainer.param_counts.total
     assert plan["optimizer_states"] == held["optimizer_state_bytes"] == 8 * trainer.param_counts.total
 
 
@@ -88,3 +105,32 @@ def test_receiving_ranks_placeholders_take_rank_0s_dtype_when_fsdp_sends_it(vers
     sent = {name: torch.float32 if version == "2" and p.requires_grad else p.dtype for name, p in rank0.items()}
     assert {name: p.dtype for name, p in receiving.named_parameters()} == sent
     assert set(sent.values()) == {torch.bfloat16 if version == "1" else torch.float32}
+
+
+def test_a_bf16_run_resumes_its_masters_exactly(tmp_path):
+    """A tiny Llama saved in bf16, trained in bf16 with the optimizer's fp32 masters: saved at step 3 and resumed,
+    it ends bit-identical with the uninterrupted run, weights and masters, since the masters travel in the
+    optimizer's state dict (re-derived from the saved bf16 weights, they would lose every update below bf16's
+    resolution and drift)."""
+    from llama3_fft import RECIPE
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.models import tiny
+    from toolkit.training.precision import STATE_KEY
+
+    source = tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B", "sft")
+    checkpoint = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(source).save_pretrained(checkpoint)
+    flags = ["--tiny", "--model_name_or_path", str(checkpoint), "--dtype", "bfloat16", "--bf16", "true",
+             "--learning_rate", "2e-5", "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3",
+             "--report_to", "none"]  # fmt: skip
+    whole = train(RECIPE, [*flags, "--output_dir", str(tmp_path / "whole")], "llama3_fft").trainer
+    saved = torch.load(tmp_path / "whole" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert [m.dtype for m in saved[STATE_KEY]] == [torch.float32] * len(whole.masters.masters)
+    resumed = train(RECIPE, [*flags, "--output_dir", str(tmp_path / "resumed"), "--resume",
+                             str(tmp_path / "whole" / "checkpoint-3")], "llama3_fft").trainer  # fmt: skip
+    for a, b in zip(whole.masters.masters + whole.masters.weights,
+                    resumed.masters.masters + resumed.masters.weights, strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+    assert {w.dtype for w in resumed.masters.weights} == {torch.bfloat16}

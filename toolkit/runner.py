@@ -28,7 +28,13 @@ from transformers import set_seed
 
 from .data.preparation import PreparedData, prepare_data
 from .distributed import op_builds, patches
-from .distributed.launch import Requested, is_local_main_process, receives_weights_from_rank0, weights_arrive_upcast
+from .distributed.launch import (
+    Requested,
+    env_flag,
+    is_local_main_process,
+    receives_weights_from_rank0,
+    weights_arrive_upcast,
+)
 from .distributed.strategy import (
     check_4bit_engine,
     check_fp8,
@@ -50,6 +56,7 @@ from .planner.estimate import workload_for
 from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
 from .settings.arguments import Arguments, global_batch_size
+from .settings.compile import choose_compile, set_compile
 from .settings.mesh import launch_mesh, model_parallel_size
 from .settings.parser import parse
 from .training import checkpoints
@@ -71,6 +78,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer)
     resume, resume_note = checked_launch(args)
     model_plan = blueprint(args)
+    resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, pad_multiple(args.model.attn_implementation))
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
@@ -102,8 +110,12 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     if args.model.load_in_4bit:
         check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # the config's; the recipe's bf16 would override it
-        check_fp8(os.environ.get("ACCELERATE_FP8_BACKEND"), args.model.load_in_4bit, cuda_capability())
+        check_fp8(os.environ.get("ACCELERATE_FP8_BACKEND"), args.model.load_in_4bit, cuda_capability(), engine,
+                  env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"))  # fmt: skip
         args.training.mixed_precision = "fp8"
+        if engine != "FSDP":  # torchao's float8 all-gather wrapper is FSDP2's; elsewhere it only swaps each
+            # float8 layer's Parameter for a new one, which an optimizer made before accelerate converts never sees
+            os.environ["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] = "false"
     if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
         raise ConfigError(FLEX_ON_CPU)
     training = args.training
@@ -118,6 +130,17 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
         note = f"{note} ({changed})" if changed else note
     set_seed(training.seed)
     return resume, note
+
+
+def resolve_compile(args: Arguments) -> None:
+    """--torch_compile auto, once the strategy and the attention kernel are known (settings/compile.py)."""
+    training = args.training
+    on, args.compile_note = choose_compile(
+        args.torch_compile, fp8=getattr(training, "mixed_precision", None) == "fp8", on_gpu=torch.cuda.is_available(),
+        processes=training.world_size, replicated=Requested.from_env().engine == "replicated" and
+        model_parallel_size() == 1, lora=args.model.use_lora, attention=args.model.attn_implementation,
+        liger=bool(training.use_liger_kernel))  # fmt: skip
+    set_compile(training, on)
 
 
 def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:

@@ -213,7 +213,10 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
     check_mesh(config, path, recipe)
     if str(config.get("mixed_precision")).lower() == "fp8":  # before accelerate's launcher fails on it
         qlora = recipe is not None and bool(load_recipe(recipe).get("load_in_4bit"))
-        check_fp8((config.get("fp8_config") or {}).get("backend"), qlora, cuda_capability())
+        fsdp = config.get("fsdp_config") or {}
+        check_fp8((config.get("fp8_config") or {}).get("backend"), qlora, cuda_capability(),
+                  kind if kind in ("FSDP", "DEEPSPEED") else "replicated",
+                  str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() == "true")  # fmt: skip
         summary += ", FP8"
     if recipe is not None:
         check_wrap_class(config, path, recipe)

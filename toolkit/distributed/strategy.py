@@ -89,11 +89,16 @@ def cuda_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
-def check_fp8(backend: str | None, load_in_4bit: bool, capability: tuple[int, int] | None) -> None:
+def check_fp8(backend: str | None, load_in_4bit: bool, capability: tuple[int, int] | None, engine: str = "FSDP",
+              ram_efficient_loading: bool = False) -> None:  # fmt: skip
     """FP8 (mixed_precision: fp8) needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell; on an
     older GPU accelerate quietly trains in fp16 instead), its backend installed (accelerate's launcher otherwise
-    stops with a traceback), and weights it can cast: not QLoRA's 4-bit base. `capability`: None, no CUDA."""
+    stops with a traceback), weights it can cast (not QLoRA's 4-bit base), and what accelerate's Accelerator
+    accepts (accelerator.py, 1.15), which it refuses only once the weights have loaded: torchao under FSDP with
+    RAM-efficient loading, MS-AMP under FSDP. `capability`: None, no CUDA (TOOLKIT_FP8_ON_CPU=1 lets the tests
+    train torchao's float8 on a CPU, where it runs, slowly). `engine`: as Requested.engine names it."""
     from ..errors import ConfigError
+    from .launch import env_flag
 
     if load_in_4bit:
         raise ConfigError("QLoRA (--load_in_4bit) with mixed_precision fp8: the 4-bit base has no float8 path. "
@@ -102,7 +107,16 @@ def check_fp8(backend: str | None, load_in_4bit: bool, capability: tuple[int, in
     module, package = FP8_BACKENDS.get(name, (None, None))
     if module is None:
         raise ConfigError(f"fp8_config backend {backend}: accelerate knows {', '.join(FP8_BACKENDS)}.")
-    if capability is None or capability < (8, 9):
+    if name == "AO" and engine == "FSDP" and ram_efficient_loading:
+        raise ConfigError("fsdp_cpu_ram_efficient_loading true with torchao's FP8: accelerate refuses the pair once "
+                          "the weights have loaded ('torchao with FSDP2 and cpu_ram_efficient_loading is not "
+                          "supported'): set fsdp_cpu_ram_efficient_loading: false in the config (as "
+                          "accelerate_configs/fsdp2_fp8.yaml does).")  # fmt: skip
+    if name == "MSAMP" and engine == "FSDP":
+        raise ConfigError("fp8_config backend MSAMP under FSDP: accelerate does not support the pair: use backend AO "
+                          "(torchao) with FSDP2, or MS-AMP under DeepSpeed.")  # fmt: skip
+    cpu_switch = capability is None and name == "AO" and env_flag("TOOLKIT_FP8_ON_CPU")
+    if (capability is None or capability < (8, 9)) and not cpu_switch:
         found = "this machine has no CUDA GPU" if capability is None else f"this GPU is {capability[0]}.{capability[1]}"
         raise ConfigError(f"mixed_precision fp8 needs GPUs with FP8 tensor cores (compute capability 8.9+: H100, "
                           f"H200, L40S, B200) and {found}: use the same strategy without FP8 (fsdp2.yaml), "

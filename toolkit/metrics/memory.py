@@ -17,11 +17,27 @@ import torch
 GIB = 2**30
 
 
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A weight wrapper (torchao's float8 training weights, WeightWithDynamicFloat8CastTensor: a tensor subclass
+    holding the real weight, which safetensors cannot address) as the tensor it wraps. DTensors and subclasses
+    that are not a plain wrapper (a quantized tensor's data and scales) are left as they are."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(tensor) and not isinstance(tensor, DTensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = getattr(tensor, names[0]) if len(names) == 1 else None
+        if inner is None or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+            break
+        tensor = inner
+    return tensor
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter or state tensor that this rank stores."""
+    """The part of a parameter or state tensor that this rank stores, as a plain tensor."""
     if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the partition lives beside an empty placeholder
         return t.ds_tensor
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard
+    return plain_tensor(t.to_local() if hasattr(t, "to_local") else t)  # FSDP2: a DTensor's local shard
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -85,6 +85,7 @@ def build_plan(args) -> dict:
         cuda_context_gib=args.cuda_context_gib,
         weights_4bit=bool(values.get("load_in_4bit")),
         master_weights=masters,
+        trainable_fp32=lora is not None or bool(values.get("fp16")),
         **task_workload(task, lora is not None, fused),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head)
@@ -188,6 +189,9 @@ def render(plan: dict) -> str:
             line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.{hour_digits}f}{r['usd']:>13,.{cents}f}{spot}"
         lines.append(line)
     lines.append("")
+    if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
+        lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
+                     "one H100 measured 1.26x with it, 0.46x without (docs/benchmarks.md)")  # fmt: skip
     if plan["recommended"]:
         lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml with --per_device_train_batch_size "
                      f"{plan['recommended_micro_batch']}")  # fmt: skip

@@ -68,7 +68,7 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
     master = precision == "bf16" and master_weights(arguments.model.use_lora, t.bf16 or t.fp16,
                                                     arguments.model.fp32_master_weights)  # fmt: skip
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
-                    master_weights=master,
+                    master_weights=master, trainable_fp32=arguments.model.use_lora or bool(t.fp16),
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
@@ -148,7 +148,8 @@ PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp
               "zero3_offload")  # fmt: skip
 # FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
 # at 8 GPUs / 8B parameters (docs.pytorch.org/ao, "Quantized Training": "up to 1.25x"; up to 1.5x at 512 GPUs /
-# 405B). Assumed, not measured here (issue #33 measures it on an H100).
+# 405B). It assumes compile, which --torch_compile auto turns on under FP8: one H100 measured 1.26x over bf16
+# compile with it and 0.46x of bf16 without (../shared/gpu/README.md, 1 GPU, Llama-3.2-1B shape).
 FP8_SPEEDUP = 1.25
 # Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides). sharded:
 # torchtitan's published Llama 3.1 8B FSDP run on 8 x H100 without torch.compile (docs/performance.md, Table 1:

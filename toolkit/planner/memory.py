@@ -13,8 +13,10 @@ from .layout import Layout
 from .shape import Shape
 
 # Bytes per parameter of each persistent state, by precision, for the engine's own bookkeeping.
-#   torch (Trainer + torch.optim, FSDP): the weights are the master copy; mixed precision keeps fp32 weights
-#     and gradients and casts per op (autocast) or per gathered unit (FSDP's MixedPrecisionPolicy).
+#   torch FSDP (and fp32 trainable weights: LoRA adapters, fp16's automatic mixed precision): the weights are
+#     the master copy, fp32 with fp32 gradients, cast per gathered unit (FSDP's MixedPrecisionPolicy) or per op.
+#   torch single/DDP/TP with bf16 weights (training/precision.py's MasterWeights): bf16 weights and gradients,
+#     fp32 masters held by the optimizer, which steps on fp32 copies of the gradients.
 #   DeepSpeed: 16-bit weights, plus an fp32 master copy and fp32 gradients in the optimizer's partition,
 #     whatever the precision (DeepSpeed's estimators: "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit +
 #     4_params_32bit + 8_optimizer_states_32bit"; deepspeed/runtime/zero/stage_1_and_2.py, stage3.py).
@@ -48,10 +50,12 @@ class Workload:
     fused_head: bool = False
     # QLoRA: the frozen linear weights in 4-bit NF4 with double quantization (bitsandbytes).
     weights_4bit: bool = False
-    # 16-bit weights whose trainable ones are kept in fp32 (master weights, 16-bit compute): accelerate's FSDP at
-    # preparation, the toolkit's trainer under single_gpu/DDP, under mixed precision; peft's LoRA adapters always.
+    # 16-bit weights whose trainable ones have fp32 masters under mixed precision: accelerate's FSDP upcasts them
+    # at preparation, the toolkit's optimizer holds them under single_gpu/DDP/TP (plan_memory tells which);
     # DeepSpeed keeps its own (its accounting in model_state_bytes).
     master_weights: bool = False
+    # The trainable weights are fp32 themselves (peft's LoRA adapters; fp16's automatic mixed precision).
+    trainable_fp32: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -93,12 +97,14 @@ def model_state_bytes(
     layout: Layout,
     precision: str,
     optimizer: str,
-    upcast_trainable: bool = False,
+    masters: str = "none",
     weights_4bit: bool = False,
 ) -> dict[str, float]:
-    """Bytes of the persistent states before sharding: {component: bytes}. `upcast_trainable`: trainable 16-bit
-    weights are kept in fp32 (accelerate's FSDP2 under mixed precision). `weights_4bit`: the frozen linear
-    weights in NF4 (QLoRA), the other frozen ones as loaded."""  # fmt: skip
+    """Bytes of the persistent states before sharding: {component: bytes}. `masters` of 16-bit trainable weights:
+    "upcast", the weights themselves in fp32 (accelerate's FSDP under mixed precision, LoRA adapters, fp16 AMP);
+    "optimizer", fp32 copies held by the optimizer beside the bf16 weights and gradients, and at the step fp32
+    copies of the gradients in place of the bf16 ones (2 more bytes each; training/precision.py). `weights_4bit`:
+    the frozen linear weights in NF4 (QLoRA), the other frozen ones as loaded."""  # fmt: skip
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got '{precision}'.")
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -114,13 +120,15 @@ def model_state_bytes(
             "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](4) * T,
         }
     weight = 2 if precision == "bf16" else 4
-    trained = 4 if upcast_trainable else weight
+    trained = 4 if masters == "upcast" else weight
     quantized = shape.quantizable if weights_4bit else 0
+    held = masters == "optimizer"
     return {
         "parameters": weight * (P - T - quantized) + NF4_BYTES * quantized + trained * T,
         "gradients": trained * T,
-        "master_weights": 0,
-        "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](trained) * T,
+        "fp32_gradients": (4 - trained) * T if held else 0,
+        "master_weights": 4 * T if held else 0,
+        "optimizer_states": OPTIMIZER_STATE_BYTES[optimizer](4 if held else trained) * T,
     }
 
 
@@ -215,14 +223,22 @@ def fused_head_bytes(shape: Shape, work: Workload) -> int:
     return weight + max(4 * t * shape.hidden_size + tile, 2 * e * t * shape.intermediate_size)
 
 
+def masters_of(layout: Layout, work: Workload) -> str:
+    """Who keeps fp32 masters of 16-bit trainable weights (model_state_bytes' `masters`): accelerate's FSDP by
+    upcasting them at preparation (one dtype per unit); fp32 trainable weights are their own; the toolkit's
+    optimizer under single_gpu/DDP/tensor parallelism (transformers' FSDP2 under TP keeps bf16 shards)."""
+    if layout.engine != "torch" or work.precision != "bf16" or not work.master_weights:
+        return "none"
+    engine_upcasts = layout.shard_params and layout.tensor_parallel == 1
+    return "upcast" if engine_upcasts or work.trainable_fp32 else "optimizer"
+
+
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
     world = gpus_per_node * nodes
     shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
     shards //= layout.tensor_parallel  # FSDP2 x TP: the data-parallel ranks shard what TP split
-    # Trainable 16-bit weights kept in fp32, compute in 16 bits (Workload.master_weights): accelerate's FSDP
-    # upcasts them at preparation (one dtype per unit), the toolkit's trainer on the device for single_gpu/DDP.
-    upcast = layout.engine == "torch" and work.precision == "bf16" and work.master_weights
-    states = model_state_bytes(shape, layout, work.precision, work.optimizer, upcast, work.weights_4bit)
+    states = model_state_bytes(shape, layout, work.precision, work.optimizer, masters_of(layout, work),
+                               work.weights_4bit)  # fmt: skip
     weight = 2 if work.precision == "bf16" else 4  # the weights' dtype as loaded
     split = {
         "parameters": layout.shard_params,

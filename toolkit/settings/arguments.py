@@ -444,6 +444,8 @@ class Arguments:
     training: TrainingArguments  # TRL's DPOConfig for task dpo
     recipe_name: str
     preference: PreferenceArguments = field(default_factory=PreferenceArguments)
+    torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)
+    compile_note: str = ""  # why auto chose, for the header
 
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""
@@ -452,4 +454,5 @@ class Arguments:
         for part in parts:
             out.update(vars(part))
         out.update(self.training.to_dict())
+        out["torch_compile_setting"] = self.torch_compile
         return out

@@ -34,7 +34,10 @@ from .arguments import (
     check_together,
     check_training,
 )
+from .compile import AUTO
 from .mesh import launch_mesh
+
+AUTO_SETTINGS = ("torch_compile",)  # flags that take `auto` beside their type's values
 
 
 def has_accelerator() -> bool:
@@ -62,6 +65,8 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
         "logging_nan_inf_filter": False,
         # Micro-batches of similar lengths pad less: grouped per global batch (data/length_grouping.py).
         "train_sampling_strategy": "group_by_length",
+        # Compiled where it was measured faster (settings/compile.py), once the strategy and attention are known.
+        "torch_compile": AUTO,
     }
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
@@ -96,6 +101,16 @@ def unset_or(convert):
     return converted
 
 
+def auto_or(convert):
+    """A command-line converter that reads `auto` as itself, anything else as `convert` does."""
+
+    def converted(text: str):
+        return AUTO if text.strip().lower() == AUTO else convert(text)
+
+    converted.__name__ = getattr(convert, "__name__", "value")
+    return converted
+
+
 def scalar_types() -> dict[str, type]:
     """Settings whose type is a number or a flag (optional or not), and that type; str-or-x settings excluded."""
     out = {}
@@ -115,7 +130,7 @@ def coerce(values: dict[str, Any], where: str) -> dict[str, Any]:
     out = dict(values)
     for key, value in values.items():
         kind = kinds.get(key)
-        if kind is None or not isinstance(value, str):
+        if kind is None or not isinstance(value, str) or (key in AUTO_SETTINGS and value.strip().lower() == AUTO):
             continue
         try:
             if kind is bool:
@@ -174,6 +189,8 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
             action.default = argparse.SUPPRESS
         if action.dest in optional and action.type is not None:  # `--max_eval_samples none`: unset
             action.type = unset_or(action.type)
+        if action.dest in AUTO_SETTINGS:  # `--torch_compile auto` beside true and false
+            action.type = auto_or(action.type)
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type, or not among the choices
@@ -200,6 +217,10 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError(
             f"Recipe '{recipe_name}' does not set {missing}: add them to the recipe or pass --{missing[0]}."
         )
+    compile_setting = values.get("torch_compile", AUTO)
+    if isinstance(compile_setting, str) and compile_setting.strip().lower() == AUTO:
+        compile_setting = AUTO
+        values["torch_compile"] = False  # until the runner resolves it (settings/compile.py)
     try:
         model, data, preference, run, training = parser.parse_dict(values)
     except ConfigError:
@@ -214,4 +235,4 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     if data.task == "dpo":  # TRL's DPOTrainer takes its DPOConfig: these settings and the preference ones
         training = preference.dpo_config(training, data.max_seq_length, model.trust_remote_code)
-    return Arguments(model, data, run, training, recipe_name, preference)
+    return Arguments(model, data, run, training, recipe_name, preference, torch_compile=compile_setting)

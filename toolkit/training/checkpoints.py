@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..metrics.memory import plain_tensor
 from ..settings.arguments import global_batch_size
 
 STAGING = ".staging"
@@ -213,6 +214,17 @@ class StagedCheckpoints:
         if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
             return None
         return untied(trainer.model, trainer.accelerator.get_state_dict(trainer.model))
+
+
+def plain_state_dict(model, state_dict: dict | None) -> dict | None:
+    """What a save writes, with weight wrappers unwrapped (plain_tensor): the given state dict, or the model's own
+    where it holds wrapped weights (the Trainer would save its state_dict(), wrappers and all; peft's save takes it
+    whole and keeps the adapter's part). None where there is nothing to unwrap: the Trainer's own save."""
+    if state_dict is None:
+        if all(plain_tensor(t) is t for t in model.state_dict().values()):
+            return None
+        state_dict = model.state_dict()
+    return {name: plain_tensor(t) for name, t in state_dict.items()}
 
 
 def untied(model, state_dict: dict) -> dict:

@@ -39,8 +39,9 @@ def sequences_of(inputs: dict[str, torch.Tensor], packed: bool) -> list[list[int
 
 
 def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
-    params = sum(nbytes(p) for p in model.parameters())
+    """Bytes of parameters, optimizer state and master weights (what the optimizer steps in the model's
+    parameters' place: training/precision.py) this rank really holds (its shard, under ZeRO-3 or FSDP)."""
+    params = list(model.parameters())
     while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, then torch's
         optimizer = optimizer.optimizer
     state = sum(
@@ -49,7 +50,9 @@ def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
         for t in per_param.values()
         if torch.is_tensor(t) and t.dim() > 0  # not the scalar step counters
     )
-    return {"param_bytes": params, "optimizer_state_bytes": state}
+    own = {id(p) for p in params}
+    masters = sum(nbytes(p) for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    return {"param_bytes": sum(nbytes(p) for p in params), "optimizer_state_bytes": state, "master_bytes": masters}
 
 
 class RankReports(TrainerCallback):
@@ -116,6 +119,7 @@ class RankReports(TrainerCallback):
             "strategy": plan.strategy,
             "rows": self.rows,
             "weights_sha256": digest.hexdigest(),
+            "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules()),  # FP8 ran
             "tokens_seen": state.num_input_tokens_seen,
             **held_bytes(trainer.model_wrapped, trainer.optimizer),
             "gradient_bytes": self.gradient_bytes,

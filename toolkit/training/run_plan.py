@@ -160,6 +160,8 @@ class RunPlan:
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
             + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
+            f"compile       {'on' if training.torch_compile else 'off'}"
+            + (f" ({note})" if (note := recipe.compile_note) else ""),
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
             f"accumulation x {replicas} {'processes' if replicas == s['num_processes'] else 'data-parallel replicas'}"
             f" = {global_batch_size(training)} global",

@@ -10,6 +10,7 @@ order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Tra
   RunTracker           tokens/s, MFU, memory, cost on every log line; summary   metrics/tracking.py
   Health               one warning per kind: MFU, memory, data wait, NaN        metrics/health.py
   SafeStop             signals, a non-finite loss, the budget: stop with exit  stopping.py (callback)
+  MasterWeights        fp32 masters of bf16 weights in the optimizer step      precision.py (single/DDP/TP)
   StagedCheckpoints    checkpoints published whole, a consolidated final save   checkpoints.py
   LengthGroupedOrder   the training order, length-grouped per global batch      order.py (callback)
   GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
@@ -60,7 +61,7 @@ from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
 from ..settings.mesh import launch_mesh, model_parallel_size
 from ..settings.tasks import task
-from .checkpoints import StagedCheckpoints, staging_dir
+from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
@@ -82,7 +83,7 @@ class ToolkitTrainerMixin:
             self.model_accepts_loss_kwargs = False  # see settings/tasks.py's Task
         self.recipe, self.param_counts, self.data_note = arguments, param_counts, data_note
         # The model is on its device, no optimizer exists yet: where no engine keeps master weights, the toolkit.
-        self.master_weights = keep_master_weights(self, arguments.model.fp32_master_weights)
+        self.masters, self.master_weights = keep_master_weights(self, arguments.model.fp32_master_weights)
         # The parts, each with its own state; the callbacks are called in the order added.
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
@@ -135,6 +136,12 @@ class ToolkitTrainerMixin:
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
 
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.masters is not None:  # the optimizer steps fp32 masters in the bf16 weights' place (precision.py)
+            self.masters.attach(optimizer)
+        return optimizer
+
     def evaluate(self, *args, **kwargs):
         with self.tracker.paused():
             return super().evaluate(*args, **kwargs)
@@ -168,6 +175,10 @@ class ToolkitTrainerMixin:
         self.tracker.reduce_tokens(self.state)  # the count the checkpoint's trainer_state.json keeps
         self.checkpoints.save(functools.partial(super()._save_checkpoint, model, trial),
                               {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every save of the weights (checkpoints and the export): plain tensors, not FP8's weight wrappers."""
+        super()._save(output_dir, plain_state_dict(self.model, state_dict))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
