@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft chat prepare finetune plan report bench bench-gpu test test-fast lint format clean
+.PHONY: install demo demo-sft chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -67,6 +67,11 @@ bench:
 # On a GPU: tokens/s, MFU and peak memory against the plan at Llama-3.2-1B size (bench/mfu.py; --toy on a CPU).
 bench-gpu:
 	$(BIN)/python bench/mfu.py
+
+# On a machine with GPUs: every shipped config that fits them x each decoder recipe, tiny, at the recipe's own
+# precision (train, checkpoint, resume, export, reload, generate), the FP8 config, then bench/mfu.py; one table.
+gpu-check:
+	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 test:
 	$(BIN)/python -m pytest -q --durations=10

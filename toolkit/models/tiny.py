@@ -28,12 +28,15 @@ from ..errors import ConfigError
 from ..project import cache_root, recipe_writing
 from ..settings import tasks as task_table
 from ..settings.arguments import looks_like_path
+from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 # Dropout off: its random masks differ between 1 and N processes, and tests compare those runs number for number.
 NO_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "classifier_dropout")
+
+CPU_PRECISION = {"dtype": "float32", "bf16": False, "fp16": False}
 
 # Training settings that make a tiny run take seconds; command-line flags still win.
 TINY_TRAINING = {
@@ -49,9 +52,8 @@ TINY_TRAINING = {
     "eval_split": None,
     "max_train_samples": None,
     "activation_checkpointing": False,
-    "dtype": "float32",  # fp32 on any device: tiny runs are compared number for number in tests
-    "bf16": False,
-    "fp16": False,
+    # fp32 on a CPU: tiny runs are compared number for number in tests; on a GPU the recipe's own precision, so a
+    # tiny run meets the kernels and dtypes a real one does (make gpu-check): CPU_PRECISION below
     "attn_implementation": "auto",  # the recipe's kernel may not exist in the tiny family (Gemma-2: no sdpa)
     "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
 }
@@ -123,6 +125,7 @@ def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     """The `--tiny` layer of a recipe's settings: a tiny local checkpoint of its model, local data, short run."""
+    on_cpu = {} if has_accelerator() else CPU_PRECISION
     if looks_like_path(model_name) or Path(model_name).is_dir():  # a local folder: DPO from an SFT run's output
         if not (Path(model_name).expanduser() / "config.json").is_file():
             recipe = recipe_writing(model_name)
@@ -131,9 +134,9 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
                 f"The recipe starts from {model_name}, which is not there yet: it is an earlier run's "
                 f"output{made_by}; or pass --model_name_or_path with a model folder or Hub id."
             )
-        values = dict(TINY_TRAINING)  # that folder as it is: tiny mode shortens the run and brings the data
+        values = dict(TINY_TRAINING, **on_cpu)  # that folder as it is: tiny mode shortens the run, brings the data
     else:
-        values = dict(TINY_TRAINING, model_name_or_path=str(tiny_checkpoint(model_name, task)))
+        values = dict(TINY_TRAINING, **on_cpu, model_name_or_path=str(tiny_checkpoint(model_name, task)))
     values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None,
                   dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
