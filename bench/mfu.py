@@ -1,22 +1,33 @@
 """MFU at a size people train: a Llama-3.2-1B-shaped model fine-tuned on packed 4,096-token rows, one GPU.
 
-  trainer      plain transformers.Trainer on the same packed rows: the full logits' loss, sdpa (the baseline)
-  toolkit      RecipeTrainer with its defaults: packing, the fused loss on a GPU (training/fused_loss.py), and
-               attention that skips what packing masks (flash-attn's varlen path where installed, else flex)
-  sdpa         RecipeTrainer with --attn_implementation sdpa: what the attention choice changes
-  full_logits  RecipeTrainer with --fused_loss false: what the fused loss changes
-  compile      RecipeTrainer with --torch_compile true
-  liger        RecipeTrainer with --use_liger_kernel true (where liger-kernel is installed: RMSNorm, SwiGLU, RoPE)
-  qlora        RecipeTrainer with llama3_qlora's settings: LoRA r=16 on every linear layer over a 4-bit NF4 base
-               (bitsandbytes), loaded from a checkpoint as the runner loads it; MFU counts 4 FLOPs per frozen weight
+Every variant does the same work: the same rows, each conversation attending only to itself (the plain Trainer
+gets the batch without the collator's all-ones attention mask, which would switch off transformers' packed-row
+detection and let rows attend across conversations), the same FLOPs counted.
+
+  trainer          plain transformers.Trainer, sdpa with the document mask, the full logits, pure bf16 (baseline)
+  trainer_compile  the same with --torch_compile true
+  toolkit          RecipeTrainer with its defaults: packing, the fused loss on a GPU (training/fused_loss.py),
+                   attention that skips what packing masks (flash-attn's varlen path where installed, else flex),
+                   bf16 weights with fp32 masters in the optimizer, --torch_compile auto (settings/compile.py)
+  no_compile       toolkit with --torch_compile false
+  sdpa             toolkit with --attn_implementation sdpa: what the attention choice changes
+  full_logits      toolkit with --fused_loss false: what the fused loss changes
+  no_masters       toolkit with --fp32_master_weights false: what the optimizer's fp32 masters cost
+  liger            toolkit with --use_liger_kernel true (where liger-kernel is installed: RMSNorm, SwiGLU, RoPE)
+  compile_liger    liger with --torch_compile true
+  fp8              toolkit in mixed precision fp8 (torchao float8 linears), --torch_compile false
+  fp8_compile      fp8 with --torch_compile true (what --torch_compile auto gives under FP8)
+  qlora            toolkit with llama3_qlora's settings: LoRA r=16 on every linear layer over a 4-bit NF4 base
+                   (bitsandbytes), loaded from a checkpoint as the runner loads it; MFU counts 4 FLOPs per frozen weight
 
 Each row: non-padding tokens/s after WARMUP untimed steps, MFU (the planner's FLOPs per token x tokens/s over
-the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml), the peak memory torch.cuda.max_memory_allocated
-measured, and what the run's own plan predicted without the CUDA context (RecipeTrainer rows). Random init,
-bf16 weights and compute, AdamW (fused), activation checkpointing off. Each (variant, repeat) in a fresh
-process, variants interleaved, median of the repeats; each run's row is appended to rows.jsonl as it ends, and a
-variant that fails is reported in the table and not repeated while the others go on. Without a GPU it runs the
-same code at toy size (`--toy`, what the tests run): the figures then say nothing about speed.
+the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml; FP8 rows too, so they compare), the peak memory
+torch.cuda.max_memory_allocated measured, and what the run's own plan predicted without the CUDA context
+(RecipeTrainer rows). Random init, bf16 weights, AdamW (fused), activation checkpointing off. Each (variant,
+repeat) in a fresh process, variants interleaved, median of the repeats; each run's row is appended to
+rows.jsonl as it ends, and a variant that fails is reported in the table and not repeated while the others go on.
+Without a GPU it runs the same code at toy size (`--toy`, what the tests run): the figures then say nothing
+about speed.
 """
 
 from __future__ import annotations
@@ -33,7 +44,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("trainer", "toolkit", "sdpa", "full_logits", "compile", "liger", "qlora")
+# variant -> the toolkit's flags on top of its defaults (the plain Trainer's rows: its TrainingArguments)
+OPTIONS = {
+    "trainer": {},
+    "trainer_compile": {"torch_compile": True},
+    "toolkit": {},
+    "no_compile": {"torch_compile": False},
+    "sdpa": {"attn_implementation": "sdpa"},
+    "full_logits": {"fused_loss": False},
+    "no_masters": {"fp32_master_weights": False},
+    "liger": {"use_liger_kernel": True},
+    "compile_liger": {"use_liger_kernel": True, "torch_compile": True},
+    "fp8": {"torch_compile": False},
+    "fp8_compile": {"torch_compile": True},
+    "qlora": {},
+}
+VARIANTS = tuple(OPTIONS)
+PLAIN = ("trainer", "trainer_compile")  # transformers.Trainer itself
 WARMUP = 3
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json, public): tied embeddings, 128k vocabulary.
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -79,6 +106,15 @@ def packed_rows(rows: int, row_length: int, vocab: int, seed: int = 0):
     return Dataset.from_dict(data)
 
 
+def plain_collator(collator):
+    """The plain Trainer's collator: the toolkit's batches without their bookkeeping and all-ones attention mask
+    (data/packing.py's model_inputs, what RecipeTrainer hands its model): a mask would switch off transformers'
+    packed-row detection, and the rows would attend across conversations, less work than the toolkit does."""
+    from toolkit.data.packing import model_inputs
+
+    return lambda rows: model_inputs(collator(rows))
+
+
 def qlora_settings() -> dict:
     """llama3_qlora's adapter over its 4-bit base, read from the recipe."""
     sys.path.insert(0, str(ROOT / "recipes"))
@@ -94,14 +130,14 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     from toolkit.data.packing import PackedCollator
     from toolkit.metrics.cost import detect_device, peak_tflops
     from toolkit.models import tiny
-    from toolkit.models.attention import choose_attention
+    from toolkit.models.attention import choose_attention, pad_multiple
     from toolkit.planner import Shape, meta_model
     from toolkit.planner.estimate import training_flops_per_token
 
     on_gpu = torch.cuda.is_available()
     config = model_config(toy)
     torch.manual_seed(0)
-    setting = "sdpa" if variant in ("trainer", "sdpa") else "auto"  # the runner's choice for packed rows
+    setting = "sdpa" if variant in (*PLAIN, "sdpa") else "auto"  # the runner's choice for packed rows
     attention, _ = choose_attention(config, setting, "sft", packing=True, on_gpu=on_gpu)
     with torch.device("cuda" if on_gpu else "cpu"):  # random init on the GPU: seconds of a lent machine's time
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
@@ -122,26 +158,37 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     common = dict(output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-5,
                   logging_steps=5, save_strategy="no", report_to="none", bf16=True, use_cpu=not on_gpu,
                   dataloader_drop_last=True, disable_tqdm=True, seed=0)  # fmt: skip
-    collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention)
-    planned, lora = None, None
-    if variant == "trainer":
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
-                          processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+    collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention,
+                              pad_to_multiple_of=pad_multiple(attention))  # fmt: skip
+    planned, lora, compiled, masters = None, None, variant == "trainer_compile", ""
+    if variant in PLAIN:  # the batch as the model sees it in the toolkit: no all-ones mask (the same work)
+        trainer = Trainer(model=model, args=TrainingArguments(**common, **OPTIONS[variant]), train_dataset=data,
+                          data_collator=plain_collator(collator), processing_class=tokenizer,
+                          callbacks=[Clock()])  # fmt: skip
     else:
         from toolkit.models.counts import ParameterCounts
+        from toolkit.settings.compile import choose_compile, set_compile
         from toolkit.settings.parser import parse
         from toolkit.settings.tasks import fused_head
         from toolkit.training.trainer import RecipeTrainer
 
-        options = {"sdpa": {"attn_implementation": "sdpa"}, "full_logits": {"fused_loss": False},
-                   "compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True},
-                   "qlora": {"model_name_or_path": str(out / "checkpoint")}}.get(variant, {})  # fmt: skip
+        options = dict(OPTIONS[variant])
         if variant == "qlora":
-            options.update(qlora_settings())
+            options.update(qlora_settings(), model_name_or_path=str(out / "checkpoint"))
             model.save_pretrained(out / "checkpoint")
         recipe = {"model_name_or_path": "bench", "task": "sft", "dataset_name": "bench", "dtype": "bfloat16",
                   "max_seq_length": row_length, **common, **options}  # fmt: skip
         arguments = parse(recipe, "bench", [])
+        fp8 = variant.startswith("fp8")
+        if fp8:  # as the runner sets it under an fp8 config; one process: no FSDP2 all-gather wrapper
+            arguments.training.mixed_precision = "fp8"
+            os.environ.update(ACCELERATE_FP8_BACKEND="AO", ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER="false")
+        compiled = arguments.torch_compile
+        if compiled == "auto":  # as the runner resolves it (one process, no sharding)
+            compiled, _ = choose_compile("auto", fp8=fp8, on_gpu=on_gpu, processes=1, replicated=True,
+                                         lora=arguments.model.use_lora, attention=attention,
+                                         liger=bool(arguments.training.use_liger_kernel))  # fmt: skip
+        set_compile(arguments.training, compiled)
         if variant == "qlora":  # bitsandbytes quantizes as a checkpoint's weights load, as in the runner
             from toolkit.models.loading import load_model
             from toolkit.models.lora import add_lora
@@ -156,6 +203,7 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
                                 callbacks=[Clock()])  # fmt: skip
         plan = trainer.memory_plan.device
         planned = sum(v for k, v in plan.items() if k != "cuda_context")
+        masters = trainer.master_weights
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -166,20 +214,23 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     peak_flops = peak_tflops(device, "bf16")
     return {"tokens_per_second": tokens_per_second, "mfu": flops * tokens_per_second / (peak_flops * 1e12)
             if peak_flops else None, "peak_gib": peak / 2**30 if peak else None,
-            "planned_gib": planned / 2**30 if planned else None,
-            "attention": attention, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
+            "planned_gib": planned / 2**30 if planned else None, "attention": attention, "compile": bool(compiled),
+            "masters": masters, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
 
 
 def available(variant: str) -> str | None:
     """Why a variant cannot run here, or None: the toolkit's own refusal of its settings."""
+    from toolkit.distributed.strategy import check_fp8, cuda_capability
     from toolkit.errors import ConfigError
     from toolkit.settings.arguments import ModelArguments, check_liger
 
     try:
-        if variant == "liger":
+        if "liger" in variant:
             check_liger()
         elif variant == "qlora":
             ModelArguments("bench", **qlora_settings())  # --load_in_4bit without bitsandbytes is refused
+        elif variant.startswith("fp8"):  # FP8 tensor cores and torchao (TOOLKIT_FP8_ON_CPU=1: the toy run)
+            check_fp8("AO", False, cuda_capability(), "replicated")
     except ConfigError as refused:
         return str(refused)
     return None
@@ -251,16 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{device}, Llama-3.2-1B shape{' (toy size)' if args.toy else ''}, bf16, packed rows of "
         f"{args.row_length} tokens x {args.batch}, {args.steps} steps ({WARMUP} untimed), median of {args.repeats}\n"
     )
-    print("| variant | attention | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | attention | compile | tokens/s | vs trainer | MFU | peak GiB (measured) | planned GiB |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for v in measured:
         rate, mfu, peak, planned = (median(v, k) for k in ("tokens_per_second", "mfu", "peak_gib", "planned_gib"))
-        cells = [results[v][0]["attention"], f"{rate:,.0f}", f"{rate / base:.2f}x" if base else "-",
-                 f"{100 * mfu:.1f}%" if mfu else "-", f"{peak:.2f}" if peak else "-",
-                 f"{planned:.2f}" if planned else "-"]  # fmt: skip
+        first = results[v][0]
+        cells = [first["attention"], "on" if first.get("compile") else "off", f"{rate:,.0f}",
+                 f"{rate / base:.2f}x" if base else "-", f"{100 * mfu:.1f}%" if mfu else "-",
+                 f"{peak:.2f}" if peak else "-", f"{planned:.2f}" if planned else "-"]  # fmt: skip
         print(f"| {v} | " + " | ".join(cells) + " |")
     for v, reason in {**skipped, **failed}.items():
-        print(f"| {v} | {'failed' if v in failed else 'not run'}: {reason} | | | | | |")
+        print(f"| {v} | {'failed' if v in failed else 'not run'}: {reason} | | | | | | |")
     (output / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped, "failed": failed}))
     return 1 if failed else 0
 

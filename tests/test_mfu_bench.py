@@ -14,15 +14,47 @@ sys.path.insert(0, str(ROOT / "bench"))
 import mfu  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["trainer", "toolkit", "sdpa", "full_logits", "compile", "qlora"])
-def test_mfu_bench_variant_runs_at_toy_size(variant, tmp_path):
+@pytest.mark.parametrize("variant", [v for v in mfu.VARIANTS if "liger" not in v])
+def test_mfu_bench_variant_runs_at_toy_size(variant, tmp_path, monkeypatch):
+    """Every variant of the GPU table but Liger's (Triton kernels: a GPU only), FP8 ones too (torchao's float8
+    runs on a CPU; TOOLKIT_FP8_ON_CPU=1 passes the capability check), compiled ones compiled."""
+    monkeypatch.setenv("TOOLKIT_FP8_ON_CPU", "1")
     if reason := mfu.available(variant):
         pytest.skip(reason)
     row = mfu.run_variant(variant, steps=mfu.WARMUP + 2, batch=2, row_length=128, toy=True, out=tmp_path)
     assert row["tokens_per_second"] > 0 and row["device"] == "cpu"
     assert row["attention"] == "sdpa"  # auto's choice on a CPU (flex and flash attention on a GPU)
     assert row["mfu"] is None and row["peak_gib"] is None  # no datasheet peak, no CUDA allocator on a CPU
-    assert (row["planned_gib"] is None) == (variant == "trainer")  # RecipeTrainer rows carry their own plan
+    assert (row["planned_gib"] is None) == (variant in mfu.PLAIN)  # RecipeTrainer rows carry their own plan
+    assert row["compile"] == (variant in ("trainer_compile", "fp8_compile"))  # auto: off on a CPU, but for FP8
+    if variant in mfu.PLAIN or variant == "qlora":
+        return
+    assert row["masters"] == ("no master weights: 16-bit updates" if variant == "no_masters" else
+                              "bf16 weights and compute, fp32 master weights in the optimizer step")  # fmt: skip
+
+
+def test_the_plain_trainer_does_the_same_work():
+    """The baseline's batches reach the model as the toolkit's do: position ids restarting per conversation and no
+    attention mask, so each conversation attends only to itself (its logits in the packed row are those it has
+    alone); the collator's all-ones mask, which the baseline used to get, lets them attend across."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.data.packing import PackedCollator
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(mfu.model_config(toy=True), attn_implementation="sdpa").eval()
+    first, second = list(range(3, 40)), list(range(50, 90))
+    row = {"input_ids": first + second, "labels": first + second, "position_ids": [*range(37), *range(40)]}
+    batch = mfu.plain_collator(PackedCollator(0))([row])
+    assert "attention_mask" not in batch and "num_sequences" not in batch
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0, 37:]
+        alone = model(torch.tensor([second])).logits[0]
+        masked = model(batch["input_ids"], position_ids=batch["position_ids"],
+                       attention_mask=torch.ones_like(batch["input_ids"])).logits[0, 37:]  # fmt: skip
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(masked, alone, rtol=1e-2, atol=1e-2)
 
 
 def test_liger_variant_says_why_it_is_skipped_on_a_cpu():
