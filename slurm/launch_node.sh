@@ -8,6 +8,8 @@
 # SLURM_NODEID, SLURM_NNODES  this node's index and the node count (srun sets them)
 # MAIN_ADDR, MAIN_PORT        the head node's address and a free port on it (finetune.sbatch sets them)
 # GPUS_PER_NODE               processes per node (default: SLURM_GPUS_ON_NODE, else the GPUs nvidia-smi lists)
+# MESH_FLAGS                  model-parallel sizes replacing the config's, e.g. --parallelism_config_sp_size=4 for
+#                             zero3_sp.yaml's sp 8 on nodes of 4 GPUs (optional)
 set -euo pipefail
 
 config=${1:?usage: slurm/launch_node.sh CONFIG RECIPE [recipe flags...]}
@@ -28,11 +30,14 @@ fi
 # unless set) to finish a step and write a checkpoint before killing them, and then exits 75
 # (toolkit/distributed/launcher.py).
 
-# The mesh flags only matter to configs with a parallelism_config (fsdp_hybrid.yaml): replicate across the
-# nodes, shard over one node's processes. accelerate ignores them otherwise.
+# A config with a mesh (parallelism_config) keeps its model-parallel axes and gets data-parallel sizes for the job
+# (`python -m toolkit mesh`, settings/mesh.py's job_mesh): HYBRID_SHARD replicates across the nodes and shards
+# inside each, FSDP2 x TP shards over the replicas, TP alone replicates; one line of error where it cannot fit.
+# shellcheck disable=SC2086  # the flags are words
+mesh=$(python -m toolkit mesh "$config" --nodes "$nodes" --gpus_per_node "$per_node" ${MESH_FLAGS:-})
 # `python -m toolkit launch` is accelerate launch ending on the failed rank's own exit code, without a traceback.
+# shellcheck disable=SC2086
 exec python -m toolkit launch --config_file "$config" \
   --num_machines "$nodes" --num_processes $((nodes * per_node)) --machine_rank "$node" \
-  --main_process_ip "$addr" --main_process_port "$port" \
-  --parallelism_config_dp_replicate_size "$nodes" --parallelism_config_dp_shard_size "$per_node" \
+  --main_process_ip "$addr" --main_process_port "$port" $mesh \
   "$recipe" "$@"

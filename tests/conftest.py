@@ -120,3 +120,18 @@ def torch_extensions_cache():
     In the environment's own folder: another environment's build would be redone anyway (its source paths
     differ), and what a killed build leaves in another environment's folder cannot reach this one."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+
+def slurm_stand_ins(folder: Path) -> Path:
+    """`scontrol` and `srun` as SLURM behaves for slurm/finetune.sbatch, on this machine: two "nodes" (loopback
+    addresses), and one task per node started in parallel, each with its SLURM_NODEID. Returns their folder."""
+    folder.mkdir(exist_ok=True)
+    (folder / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")  # show hostnames
+    (folder / "srun").write_text(
+        "#!/usr/bin/env bash\nshift\npids=()\n"
+        'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@" & pids+=($!); done\n'
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit $status\n'
+    )
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return folder

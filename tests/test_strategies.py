@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, check, free_port, launch, no_lock, rank_reports, run_cmd
+from conftest import BIN, ROOT, check, free_port, launch, no_lock, rank_reports, run_cmd, slurm_stand_ins
 from safetensors.torch import load_file
 
 from toolkit import planner
@@ -169,16 +169,7 @@ def test_strategy(config, recipe, reference, tmp_path):
 
 def test_hybrid_shard_on_two_nodes(reference, tmp_path):
     """slurm/finetune.sbatch as SLURM runs it, on two "nodes" of this machine (loopback): one 4-rank HSDP job."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")  # show hostnames
-    (fake_bin / "srun").write_text(  # one task per node, in parallel, each with its SLURM_NODEID
-        "#!/usr/bin/env bash\nshift\npids=()\n"
-        'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@" & pids+=($!); done\n'
-        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit $status\n'
-    )
-    for tool in fake_bin.iterdir():
-        tool.chmod(0o755)
+    fake_bin = slurm_stand_ins(tmp_path / "bin")
     out = tmp_path / "run"
     env = {"PATH": f"{fake_bin}:{BIN}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "2", "MAIN_PORT": str(free_port())}  # fmt: skip

@@ -116,6 +116,34 @@ def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_t
     assert "distributed_config" not in json.loads((out / "config.json").read_text())  # loads anywhere
 
 
+def test_tensor_parallel_on_two_nodes_through_slurm(llama_two_kv_heads, one_process, tmp_path):
+    """tp.yaml as slurm/finetune.sbatch runs it on 2 "nodes" of 2 processes (loopback): TP inside each node, the
+    nodes data-parallel replicas (dp_replicate=2 x tp=2, settings/mesh.py's job_mesh), with the 1-process run's
+    rows between them and its losses. Before, the launcher passed dp_replicate=nodes x dp_shard=GPUs per node
+    whatever the file's mesh, which no TP config could run."""
+    import os
+
+    from conftest import BIN, free_port, slurm_stand_ins
+
+    fake_bin = slurm_stand_ins(tmp_path / "bin")
+    out = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{BIN}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "2", "MAIN_PORT": str(free_port())}  # fmt: skip
+    sbatch = ["bash", str(ROOT / "slurm" / "finetune.sbatch"), "accelerate_configs/tp.yaml", "recipes/llama3_fft.py"]
+    result = check(run_cmd([*sbatch, *FLAGS, "--model_name_or_path", str(llama_two_kv_heads),
+                            "--per_device_train_batch_size", "4", "--output_dir", str(out)], cwd=tmp_path,
+                           env=env))  # fmt: skip
+    assert "mesh          dp_replicate=2 x tp=2\n" in result.stdout
+    assert "sharding      tensor parallel, each layer split over 2 ranks\n" in result.stdout
+    (reference,) = rank_reports(one_process)
+    ranks = rank_reports(out)
+    assert ranks[0]["rows"] == ranks[1]["rows"] and ranks[2]["rows"] == ranks[3]["rows"]  # a TP group per node
+    assert sorted(ranks[0]["rows"] + ranks[2]["rows"]) == sorted(reference["rows"])
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=2e-3, abs=1e-4)
+        assert rank["strategy"]["num_machines"] == 2
+
+
 @pytest.mark.parametrize(
     ("config", "mesh", "world", "flags", "message"),
     [

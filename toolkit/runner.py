@@ -50,6 +50,7 @@ from .metrics.wandb_run import finish_run, redact_argv
 from .models.attention import FLEX_ON_CPU, pad_multiple
 from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
 from .models.lora import save_merged
+from .models.parallel import accelerator_parallelism
 from .models.tiny import tiny_layer
 from .planner.activations import measured_activations
 from .planner.estimate import workload_for
@@ -154,6 +155,8 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
 def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload) -> RecipeTrainer:
     """The task's trainer with the toolkit's parts: RecipeTrainer, or for dpo TRL's DPOTrainer (its own collator
     and metrics, and a frozen reference model)."""
+    if (parallelism := accelerator_parallelism(launch_mesh())) is not None:
+        args.training.parallelism_config = parallelism
     if args.data.task == "dpo":
         from .training.preference import RecipeDPOTrainer, reference_model
 

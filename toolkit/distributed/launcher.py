@@ -100,3 +100,38 @@ def main(argv: list[str] | None = None) -> int:
         signum = int(signalled.sigval)
         return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
     return 0
+
+
+@command
+def mesh_main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit mesh CONFIG --nodes N --gpus_per_node P [--parallelism_config_<axis>_size K ...]`: the
+    accelerate launch flags that size a config's mesh for a job of N nodes x P processes (settings/mesh.py's
+    job_mesh), printed on one line; slurm/launch_node.sh passes them on. A model-parallel size given here replaces
+    the file's (a node with fewer GPUs than the file's sp or cp)."""
+    import argparse
+
+    import yaml
+
+    from ..settings.mesh import job_mesh, launch_flags
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit mesh", description=mesh_main.__doc__.splitlines()[0])
+    parser.add_argument("config_file")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus_per_node", type=int, required=True)
+    args, overrides = parser.parse_known_args(argv)
+    path = Path(args.config_file)  # read alone: `toolkit check` (which launch runs) says what else is wrong
+    try:
+        section = dict((yaml.safe_load(path.read_text()) or {}).get("parallelism_config") or {})
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: not a readable accelerate config ({str(error).splitlines()[0]}).") from None
+    for flag in overrides:
+        key, _, value = flag.removeprefix("--").partition("=")
+        if not (key.startswith("parallelism_config_") and key.endswith("_size") and value.isdigit()):
+            raise ConfigError(f"{flag}: pass mesh sizes as --parallelism_config_<axis>_size=N.")
+        if key not in section:
+            raise ConfigError(f"{flag}: {args.config_file} has no {key}: only the config's own sizes can change.")
+        section[key] = int(value)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ConfigError("--nodes and --gpus_per_node must be at least 1.")
+    print(" ".join(launch_flags(job_mesh(section, args.nodes, args.gpus_per_node))))
+    return 0

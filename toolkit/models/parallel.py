@@ -118,3 +118,18 @@ def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: A
                           f"conversations would attend to each other: pass --packing false{other}.")  # fmt: skip
     if data.packing is None:
         data.packing = keeps_apart
+
+
+def accelerator_parallelism(mesh: dict[str, int]):
+    """accelerate's view of a model transformers sharded at load (tensor parallelism), for the Trainer: every
+    data-parallel rank on one dp_shard axis. The Trainer sets accelerate's dp_shard to the model's data-parallel
+    size (replicas x shards) and leaves dp_replicate as the launch set it: with replicas (a tp.yaml job on several
+    nodes, settings/mesh.py's job_mesh) accelerate's mesh would count them twice and fail ("Mesh should not be
+    bigger than default world size"). accelerate only spreads the data under tensor parallelism, which this keeps.
+    None where there is nothing to change."""
+    replicas = mesh.get("dp_replicate", 1)
+    if mesh.get("tp", 1) == 1 or replicas == 1:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate_size=1, dp_shard_size=replicas * mesh.get("dp_shard", 1), tp_size=mesh["tp"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..project import project_path
-from ..settings.mesh import config_mesh
+from ..settings.mesh import config_mesh, launch_mesh
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,6 @@ class Layout:
                               bool(plugin.cpu_ram_efficient_loading),
                               (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
             return replace(layout, **axes)
-        if mesh is not None and mesh.tp_enabled:
-            return cls.tensor(kind.value.lower(), mesh.tp_size, mesh.dp_shard_size)
+        if mesh is not None and mesh.tp_enabled:  # the launch's own mesh: accelerate's counts replicas as shards
+            return cls.tensor(kind.value.lower(), mesh.tp_size, launch_mesh().get("dp_shard", 1))
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

@@ -3,6 +3,7 @@ so that a batch size, a token count and a loader all agree on what one data-para
 
 from __future__ import annotations
 
+import math
 import os
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # accelerate's ParallelismConfig, in its order
@@ -51,3 +52,47 @@ def sequence_attention() -> str:
 def data_parallel_replicas(world_size: int) -> int:
     """Groups of ranks that each train on their own rows."""
     return world_size // model_parallel_size()
+
+
+MODEL_PARALLEL_AXES = ("tp", "cp", "sp")
+
+
+def job_mesh(parallelism_config: dict | None, nodes: int, per_node: int) -> dict[str, int]:
+    """A config file's mesh (its `parallelism_config`) sized for a job of `nodes` x `per_node` processes (a
+    scheduler's, slurm/): the file's
+    model-parallel axes as they are (tp, cp, sp: what the model and rows need), its data-parallel axes filling the
+    rest of the job, each kind as the file asks for it: HYBRID_SHARD (dp_replicate and dp_shard) replicates across
+    the nodes and shards inside each; a dp_shard axis shards over every replica; a file with none replicates (tp,
+    cp); under DeepSpeed's sequence parallelism (sp) DeepSpeed forms data parallelism itself. Every size given, 1s
+    included, so the job's flags replace the file's one for one. {} for a file without a mesh."""
+    from ..errors import ConfigError
+
+    file_mesh = {key.removeprefix("parallelism_config_").removesuffix("_size"): int(value)
+                 for key, value in (parallelism_config or {}).items() if key.endswith("_size")}  # fmt: skip
+    if not file_mesh:
+        return {}
+    split = {axis: file_mesh.get(axis, 1) for axis in MODEL_PARALLEL_AXES if file_mesh.get(axis, 1) > 1}
+    model_parallel = math.prod(split.values())
+    world = nodes * per_node
+    inside = split.get("tp", 1) * split.get("cp", 1)  # all-reduces and ring passes in every layer: one node
+    if per_node % inside:
+        raise ConfigError(f"the mesh {describe(split)} needs {inside} processes inside one node and a node has "
+                          f"{per_node}: use a tp/cp size that divides the GPUs per node (in the config, or for "
+                          "slurm/launch_node.sh MESH_FLAGS=--parallelism_config_tp_size=N).")  # fmt: skip
+    if world % model_parallel:
+        raise ConfigError(f"the mesh {describe(split)} does not divide the job's {world} processes ({nodes} node(s) "
+                          f"x {per_node}): use sizes whose product divides {world} (in the config, or for "
+                          "slurm/launch_node.sh MESH_FLAGS=--parallelism_config_<axis>_size=N).")  # fmt: skip
+    if "sp" in split:
+        return split
+    replicas = world // model_parallel
+    if "dp_replicate" in file_mesh:
+        return {"dp_replicate": nodes, "dp_shard": per_node // inside, **split}
+    if "dp_shard" in file_mesh:
+        return {"dp_replicate": 1, "dp_shard": replicas, **split}
+    return {"dp_replicate": replicas, "dp_shard": 1, **split}
+
+
+def launch_flags(mesh: dict[str, int]) -> list[str]:
+    """accelerate launch's flags for a mesh."""
+    return [f"--parallelism_config_{axis}_size={size}" for axis, size in mesh.items()]
