@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import sys
 
@@ -212,3 +213,111 @@ def test_resume_refusals_name_the_fix(tmp_path, engine, world, batch, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_resumable(checkpoint, engine, world, batch, accumulation=1)
     assert check_resumable(checkpoint, "DEEPSPEED", 2, 16, accumulation=1) == ""  # the same launch resumes
+
+
+# ---------------------------------------------------------------------------------------- damaged checkpoints
+
+
+def truncate(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+DAMAGE = {  # what happens to the newest checkpoint, and the reason a resume gives
+    "optimizer missing": (lambda c: (c / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+    "optimizer truncated": (lambda c: truncate(c / "optimizer.pt"), "optimizer.pt is truncated"),
+    "scheduler missing": (lambda c: (c / "scheduler.pt").unlink(), "scheduler.pt is missing"),
+    "weights missing": (lambda c: (c / "model.safetensors").unlink(), "the model's weights are missing"),
+    "weights truncated": (lambda c: truncate(c / "model.safetensors", 0.9), "model.safetensors is truncated"),
+    "state missing": (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+    "state not JSON": (
+        lambda c: (c / "trainer_state.json").write_text('{"global_st'),
+        "trainer_state.json is not JSON",
+    ),
+    "run file not JSON": (lambda c: (c / OWNER).write_text("\0\0"), f"{OWNER} is not JSON"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A tiny Llama run of 6 steps with checkpoints at 2, 4 and 6, and its final weights."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    trainer = train(LLAMA, [*EVERY_2, "--output_dir", str(out)], "llama3_fft").trainer
+    return out, weights(trainer)
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_checkpoint_is_never_resumed(kind, saved_run, tmp_path):
+    """A checkpoint is used only when complete and readable. An explicit one that is damaged is one error line
+    (before, a missing optimizer.pt resumed with a fresh optimizer, exit 0, and the others ended in tracebacks);
+    `--resume auto` falls back to the newest good one and says which it skipped and why."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import resume_point
+
+    out = tmp_path / "run"
+    shutil.copytree(saved_run[0], out)
+    damage, reason = DAMAGE[kind]
+    damage(out / "checkpoint-6")
+    with pytest.raises(ConfigError, match=f"Cannot resume from '.*checkpoint-6': {re.escape(reason)}"):
+        resume_point(str(out / "checkpoint-6"), out)
+    folder, note = resume_point("auto", out)
+    assert folder == str(out / "checkpoint-4")
+    assert f"(skipped checkpoint-6: {reason}" in note
+
+
+def test_auto_resumes_from_the_newest_good_checkpoint_and_ends_as_the_uninterrupted_run(saved_run, tmp_path):
+    """The newest checkpoint's optimizer lost (the reproduction): `--resume auto` skips it, continues from step
+    4 and ends with the uninterrupted run's weights; the damaged one is written anew, nothing good is lost."""
+    out = tmp_path / "run"
+    shutil.copytree(saved_run[0], out)
+    (out / "checkpoint-6" / "optimizer.pt").unlink()
+    good = listing(out / "checkpoint-4")
+    resumed = train(LLAMA, [*EVERY_2, "--output_dir", str(out), "--resume", "auto"], "llama3_fft").trainer
+    for name, value in saved_run[1].items():
+        assert torch.equal(weights(resumed)[name], value), name
+    assert (out / "checkpoint-6" / "optimizer.pt").is_file() and listing(out / "checkpoint-4") == good
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused(saved_run, tmp_path):
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import resume_point
+
+    out = tmp_path / "run"
+    shutil.copytree(saved_run[0], out)
+    for step in (2, 4, 6):
+        (out / f"checkpoint-{step}" / "optimizer.pt").unlink()
+    with pytest.raises(ConfigError, match="no checkpoint in .* can be resumed from .*checkpoint-2: optimizer.pt is "
+                       "missing.* Move them away, or pass another --output_dir"):  # fmt: skip
+        resume_point("auto", out)
+    before = listing(out)
+    with pytest.raises(SystemExit) as stopped:  # the run's own entry: exit 2, nothing touched
+        run(LLAMA, [*EVERY_2, "--output_dir", str(out), "--resume", "auto"], "llama3_fft")
+    assert stopped.value.code == 2 and listing(out) == before
+
+
+def test_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
+    """FSDP's sharded folders (torch.distributed.checkpoint: .metadata and .distcp files) and DeepSpeed's
+    global_step folders (torch files named by `latest`): a shard cut short is found from the sizes its metadata
+    records, a torch file from its zip directory."""
+    import torch.distributed.checkpoint as dcp
+
+    from toolkit.training.checkpoints import dcp_damage, weights_damage
+
+    dcp.save({"weight": torch.randn(256, 64)}, checkpoint_id=str(tmp_path / "pytorch_model_fsdp_0"))
+    assert dcp_damage(tmp_path / "pytorch_model_fsdp_0") is None
+    assert weights_damage(tmp_path, "FSDP") is None
+    truncate(next((tmp_path / "pytorch_model_fsdp_0").glob("*.distcp")))
+    assert "is missing or truncated" in weights_damage(tmp_path, "FSDP")
+    (tmp_path / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"nope")
+    assert ".metadata is missing or unreadable" in weights_damage(tmp_path, "FSDP")
+
+    zero = tmp_path / "zero"
+    (zero / "global_step4").mkdir(parents=True)
+    torch.save({"module": torch.randn(64)}, zero / "global_step4" / "mp_rank_00_model_states.pt")
+    assert weights_damage(zero, "DEEPSPEED").startswith("latest")
+    (zero / "latest").write_text("global_step4")
+    assert weights_damage(zero, "DEEPSPEED") is None
+    truncate(zero / "global_step4" / "mp_rank_00_model_states.pt")
+    assert (
+        weights_damage(zero, "DEEPSPEED") == "global_step4/mp_rank_00_model_states.pt is truncated or not a torch file"
+    )

@@ -120,7 +120,8 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
         raise ConfigError(FLEX_ON_CPU)
     training = args.training
-    resume, note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint, training.output_dir)
+    resume, note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint, training.output_dir,
+                                            engine, bool(training.save_only_model))  # fmt: skip
     owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
     checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
     check_processes(training.world_size)  # creating the process group happens on first access of the device

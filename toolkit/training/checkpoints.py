@@ -69,18 +69,153 @@ def publish(staged: Path, output_dir: str | Path, owner: dict) -> Path:
     return target
 
 
-def resume_point(resume: str | None, output_dir: str | Path) -> tuple[str | None, str]:
-    """What to resume from, and a line saying so. `auto`: the newest complete checkpoint in OUTPUT, or none."""
+# ------------------------------------------------------------------------------------ damage, before a resume
+
+
+def json_damage(path: Path) -> str | None:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return f"{path.name} is not JSON"
+    return None
+
+
+def torch_file_damage(path: Path) -> str | None:
+    """A torch.save file (a zip archive): present, and its central directory, written last, readable: a file cut
+    short by a kill or a full disk fails here in microseconds, without reading its tensors."""
+    import zipfile
+
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        with zipfile.ZipFile(path):
+            return None
+    except (zipfile.BadZipFile, OSError):
+        return f"{path.name} is truncated or not a torch file"
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """A safetensors file: its header readable and the file as long as the header says its tensors reach."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_bytes))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, MemoryError, OverflowError):
+        return f"{path.name} has no readable safetensors header"
+    expected = 8 + header_bytes + end
+    return f"{path.name} is truncated ({size:,} of {expected:,} bytes)" if size < expected else None
+
+
+def dcp_damage(folder: Path) -> str | None:
+    """A torch.distributed.checkpoint folder (FSDP's sharded state dicts): its metadata readable and every shard file
+    as long as the metadata says its tensors reach."""
+    if not folder.is_dir():
+        return f"{folder.name}/ is missing"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception:  # noqa: BLE001: a missing or unpicklable .metadata, whatever the error
+        return f"{folder.name}/.metadata is missing or unreadable"
+    for info in storage.values():
+        path = folder / info.relative_path
+        if not path.is_file() or path.stat().st_size < info.offset + info.length:
+            return f"{folder.name}/{info.relative_path} is missing or truncated"
+    return None
+
+
+def weights_damage(folder: Path, engine: str) -> str | None:
+    """The model's weights as the engine checkpoints them: DeepSpeed's global_step folder (named by `latest`), FSDP's
+    sharded folder or whole file, the Trainer's safetensors (sharded with an index, or a LoRA adapter)."""
+    if engine == "DEEPSPEED":
+        latest = folder / "latest"
+        if not latest.is_file() or not (folder / latest.read_text().strip()).is_dir():
+            return "latest (DeepSpeed's pointer to its global_step folder) or that folder is missing"
+        for part in sorted((folder / latest.read_text().strip()).glob("*.pt")):
+            if damage := torch_file_damage(part):
+                return f"{latest.read_text().strip()}/{damage}"
+        return None
+    if engine == "FSDP" and (folder / "pytorch_model_fsdp_0").exists():
+        return dcp_damage(folder / "pytorch_model_fsdp_0")
+    for single in ("model.safetensors", "adapter_model.safetensors"):
+        if (folder / single).exists():
+            return safetensors_damage(folder / single)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        if damage := json_damage(index):
+            return damage
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            if damage := safetensors_damage(folder / shard):
+                return damage
+        return None
+    return "the model's weights are missing (no model.safetensors, adapter or shards)"
+
+
+def optimizer_damage(folder: Path, engine: str) -> str | None:
+    """The optimizer's state and the scheduler's, without which a resume would silently start a fresh optimizer
+    (DeepSpeed keeps both in its global_step folder, checked with the weights)."""
+    if engine == "DEEPSPEED":
+        return None
+    if engine == "FSDP" and (folder / "optimizer_0").exists():
+        damage = dcp_damage(folder / "optimizer_0")
+    else:
+        damage = torch_file_damage(folder / "optimizer.pt")
+    return damage or torch_file_damage(folder / "scheduler.pt")
+
+
+def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | None:
+    """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. The
+    Trainer's state, the toolkit's own files (where the toolkit wrote it), the weights, and unless checkpoints are
+    of the weights only (`weights_only`: --save_only_model, tensor parallelism's default) the optimizer and
+    scheduler. Cheap: headers, zip directories and file sizes, never the tensors."""
+    from ..metrics.tracking import SPENT_FILE
+
+    if damage := json_damage(folder / TRAINER_STATE):
+        return damage
+    toolkit_files = [folder / name for name in (OWNER, SPENT_FILE)]
+    if any(p.exists() for p in toolkit_files):
+        for path in toolkit_files:
+            if damage := json_damage(path):
+                return damage
+    recorded = json.loads((folder / OWNER).read_text()) if (folder / OWNER).is_file() else {}
+    engine = recorded.get("engine", engine)
+    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine))
+
+
+def resume_point(resume: str | None, output_dir: str | Path, engine: str = "replicated",
+                 weights_only: bool = False) -> tuple[str | None, str]:  # fmt: skip
+    """What to resume from, and a line saying so. `auto`: the newest checkpoint in OUTPUT that is complete and
+    readable (checkpoint_damage), the damaged ones after it named and skipped; a run whose every checkpoint is
+    damaged is refused rather than started over them. An explicit folder that is damaged: one error line."""
     if not resume:
         return None, ""
     if resume == "auto":
         found = complete_checkpoints(output_dir)
         if not found:
             return None, f"resume auto: no complete checkpoint in {output_dir}, starting fresh"
-        return str(found[-1]), f"resume auto: continuing from {found[-1]}"
-    if not (Path(resume) / "trainer_state.json").is_file():
-        raise ConfigError(f"Cannot resume from '{resume}': not a complete checkpoint folder (no trainer_state.json). "
-                          "Pass --resume auto to take the newest complete one in the output folder.")  # fmt: skip
+        skipped = []
+        for folder in reversed(found):
+            damage = checkpoint_damage(folder, engine, weights_only)
+            if damage is None:
+                note = "; ".join(f"skipped {name}: {why}" for name, why in skipped)
+                return str(folder), f"resume auto: continuing from {folder}" + (f" ({note})" if note else "")
+            skipped.append((folder.name, damage))
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise ConfigError(f"resume auto: no checkpoint in {output_dir} can be resumed from ({reasons}). Move them "
+                          "away, or pass another --output_dir, to start over.")  # fmt: skip
+    folder = Path(resume)
+    if not folder.is_dir():
+        raise ConfigError(f"Cannot resume from '{resume}': no such folder. Pass --resume auto to take the newest "
+                          "complete checkpoint in the output folder.")  # fmt: skip
+    if damage := checkpoint_damage(folder, engine, weights_only):
+        raise ConfigError(f"Cannot resume from '{resume}': {damage}. Pass --resume auto to take the newest complete "
+                          "and readable checkpoint in the output folder, or another checkpoint.")  # fmt: skip
     return resume, f"resuming from {resume}"
 
 
@@ -93,8 +228,8 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
     """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
     schedule; returns a note when the process count changes (supported: the Trainer's and FSDP's formats)."""
     path = Path(checkpoint) / OWNER
-    if not path.is_file():
-        return ""  # not written by the toolkit: nothing recorded to compare
+    if json_damage(path):
+        return ""  # not written by the toolkit: nothing recorded to compare (a damaged one was refused before)
     then = json.loads(path.read_text())
     if "engine" not in then:
         return ""
@@ -131,7 +266,9 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
     if not found:
         return
     newest = found[-1]
-    recorded = json.loads((newest / OWNER).read_text()) if (newest / OWNER).is_file() else {}
+    recorded = {}
+    if json_damage(newest / OWNER) is None:  # a damaged one names no owner (resume_point says why it is skipped)
+        recorded = json.loads((newest / OWNER).read_text())
     mismatch = {k: v for k, v in recorded.items() if k in owner and owner[k] != v}
     if mismatch:
         held = ", ".join(f"{k} {v}" for k, v in recorded.items())
