@@ -73,11 +73,13 @@ bench-gpu:
 gpu-check:
 	$(BIN)/python bench/gpu_check.py $(ARGS)
 
+PYTEST ?= --durations=10  # pytest options, e.g. PYTEST="-k planner -x"
+
 test:
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q $(PYTEST)
 
 test-fast:
-	$(BIN)/python -m pytest -q -m "not launch"
+	$(BIN)/python -m pytest -q -m "not launch" $(PYTEST)
 
 lint:
 	$(BIN)/ruff check .

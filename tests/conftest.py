@@ -47,7 +47,12 @@ def offline_env(tmp_path_factory):
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # Away from the checkout: a user's own runs/ (the README's example writes runs/llama3_fft, which the DPO
+    # recipes start from) must not change what the suite sees, nor the suite write into it.
+    cwd = Path.cwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
+    os.chdir(cwd)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)

@@ -55,6 +55,12 @@ FILES = {  # name -> text; written once per module into `files`
     "notes.txt": "not a folder\n",
     "messages_text.jsonl": jsonl([{"messages": "Hello there"}] * 3),
     "two_processes.yaml": "distributed_type: MULTI_GPU\nnum_processes: two\nuse_cpu: true\n",
+    "mixed_formats.jsonl": jsonl([{"messages": CONVERSATION}, {"prompt": "2 + 2?", "completion": "4"}]),
+    "tp_0.yaml": "distributed_type: MULTI_GPU\nnum_processes: 2\nparallelism_config:\n"
+    "  parallelism_config_tp_size: 0\n",
+    "sp_backend.yaml": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  deepspeed_config_file: "
+    "ds_configs/zero3.json\nparallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: "
+    "megatron\n",
 }
 
 
@@ -135,6 +141,8 @@ def assert_one_clear_line(output: str, key: str) -> None:
 # that brings its own model folder is not tiny (tiny mode would build a toy copy of it) and starts afresh.
 RUNS = [
     ("learning-rate", "bert", ["--learning_rate", "-1"], "pass 2e-5"),
+    ("lora-norm-target", "llama3_lora", ["--lora_target_modules", "q_proj,norm"], "LoRA adapts linear, embedding"),
+    ("mixed-formats", "llama3_fft", ["--dataset_name", "{mixed_formats.jsonl}"], "one format per data set"),
     ("batch-size-0", "bert", ["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be at least 1"),
     ("accumulation-0", "bert", ["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps must be at least"),
     ("epochs-0", "bert", ["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs 1"),
@@ -270,6 +278,13 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
     ),
     ("launch-missing-script", "launch", ["my_train.py"], "pass a recipe"),
     ("launch-wrong-type", "launch", ["--config_file", "{two_processes.yaml}", "recipes/bert.py"], "an integer, got"),
+    ("plan-mfu-negative", "plan", ["llama3_fft", "--mfu", "-0.3"], "--mfu is a share of the GPU's peak"),
+    ("plan-epochs-negative", "plan", ["llama3_fft", "--epochs", "-1"], "--epochs must be positive"),
+    ("plan-overhead-negative", "plan", ["llama3_fft", "--overhead", "-1"], "--overhead multiplies the cost"),
+    ("plan-headroom-1", "plan", ["llama3_fft", "--headroom", "1"], "from 0 to below 1"),
+    ("plan-gpu-not-plannable", "plan", ["llama3_fft", "--gpu", "cpu"], "pass one of RTX-3090"),
+    ("check-mesh-size-0", "check", ["{tp_0.yaml}"], "tp_size must be at least 1"),
+    ("check-sp-backend", "check", ["{sp_backend.yaml}"], "sp_backend must be one of ['deepspeed']"),
 ]
 
 
@@ -438,3 +453,81 @@ def test_slurm_job_with_a_bad_flag_is_one_line(tmp_path):
                       cwd=tmp_path, env=env)  # fmt: skip
     assert result.returncode == 2
     assert_one_clear_line(result.stdout + result.stderr, "pass 2e-5")
+
+
+DAMAGED_RUNS = {  # what is done to a finished run's folder, the command and the key of its one line
+    "log-missing": (lambda r: (r / "run_log.jsonl").unlink(), "report", "has no run_log.jsonl"),
+    "summary-truncated": (lambda r: (r / "run_summary.json").write_text('{"summary": {"st'), "report",
+                          "is not a run's summary"),
+    "log-line-broken": (lambda r: (r / "run_log.jsonl").write_text("{}\n{nope\n{}\n"), "report", "line 2 is not JSON"),
+    "weights-missing": (lambda r: (r / "model.safetensors").unlink(), "generate", "cannot be loaded"),
+    "config-not-json": (lambda r: (r / "config.json").write_text("{x"), "generate", "cannot be loaded"),
+    "no-tokenizer": (lambda r: [p.unlink() for p in r.glob("tokenizer*")], "chat", "has no tokenizer files"),
+    "checkpoint-without-weights": (lambda r: (r / "checkpoint-4" / "model.safetensors").unlink(), "chat",
+                                   "cannot be loaded"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DAMAGED_RUNS)
+def test_a_damaged_run_folder_is_one_line(case, trained, tmp_path, capsys):
+    """report, generate and chat on a run folder that is not whole (a log or summary missing or cut short, a
+    checkpoint without weights, a config that is not JSON, no tokenizer files): one line naming what is wrong,
+    where each ended in a traceback; a last log line cut short (a run killed as it wrote) is only left out."""
+    from toolkit.__main__ import entry
+
+    folder = tmp_path / "run"
+    shutil.copytree(trained["llama3_fft"], folder)
+    damage, command, key = DAMAGED_RUNS[case]
+    damage(folder)
+    target = folder / "checkpoint-4" if case.startswith("checkpoint") else folder
+    argv = {"report": [str(target), "--output", str(tmp_path / "report")], "generate": [str(target), "--prompt",
+            "hi"], "chat": [str(target)]}[command]  # fmt: skip
+    try:
+        code = entry(command)(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, key)
+
+
+def test_report_keeps_a_run_whose_last_log_line_was_cut_short(trained, tmp_path):
+    from toolkit.metrics.report import load_run
+
+    folder = tmp_path / "run"
+    shutil.copytree(trained["llama3_fft"], folder)
+    log = (folder / "run_log.jsonl").read_text()
+    (folder / "run_log.jsonl").write_text(log + '{"loss": 1.2, "st')
+    assert len(load_run(folder).history) == len(load_run(trained["llama3_fft"]).history)
+
+
+def test_report_output_naming_a_file_is_one_line(trained, tmp_path, capsys):
+    from toolkit.metrics.report import main
+
+    (tmp_path / "taken").write_text("")
+    assert main([str(trained["llama3_fft"]), "--output", str(tmp_path / "taken")]) == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, "is a file: pass a folder")
+
+
+@pytest.mark.parametrize(("text", "key"), [("RECIPE = dict(\n  task='sft',\n", "does not import: '(' was never closed"),
+                                           ("OTHER = 1\n", "defines no RECIPE dict")])  # fmt: skip
+def test_a_recipe_file_that_does_not_import_is_one_line(text, key, tmp_path, monkeypatch, capsys):
+    """`toolkit check`, `plan` and `launch` with a recipe file that has a syntax error or no RECIPE."""
+    import toolkit.project
+    from toolkit.__main__ import entry
+
+    recipes = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    (recipes / "mine.py").write_text(text)
+    monkeypatch.setattr(toolkit.project, "RECIPES", recipes)
+    for command, argv in {"check": [str(ROOT / "accelerate_configs" / "ddp.yaml"), "mine"], "plan": ["mine"],
+                          "launch": ["--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+                                     str(recipes / "mine.py")]}.items():  # fmt: skip
+        try:
+            code = entry(command)(argv)
+        except SystemExit as exit_info:
+            code = exit_info.code
+        assert code == 2, command
+        captured = capsys.readouterr()
+        assert_one_clear_line(captured.out + captured.err, key)

@@ -321,3 +321,17 @@ def test_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
     assert (
         weights_damage(zero, "DEEPSPEED") == "global_step4/mp_rank_00_model_states.pt is truncated or not a torch file"
     )
+
+
+def test_a_run_again_into_a_finished_runs_folder_says_so_and_keeps_its_own_log(tmp_path, capsys):
+    """A recipe run again into the folder of a finished run (no checkpoints: the default) replaced its model
+    without a word and appended its steps to the old run_log.jsonl: now a warning says what is replaced, and the
+    log holds the new run's steps only."""
+    out = tmp_path / "run"
+    flags = ["--tiny", "--max_steps", "3", "--report_to", "none", "--output_dir", str(out)]
+    train(BERT, flags, "bert")
+    assert "holds an earlier run's results" not in capsys.readouterr().err
+    train(BERT, flags, "bert")
+    assert f"warning: {out} holds an earlier run's results (finished " in capsys.readouterr().err
+    lines = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3]  # one run's steps, not two

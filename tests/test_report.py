@@ -46,6 +46,20 @@ def test_report_charts_and_table_equal_the_summaries(two_runs, tmp_path, capsys)
     assert "<table>" in (tmp_path / "index.html").read_text()
 
 
+def test_a_figure_no_run_has_is_marked_na_not_left_empty(two_runs, tmp_path, monkeypatch):
+    """CPU runs have no datasheet peak, so no MFU: its panel said nothing at all; each such bar now reads n/a."""
+    import matplotlib.axes
+
+    written = []
+    original = matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda ax, x, y, s, **kw: written.append((ax.get_title(), s))
+                        or original(ax, x, y, s, **kw))  # fmt: skip
+    runs = [report.load_run(folder) for folder in two_runs]
+    assert all(run.summary.get("mean_mfu") is None for run in runs)
+    report.charts(runs, tmp_path)
+    assert written == [("mean MFU", "n/a"), ("mean MFU", "n/a")]
+
+
 def test_report_on_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
     assert report.main([str(tmp_path), "--output", str(tmp_path / "r")]) == 2
     assert "neither a run's output folder" in capsys.readouterr().err

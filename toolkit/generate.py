@@ -17,11 +17,24 @@ from .errors import ConfigError, command
 
 
 def load(folder: str | Path, dtype: str = "auto"):
-    """(model, tokenizer) of a run's output: a full causal LM, or a LoRA adapter on its base."""
+    """(model, tokenizer) of a run's output: a full causal LM, or a LoRA adapter on its base. A folder that is not
+    whole (no weights, a config that is not JSON, no tokenizer) is one error line naming what is missing."""
+    folder = Path(folder)
+    try:
+        return load_model_and_tokenizer(folder, dtype)
+    except (OSError, ValueError, KeyError) as error:  # transformers' and peft's own errors for a damaged folder
+        if isinstance(error, ConfigError):
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{folder} cannot be loaded ({reason}): pass a run's --output_dir, its merged/ folder or "
+                          "a complete checkpoint-N folder (weights, config.json and the tokenizer's files, as the "
+                          "run saved them).") from None  # fmt: skip
+
+
+def load_model_and_tokenizer(folder: Path, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(folder)
     adapter = folder / "adapter_config.json"
     if not adapter.is_file() and not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} holds no model (no config.json, no adapter_config.json): pass a run's "
@@ -45,6 +58,11 @@ def load(folder: str | Path, dtype: str = "auto"):
         model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    from .models.loading import TOKENIZER_FILES
+
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):  # transformers would build an empty one
+        raise ConfigError(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): pass a run's "
+                          "--output_dir or a checkpoint-N folder, which the run saves with its tokenizer.")  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if tokenizer.chat_template is None:
         raise ConfigError(f"The tokenizer in {folder} has no chat template: this run was not a chat fine-tune.")

@@ -45,12 +45,24 @@ def project_path(name: str | Path) -> Path:
 
 
 def load_recipe(name: str) -> dict[str, Any]:
-    """The RECIPE dict of recipes/<name>.py, imported without running it (recipes import each other)."""
+    """The RECIPE dict of recipes/<name>.py, imported without running it (recipes import each other). A file that
+    does not import, or defines no RECIPE dict, is one error line naming the file and the line."""
+    from .errors import ConfigError
+
     path = RECIPES / f"{name}.py"
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))  # llama3_lora builds on llama3_fft
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
     module = importlib.util.module_from_spec(spec)
-    with contextlib.redirect_stdout(sys.stderr):  # importing a recipe imports the toolkit: keep --json clean
-        spec.loader.exec_module(module)
-    return module.RECIPE
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # importing a recipe imports the toolkit: keep --json clean
+            spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ConfigError(f"{path} does not import: {error.msg} (line {error.lineno}): fix the recipe file.") from None
+    except Exception as error:  # noqa: BLE001: whatever a user's recipe file raises as it imports
+        raise ConfigError(f"{path} does not import: {type(error).__name__}: {error}: fix the recipe file.") from None
+    recipe = getattr(module, "RECIPE", None)
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"{path} defines no RECIPE dict: a recipe is `RECIPE = dict(model_name_or_path=..., "
+                          "task=..., ...)` and `run(RECIPE)` under `if __name__ == \"__main__\"`.")  # fmt: skip
+    return recipe

@@ -124,6 +124,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
                                             engine, bool(training.save_only_model))  # fmt: skip
     owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
     checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
+    checkpoints.replace_finished_run(training.output_dir, resuming=resume is not None)
     check_processes(training.world_size)  # creating the process group happens on first access of the device
     if resume:
         engine, batch = Requested.from_env().engine, global_batch_size(training)

@@ -11,7 +11,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, loa
 
 from ..errors import DataError, warn
 from ..settings.arguments import DataArguments
-from .formats import PROBLEMS, columns_of, detect, kind_of, to_messages
+from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
 from .sources import check_hub_dataset, resolve
 
@@ -211,10 +211,22 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         feature = split.features[args.label_column]
         problem_of = label_problem(feature.num_classes if isinstance(feature, ClassLabel) else None)
         keep = [c for c in [*text_columns, args.label_column] if c in split.column_names]
+    # A JSON file mixing formats loads as the union of their columns, each row's others empty (None): a row of
+    # another format is named as such, not as an empty row of this one.
+    others = {f: columns_of(f, args.messages_column) for f in FORMATS if f != data_format and data_format
+              and set(columns_of(f, args.messages_column)) <= set(split.column_names)}  # fmt: skip
+    read = list(dict.fromkeys([*columns, *(c for cs in others.values() for c in cs)]))
     bad: list[tuple[int, str]] = []
-    for start, batch in zip(range(0, len(split), 1000), split.select_columns(columns).iter(1000), strict=False):
-        for offset, row in enumerate(zip(*(batch[c] for c in columns), strict=True)):
-            problem = problem_of(*row)
+    for start, batch in zip(range(0, len(split), 1000), split.select_columns(read).iter(1000), strict=False):
+        for offset, values in enumerate(zip(*(batch[c] for c in read), strict=True)):
+            row = dict(zip(read, values, strict=True))
+            problem = problem_of(*(row[c] for c in columns))
+            if problem and (mixed := next((f for f, cs in others.items() if all(row[c] is not None for c in cs)),
+                                          None)):  # fmt: skip
+                raise DataError(f"row {start + offset} of the {name} split of {source} is a {mixed} row ("
+                                f"{', '.join(others[mixed])}) among {data_format} rows ({', '.join(columns)}): one "
+                                "format per data set. Split the file by format (a dataset_mixture can train on "
+                                "both), or convert its rows (docs/data.md).")  # fmt: skip
             if problem and not args.skip_bad_rows:
                 raise DataError(f"row {start + offset} of the {name} split of {source}: {problem}. Fix the data, "
                                 "or pass --skip_bad_rows true to leave such rows out.")  # fmt: skip

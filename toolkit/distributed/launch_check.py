@@ -138,10 +138,24 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
                           "it to null to let the toolkit take the model's layer class.")  # fmt: skip
 
 
+def check_parallelism_values(section: dict, path: Path) -> None:
+    """The sizes and backends of a `parallelism_config`, as accelerate's own ParallelismConfig validates them in
+    every rank after launch (a size of 0, a backend it does not have, cp with sp): here, in one line, first."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    names = {f"{axis}_size" for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp")} | {"cp_backend", "sp_backend"}
+    values = {key.removeprefix("parallelism_config_"): value for key, value in section.items()}
+    try:
+        ParallelismConfig(**{k: v for k, v in values.items() if k in names})
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{path}: parallelism_config: {str(error).splitlines()[0]}.") from None
+
+
 def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     """A `parallelism_config` whose sizes do not cover the processes fails inside accelerate, after the weights
     load; a split without its engine too; a tensor-parallel size the recipe's model cannot split, inside
     transformers."""
+    check_parallelism_values(config.get("parallelism_config") or {}, path)
     mesh = config_mesh(config.get("parallelism_config"))
     if not mesh:
         return

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ToolkitError, command
 from ..errors import report as report_error
-from .samples import read_samples
+from .samples import RUN_LOG, SAMPLES_FILE, SUMMARY
 
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
@@ -50,12 +50,34 @@ class ReportError(ToolkitError, ValueError):
     """Something given to `toolkit report` that is not a finished run."""
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """A .jsonl file's records; a last line cut short (a run killed as it wrote) is left out, any other unreadable
+    line is a ReportError naming it."""
+    text = path.read_text(errors="replace").splitlines()
+    out = []
+    for number, line in enumerate(text, 1):
+        try:
+            out.append(json.loads(line)) if line.strip() else None
+        except ValueError:
+            if number < len(text):
+                raise ReportError(f"{path} line {number} is not JSON: the file is damaged; report the other "
+                                  "runs, or restore it.") from None  # fmt: skip
+    return out
+
+
 def load_run(path: str | Path) -> Run:
     path = Path(path)
-    if (path / "run_summary.json").is_file():
-        written = json.loads((path / "run_summary.json").read_text())
-        summary, config = written["summary"], written.get("config", {})
-        lines = [json.loads(line) for line in (path / "run_log.jsonl").read_text().splitlines() if line.strip()]
+    if (path / SUMMARY).is_file():
+        try:
+            written = json.loads((path / SUMMARY).read_text())
+            summary, config = written["summary"], written.get("config", {})
+        except (ValueError, KeyError, TypeError):
+            raise ReportError(f"{path / SUMMARY} is not a run's summary (not JSON, or cut short): report the other "
+                              "runs, or run this one again.") from None  # fmt: skip
+        if not (path / RUN_LOG).is_file():
+            raise ReportError(f"{path} has no {RUN_LOG} (the log every run writes beside its summary): report the "
+                              "other runs, or restore it.")  # fmt: skip
+        lines = json_lines(path / RUN_LOG)
         name = path.name
     elif list(path.glob("*.wandb")):
         from .wandb_run import read_offline_run
@@ -71,12 +93,13 @@ def load_run(path: str | Path) -> Run:
         summary.setdefault("wandb_run_id", path.name.rsplit("-", 1)[-1])
         name = f"{summary.get('recipe', 'run')}-{summary['wandb_run_id']}"
     else:
-        raise ReportError(f"{path} is neither a run's output folder (run_summary.json) nor a W&B offline run "
+        raise ReportError(f"{path} is neither a run's output folder ({SUMMARY}) nor a W&B offline run "
                           "(*.wandb): pass the --output_dir of a finished run.")  # fmt: skip
     if not summary:
         raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
-    by_step = {line["step"]: line for line in lines if "loss" in line}  # a resumed run repeats steps: last wins
-    return Run(name, [by_step[s] for s in sorted(by_step)], summary, read_samples(path), config)
+    by_step = {line["step"]: line for line in lines if "loss" in line and "step" in line}  # resumed: last wins
+    samples = json_lines(path / SAMPLES_FILE) if (path / SAMPLES_FILE).is_file() else []
+    return Run(name, [by_step[s] for s in sorted(by_step)], summary, samples, config)
 
 
 def unique_names(runs: list[Run]) -> None:
@@ -118,9 +141,13 @@ def charts(runs: list[Run], folder: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(bars), figsize=(4 * len(bars), 3.6))
     names = [run.name for run in runs]
     for ax, (key, label) in zip(axes, bars, strict=True):
-        ax.bar(range(len(runs)), [run.summary.get(key) or 0 for run in runs], color=[f"C{i}" for i in range(len(runs))])
+        values = [run.summary.get(key) for run in runs]
+        ax.bar(range(len(runs)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(runs))])
         ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label)
+        for i, value in enumerate(values):  # a figure a run could not have (MFU without a datasheet peak)
+            if value is None:
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=9)
     fig.tight_layout()
     paths.append(folder / "efficiency.png")
     fig.savefig(paths[-1], dpi=110)
@@ -203,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     from .wandb_report import PublishError, check_on_wandb, publish_to_wandb
 
     try:
+        if Path(args.output).exists() and not Path(args.output).is_dir():
+            raise ReportError(f"--output {args.output} is a file: pass a folder for the charts and pages.")
         runs = [load_run(path) for path in args.runs]
         unique_names(runs)
         if args.wandb_project and not args.sync:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 SAMPLES_FILE = "samples.jsonl"
+RUN_LOG = "run_log.jsonl"  # every log line of a run, written by the trainer, read by `toolkit report`
+SUMMARY = "run_summary.json"  # a run's end: its summary and config
 
 
 @dataclass(frozen=True)

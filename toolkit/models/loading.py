@@ -109,12 +109,23 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     if cls is None or lora is None or lora["target_modules"] == "all-linear":
         return
     modules = dict(meta_model(config, task).named_modules())
-    missing = [t for t in lora["target_modules"] if not any(n == t or n.endswith("." + t) for n in modules)]
+    matches = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora["target_modules"]}
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
+    missing = [t for t, found in matches.items() if not found]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
-                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
         raise ConfigError(f"lora_target_modules {', '.join(missing)}: {cls.__name__} has no such module. Its linear "
                           f"layers are {', '.join(linear)}: pass some of them, or all-linear.")  # fmt: skip
+    # peft wraps these layer types only (peft/tuners/lora/model.py); a norm or an activation fails in peft later
+    wrappable = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                 torch.nn.MultiheadAttention)  # fmt: skip
+    unwrappable = {t: type(found[0]).__name__ for t, found in matches.items()
+                   if not all(isinstance(m, wrappable) or type(m).__name__ == "Conv1D" for m in found)}  # fmt: skip
+    if unwrappable:
+        named = ", ".join(f"{t} ({kind})" for t, kind in unwrappable.items())
+        raise ConfigError(f"lora_target_modules {named}: LoRA adapts linear, embedding and convolution layers only. "
+                          f"{cls.__name__}'s linear layers are {', '.join(linear)}: pass some of them, or "
+                          "all-linear.")  # fmt: skip
 
 
 def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import asdict, fields, replace
 
 from ..data.sources import model_config, stored_split_size
 from ..errors import ConfigError, command
-from ..metrics.cost import device_spec
+from ..metrics.cost import device_spec, price_table
 from ..models.meta import meta_model
 from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
@@ -204,6 +204,30 @@ def render(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def check_flags(args) -> None:
+    """Values that would plan nonsense rather than fail: each refused with its domain, before anything is read."""
+    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples", "tokens_per_sample"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} must be at least 1, got {value}.")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu is a share of the GPU's peak, above 0 and at most 1, got {args.mfu:g}: 0.4, say.")
+    if args.epochs is not None and args.epochs <= 0:
+        raise ConfigError(f"--epochs must be positive, got {args.epochs:g}.")
+    if args.overhead < 1:
+        raise ConfigError(f"--overhead multiplies the cost and is at least 1, got {args.overhead:g}: 1.3, say.")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom is the share of device memory kept free, from 0 to below 1, got "
+                          f"{args.headroom:g}: 0.1, say.")  # fmt: skip
+    if args.cuda_context_gib < 0:
+        raise ConfigError(f"--cuda_context_gib cannot be negative, got {args.cuda_context_gib:g}.")
+    spec = device_spec(args.gpu)
+    if not spec.get("memory_gb") or not spec.get("peak_tflops"):
+        gpus = [name for name, d in price_table()["devices"].items() if d.get("memory_gb") and d.get("peak_tflops")]
+        raise ConfigError(f"--gpu {args.gpu} has no device memory or datasheet peak to plan with (it is priced for "
+                          f"runs only): pass one of {', '.join(gpus)}.")  # fmt: skip
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -236,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    for flag in ("gpus", "nodes", "micro_batch", "seq_length", "samples", "tokens_per_sample"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag} must be at least 1, got {value}.")
+    check_flags(args)
     with stdout_to_stderr():  # what the libraries print on the way (DeepSpeed's logger among them) is not the plan
         plan = build_plan(args)
     print(json.dumps(plan, indent=2) if args.json else render(plan))

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -279,6 +280,24 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
         raise ConfigError(f"{output_dir} already holds checkpoints of this recipe (newest: {newest.name}); training "
                           "again from the start would mix with them and rotate them away. Pass --resume auto to "
                           "continue, or another --output_dir to start over.")  # fmt: skip
+
+
+def replace_finished_run(output_dir: str | Path, resuming: bool) -> None:
+    """A run started afresh into a folder that holds an earlier run's results (its summary, model, log): said in one
+    warning line, and the earlier run's log and samples removed (rank 0), so that the new run's log is its own and
+    not appended to the old one; the model and summary are replaced at the end."""
+    from ..errors import is_main_process, warn
+    from ..metrics.samples import RUN_LOG, SAMPLES_FILE, SUMMARY
+
+    folder = Path(output_dir)
+    if resuming or not (folder / SUMMARY).is_file():
+        return
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime((folder / SUMMARY).stat().st_mtime))
+    warn(f"{folder} holds an earlier run's results (finished {when}): this run replaces its model, log and "
+         "summary; pass another --output_dir to keep them.")  # fmt: skip
+    if is_main_process():
+        for name in (RUN_LOG, SAMPLES_FILE):
+            (folder / name).unlink(missing_ok=True)
 
 
 class StagedCheckpoints:

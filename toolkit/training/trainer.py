@@ -53,7 +53,7 @@ from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
-from ..metrics.samples import Prompt
+from ..metrics.samples import RUN_LOG, SUMMARY, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
 from ..metrics.wandb_run import finish_run, launch_environment, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
@@ -162,7 +162,7 @@ class ToolkitTrainerMixin:
             self.health.check(logs, memory_fraction())
         super().log(logs, start_time)
         if self.args.should_save:  # the run's own log, read by `toolkit report`
-            with open(Path(self.args.output_dir) / "run_log.jsonl", "a") as f:
+            with open(Path(self.args.output_dir) / RUN_LOG, "a") as f:
                 f.write(json.dumps(self.state.log_history[-1]) + "\n")
 
     # ---------------------------------------------------------------------------------------- checkpoints
@@ -251,7 +251,7 @@ class ToolkitTrainerMixin:
             flush=True,
         )
         print(cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
-        path = Path(self.args.output_dir) / "run_summary.json"
+        path = Path(self.args.output_dir) / SUMMARY
         path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
         if wandb is not None and wandb.run is not None:
             wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
