@@ -210,3 +210,93 @@ def test_families_train_sharded_as_on_one_process(family, config, one_process, t
     assert sorted(ours) == sorted(reference)  # Gemma-2's tied head stored by neither
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
+# ------------------------------------------------- families whose config the planner cannot read as uniform
+
+
+def hybrid_families() -> dict:
+    """Tiny configs of families whose layers are not all alike, each a real transformers family: an attention-free
+    state-space model (Mamba: no num_attention_heads), a hybrid whose layer layout is a read-only property
+    (Jamba: attention every second layer, mixture of experts), per-layer sizes (Gemma-3n: an intermediate_size
+    list), and linear and full attention mixed by layer_types (Qwen3-Next)."""
+    from transformers import Gemma3nTextConfig, JambaConfig, MambaConfig, Qwen3NextConfig
+
+    vocab = len(tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft"))
+    return {
+        "mamba": MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=vocab, state_size=8),
+        "jamba": JambaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=vocab, num_experts=2, attn_layer_period=2,
+                             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                             use_mamba_kernels=False),
+        "gemma3n": Gemma3nTextConfig(hidden_size=64, intermediate_size=[128, 256], num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                                     vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=16, laurel_rank=8,
+                                     altup_num_inputs=4, activation_sparsity_pattern=[0.0, 0.0], num_kv_shared_layers=0,
+                                     layer_types=["sliding_attention", "full_attention"]),
+        "qwen3_next": Qwen3NextConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, vocab_size=vocab,
+                                      layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                   "full_attention"]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba", "gemma3n", "qwen3_next"])
+def test_a_family_with_layers_that_differ_plans_and_trains(family, tmp_path, capsys):
+    """Each trains in plain transformers here; the toolkit planned them with a crash (no attention heads, a list
+    where a size was expected) or measured the wrong layers (a read-only layout, or the first layers' type only).
+    Now the shape is read off the modules (attention layers counted for the FLOPs, the largest size where sizes
+    differ, said in the plan), the activations are measured with a layer of each type (full depth where the
+    layout cannot be set), and the run trains with a header that says where its plan is an upper bound."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.planner.cli import main as plan
+    from toolkit.planner.estimate import training_flops_per_token
+    from toolkit.planner.shape import Shape
+
+    config = hybrid_families()[family]
+    folder = tmp_path / family
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft").save_pretrained(folder)
+    shape = Shape.of(model, config)
+    expected_attention = {"mamba": 0, "jamba": 2, "gemma3n": 2, "qwen3_next": 1}[family]
+    assert shape.attention_layers == expected_attention
+    parameters = shape.total - shape.lookups  # the 6N part; attention's own term only for attention layers
+    assert training_flops_per_token(shape, 64) == 6 * parameters + 12 * expected_attention * 64 * 64
+    assert plan([str(folder), "--gpus", "1", "--gpu", "H100-80GB", "--task", "sft"]) == 0
+    out = capsys.readouterr().out
+    assert "activations measured" in out, out
+    if family != "gemma3n":  # Gemma-3n's sliding and full attention layers save the same tensors: uniform
+        assert "each layer planned as the largest" in out
+    if family in ("mamba", "gemma3n"):
+        assert "upper bound" in out
+    if family == "gemma3n":  # its random init has NaN gradients on the tiny chat rows in plain transformers too
+        return
+    result = train(LLAMA3_FFT, ["--tiny", "--model_name_or_path", str(folder), "--max_steps", "2", "--learning_rate",
+                                "1e-4", "--report_to", "none", "--output_dir", str(tmp_path / "run")],
+                   "llama3_fft")  # fmt: skip
+    assert result.trainer.state.global_step == 2
+    if family == "mamba":  # the run's own header says where its plan is an upper bound
+        assert "              (no attention heads (a state-space family)" in capsys.readouterr().out
+
+
+def test_measured_activations_bound_a_hybrid_from_above(tmp_path):
+    """Qwen3-Next's mixed layers: the plan (every layer as the largest) against the bytes the whole tiny model
+    really saves for backward: at least as many, not more than twice."""
+    from transformers import AutoModelForCausalLM
+
+    config = hybrid_families()["qwen3_next"]
+    fit, note = activations.measured_activations(config, "sft", "fp32", flash_attention=True)
+    assert fit is not None and fit.largest_layer, note
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for b, s in ((2, 64), (4, 128)):
+        ids = torch.randint(1, config.vocab_size, (b, s))
+        real = activations.saved_bytes(model, {"input_ids": ids, "labels": ids})
+        planned = fit.saved(b, s, config.num_hidden_layers)
+        assert real <= planned <= 2 * real, (b, s, real, planned)

@@ -18,6 +18,7 @@ import copy
 import hashlib
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -35,7 +36,8 @@ BATCHES = (2, 4)  # not 1: some models skip a copy at batch 1 (Falcon's multi-qu
 WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "ffn_dim", "n_inner", "hidden_dim", "ffn_hidden_size",
           "moe_intermediate_size", "shared_expert_intermediate_size", "embedding_size", "pooler_hidden_size",
           "word_embed_proj_dim")  # fmt: skip
-VERSION = 3  # bump when the measurement changes: the cache key includes it
+VERSION = 4  # bump when the measurement changes: the cache key includes it
+BUDGET_S = 10  # seconds a full-depth measurement may take (fit_by_layer); beyond it, the formula
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class ActivationFit:
 
     coefficients: tuple[float, ...]
     ratios: tuple[float, float]  # the width ratios measured, for the record
+    largest_layer: bool = False  # measured at full depth, every layer taken as the largest (layers that differ)
 
     @property
     def note(self) -> str:
         widths = " and ".join(f"1/{round(1 / r)}" if r < 1 else f"{r:g}x" for r in self.ratios)
-        return f"measured: the bytes autograd saves in instances at {widths} of the width, extrapolated"
+        depth = ", each layer planned as the largest (its layers differ: an upper bound)" if self.largest_layer else ""
+        return f"measured: the bytes autograd saves in instances at {widths} of the width{depth}, extrapolated"
 
     def saved(self, micro_batch: int, seq_length: int, layers: int, ratio: float = 1.0) -> int:
         """All layers and the rest, at `ratio` of the real width (1: the model itself)."""
@@ -84,15 +88,18 @@ def width_ratios(config) -> tuple[float, float]:
     pairs), as small as that allows: the instances take milliseconds."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = text.hidden_size
-    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(heads, int) and heads else hidden)
+    head_dim = head_dim if isinstance(head_dim, int) else hidden  # a head size per layer type: not a constraint
     for k in (64, 32, 16, 8, 4, 2):
         if hidden % k == 0 and head_dim % k == 0 and head_dim // k >= 4 and (head_dim // k) % 2 == 0:
             return 1 / k, 2 / k
     return 1.0, 2.0
 
 
-def scaled(config, ratio: float, layers: int, attention: str | None = None):
-    """The config with its widths times `ratio` and `layers` layers; heads, experts and everything else kept.
+def scaled(config, ratio: float, layers: int | list | None, attention: str | None = None):
+    """The config with its widths times `ratio` and `layers` layers (a list: those layer types, one layer each;
+    None: the model's own depth and layer layout); heads, experts and everything else kept.
     Under fused attention (`attention` None) without attention dropout: on a CPU, sdpa with dropout takes its
     math path and keeps the scores, which a GPU's kernels do not."""
     config = copy.deepcopy(config)
@@ -104,9 +111,12 @@ def scaled(config, ratio: float, layers: int, attention: str | None = None):
     head_dim = getattr(text, "head_dim", None)
     if head_dim and not isinstance(getattr(type(text), "head_dim", None), property):
         text.head_dim = max(2, round(head_dim * ratio))
-    text.num_hidden_layers = layers
-    if isinstance(getattr(text, "layer_types", None), list):
-        text.layer_types = text.layer_types[:layers]
+    if isinstance(layers, list):
+        text.num_hidden_layers, text.layer_types = len(layers), layers
+    elif layers is not None:
+        text.num_hidden_layers = layers
+        if isinstance(getattr(text, "layer_types", None), list):
+            text.layer_types = text.layer_types[:layers]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the narrowed vocabulary
         value = getattr(text, key, None)
         if isinstance(value, int) and value >= text.vocab_size:
@@ -120,17 +130,18 @@ def scaled(config, ratio: float, layers: int, attention: str | None = None):
     return config
 
 
-def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
+def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None) -> int | dict:
     """Bytes of the tensors autograd keeps for backward in one training forward pass, once per storage (ops share
-    them), the model's parameters excluded."""
+    them), the model's parameters excluded. `owner`: a callable naming the part running now (a layer's index);
+    then {part: bytes}, each storage counted for the part that saved it first."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
+    storages: dict[int, tuple[int, object]] = {}
     alive: list[torch.Tensor] = []  # held through the forward pass, as autograd would: no address is reused
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameters and storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = (storage.nbytes(), owner() if owner else None)
         alive.append(tensor)
         # Not the tensor: no backward runs, and an op's output packed as itself is a reference cycle through
         # autograd's C++ graph that Python's collector cannot see (it leaked every instance measured).
@@ -143,7 +154,12 @@ def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         model(**inputs)
     alive.clear()
-    return sum(storages.values())
+    if owner is None:
+        return sum(size for size, _ in storages.values())
+    parts: dict = {}
+    for size, part in storages.values():
+        parts[part] = parts.get(part, 0) + size
+    return parts
 
 
 def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float, layers: int,
@@ -169,8 +185,88 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
         return out
 
 
+def measure_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float,
+                     inputs: list[tuple[int, int]], layers: list | None,
+                     fused_head: bool = False) -> list[tuple[int, int]]:  # fmt: skip
+    """(the largest layer's bytes, the bytes outside the layers) saved for backward by an instance of `config` at
+    `ratio` width with `layers` (scaled's: a layer of each type, or None, its own depth and layout), for each
+    (micro-batch, sequence length) in `inputs`."""
+    small = scaled(config, ratio, layers, attention)
+    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    with torch.random.fork_rng(devices=[]), outside_zero3_init():
+        torch.manual_seed(0)
+        model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
+        fused = {}
+        if fused_head:
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(model)
+            fused = {"fused_lm_head": True}
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+        layers = max(blocks, key=len)
+        running: list = [None]
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda module, args, i=index: running.__setitem__(0, i))
+            layer.register_forward_hook(lambda module, args, out: running.__setitem__(0, None))
+        out, start = [], time.perf_counter()
+        for b, s in inputs:
+            if time.perf_counter() - start > BUDGET_S:  # a full-depth state-space stack on a CPU: minutes
+                raise TimeoutError(f"an instance at full depth takes over {BUDGET_S} s on this CPU")
+            ids = torch.randint(1, text.vocab_size, (b, s))
+            labels = ids if task in GENERATIVE else torch.zeros(b, dtype=torch.long)
+            parts = saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}, owner=lambda: running[0])
+            out.append((max((v for k, v in parts.items() if k is not None), default=0), parts.get(None, 0)))
+        return out
+
+
+def settable(config, name: str) -> bool:
+    """Whether a config attribute can be set: not a read-only property, under its own name or the one its
+    attribute_map gives it (Falcon-H1's layer_types is its derived layers_block_type)."""
+    target = getattr(type(config), "attribute_map", {}).get(name, name)
+    return not isinstance(getattr(type(config), target, None), property)
+
+
+SOFTMAX_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def uniform_layers(config) -> bool:
+    """Whether every layer is built alike and the depth can be set: a config whose `layer_types` name more than
+    one kind of mixer (Qwen3-Next's linear and full attention) or whose layout is derived, read-only (Jamba's
+    and Falcon-H1's layers_block_type), cannot be measured from 1- and 2-layer instances."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    derived = not all(settable(text, name) for name in ("layer_types", "layers_block_type", "num_hidden_layers"))
+    # softmax attention over a window or the whole row saves the same tensors: one kind
+    mixers = {"attention" if t in SOFTMAX_ATTENTION else t for t in getattr(text, "layer_types", None) or []}
+    return not derived and len(mixers) <= 1
+
+
+def fit_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool) -> ActivationFit:
+    """For layers that differ: instances with one layer of each type (or, where the layout is derived and cannot
+    be set, at full depth), the largest layer fitted as every layer's (an upper bound) and what is outside the
+    layers fitted apart, each by least squares over two widths x eight inputs."""
+    ratios = width_ratios(config)
+    inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = list(dict.fromkeys(getattr(text, "layer_types", None) or [])) if settable(text, "layer_types") else []
+    layer_rows, layer_bytes, outside_rows, outside_bytes = [], [], [], []
+    for r in ratios:
+        measured = measure_by_layer(config, task, dtype, attention, r, inputs, kinds or None, fused_head)
+        for (b, s), (largest, outside) in zip(inputs, measured, strict=True):
+            layer_rows.append(features(r, 1, s, b)[:LAYER_TERMS])
+            layer_bytes.append(largest)
+            outside_rows.append(features(r, 0, s, b)[LAYER_TERMS:])
+            outside_bytes.append(outside)
+    solve = lambda rows, y: torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),  # noqa: E731
+                                               torch.tensor(y, dtype=torch.float64).unsqueeze(1),
+                                               driver="gelsd").solution.squeeze(1).tolist()  # fmt: skip
+    return ActivationFit(tuple(solve(layer_rows, layer_bytes) + solve(outside_rows, outside_bytes)), ratios, True)
+
+
 def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool = False) -> ActivationFit:
-    """Least squares over four instances at eight inputs each (module docstring); the model's own size is r = 1."""
+    """Least squares over four instances at eight inputs each (module docstring); the model's own size is r = 1.
+    Layers that differ are measured at full depth instead (fit_by_layer)."""
+    if not uniform_layers(config):
+        return fit_by_layer(config, task, dtype, attention, fused_head)
     ratios = width_ratios(config)
     inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
     rows, measured = [], []
@@ -194,7 +290,7 @@ def measured_activations(config, task: str, precision: str, flash_attention: boo
     path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file() and path.stat().st_size:
         stored = json.loads(path.read_text())
-        result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]))
+        result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]), stored.get("largest_layer"))
         return result, result.note
     try:
         result = fit(config, task, dtype, attention, fused_head)

@@ -143,6 +143,7 @@ def build_plan(args) -> dict:
         },  # fmt: skip
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
+        "conservative": shape.conservative,
         "data": data if samples else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task == "dpo"),
         "configs": results,
@@ -165,6 +166,7 @@ def render(plan: dict) -> str:
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",
+        *([f"upper bound {plan['conservative']}"] if plan.get("conservative") else []),
     ]
     if plan["data"]:
         d = plan["data"]

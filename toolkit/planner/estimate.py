@@ -105,7 +105,8 @@ def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = Fa
     appendix B: 6N + 12LHQT). Embedding tables that are only looked up cost nothing (a tied output head's
     weights count as the head's matmul), as in torchtitan's MFU. `reference`: DPO's forward of the reference
     model too (2N + 4LHT)."""
-    attention = 12 * shape.num_layers * shape.hidden_size * seq_length
+    layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
+    attention = 12 * layers * shape.hidden_size * seq_length
     trainable = shape.trainable - shape.lookups_trainable
     frozen = shape.frozen - (shape.lookups - shape.lookups_trainable)
     flops = 6 * trainable + 4 * frozen + attention

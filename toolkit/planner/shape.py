@@ -41,6 +41,12 @@ class Shape:
     # The activations measured on the architecture itself (activations.py); the formula fields above stand in
     # where it could not be measured.
     activations: ActivationFit | None = None
+    # Layers with softmax attention (attention's FLOPs): all of them in a transformer, some in a hybrid (Jamba's,
+    # Qwen3-Next's linear-attention layers), none in a state-space model (Mamba); None: num_layers.
+    attention_layers: int | None = None
+    # Why a figure is an upper bound rather than the model's own: per-layer sizes that differ, a family without
+    # attention heads (a line of the plan says so)
+    conservative: str = ""
 
     @property
     def frozen(self) -> int:
@@ -57,8 +63,17 @@ class Shape:
         head = model.get_output_embeddings()
         head_params = head.weight.numel() if head is not None else 0
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        notes = []
+        heads = largest(getattr(text, "num_attention_heads", None), "num_attention_heads", notes) or 0
+        attention = attention_modules(model)
+        q_size, kv_size = projection_widths(attention)
+        if heads and not q_size:  # no q/k projections to read (fused qkv: GPT-2, Falcon): from the config
+            head_dim = largest(getattr(text, "head_dim", None), "head_dim", notes) or text.hidden_size // heads
+            kv_heads = largest(getattr(text, "num_key_value_heads", None), "num_key_value_heads", notes) or heads
+            q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        if not heads:
+            notes.append("no attention heads (a state-space family): attention planned as none")
+        intermediate = largest(getattr(text, "intermediate_size", None), "intermediate_size", notes)
         names = [name for name, _ in model.named_modules()]
         tables = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
@@ -70,15 +85,15 @@ class Shape:
             largest_unit=max(layer, embeddings, head_params),
             num_layers=text.num_hidden_layers,
             hidden_size=text.hidden_size,
-            num_heads=heads,
+            num_heads=heads,  # 0: attention-free
             vocab_size=text.vocab_size,
             # GPT-2 (n_inner), OPT (ffn_dim), Falcon, DistilBERT name it otherwise: the layer's widest linear
-            intermediate_size=getattr(text, "intermediate_size", None) or widest_linear(block),
-            q_size=heads * head_dim,
-            kv_size=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+            intermediate_size=intermediate or widest_linear(block),
+            q_size=q_size,
+            kv_size=kv_size,
             gated_mlp=any(name.endswith("gate_proj") for name in names),
             rms_norm=any("RMSNorm" in n for n in norms),
-            extra_norms=len(norms) - 2 * text.num_hidden_layers,
+            extra_norms=max(0, len(norms) - 2 * text.num_hidden_layers),
             hidden_dropout=getattr(text, "hidden_dropout_prob", 0.0) or 0.0,
             attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0))
             or 0.0,
@@ -91,7 +106,49 @@ class Shape:
             ),  # fmt: skip
             lookups=sum(p.numel() for p in tables),
             lookups_trainable=sum(p.numel() for p in tables if p.requires_grad),
+            attention_layers=len(attention) if attention else (text.num_hidden_layers if heads else 0),
+            conservative="; ".join(notes),
         )
+
+
+def largest(value, name: str, notes: list[str]) -> int | None:
+    """A config size as one number: itself, or where it differs per layer (a list, a dict per layer type: Gemma-3n's
+    intermediate_size) the largest, noted, so that a plan is an upper bound rather than a crash."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        sizes = [v for v in value if isinstance(v, int)]
+        if len(set(sizes)) > 1:
+            notes.append(f"{name} differs per layer: planned at the largest, {max(sizes):,}")
+        return max(sizes, default=None)
+    return value if isinstance(value, int) else None
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The softmax-attention modules of a model (one per attention layer): those with separate q and k projections,
+    or named *Attention with a fused one (GPT-2's c_attn, Falcon's query_key_value); not linear-attention or
+    state-space mixers (Qwen3-Next's GatedDeltaNet, Mamba)."""
+    found = []
+    for module in model.modules():
+        children = dict(module.named_children())
+        separate = {"q_proj", "k_proj"} <= set(children) or {"query", "key"} <= set(children)
+        fused = type(module).__name__.endswith("Attention") and any(
+            n in children for n in ("c_attn", "query_key_value", "qkv_proj", "Wqkv", "in_proj"))  # fmt: skip
+        if separate or fused:
+            found.append(module)
+    return [m for m in found if not any(m is not o and m in list(o.modules()) for o in found)]
+
+
+def projection_widths(attention: list[torch.nn.Module]) -> tuple[int, int]:
+    """(query width, key width) read off the attention modules' projections, the largest over layers (head sizes
+    that differ per layer type plan as the largest); (0, 0) where there are no separate q/k projections."""
+    q = k = 0
+    for module in attention:
+        children = dict(module.named_children())
+        query, key = children.get("q_proj") or children.get("query"), children.get("k_proj") or children.get("key")
+        if isinstance(query, torch.nn.Linear) and isinstance(key, torch.nn.Linear):
+            q, k = max(q, query.out_features), max(k, key.out_features)
+    return q, k
 
 
 def widest_linear(block: torch.nn.Module | None) -> int:

@@ -8,7 +8,7 @@ accelerate really set up (planner/layout.py reads it) and the data really loaded
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class RunPlan:
     cost_plan: dict[str, float] | None  # None without a peak or a price
     budget: Budget | None
     attention: str = ""  # the kernel the model runs (config._attn_implementation)
+    caveats: list[str] = field(default_factory=list)  # where the memory plan is not the model's own measurement
 
     @classmethod
     def of(cls, trainer, arguments: Arguments) -> RunPlan:
@@ -80,7 +81,7 @@ class RunPlan:
         # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        fit, _ = measured_activations(
+        fit, why = measured_activations(
             base.config, arguments.data.task, work.precision, work.flash_attention, work.fused_head
         )
         shape = replace(shape, activations=fit)  # else the formula
@@ -90,6 +91,7 @@ class RunPlan:
         plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
+        plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative) if c]
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
@@ -169,6 +171,7 @@ class RunPlan:
             *([f"data          {data_note}"] if data_note else []),
             f"memory plan   {human_bytes(self.memory.device_total)} per device predicted: "
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.device.items() if v),
+            *[f"              ({caveat})" for caveat in self.caveats],
             f"pricing       {cost.device}: {price}{budget}",
             f"cost plan     {planned}",
         ]
