@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
+from conftest import BIN, ROOT, assert_updates_agree, check, free_port, launch, rank_reports, run_cmd
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
@@ -18,8 +17,11 @@ from toolkit.models.parallel import CP_ON_CPU, check_mesh_size, check_sequence_s
 from toolkit.settings.parser import parse
 
 # Unpacked rows: under sdpa a split does not pack (its mask is one causal row), so the reference does not either.
+# The recipe's precision (bf16 weights; tiny mode's fp32 on a CPU would hide what bf16 meets), and rows much
+# shorter than max_seq_length, which a split pads only to a multiple of sp.
 FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "1", "--packing", "false",
-         "--record_rank_reports", "true", "--save_strategy", "no"]  # fmt: skip
+         "--record_rank_reports", "true", "--save_strategy", "no", "--bf16", "true", "--dtype", "bfloat16",
+         "--max_seq_length", "256"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +55,22 @@ def test_sequence_parallel_matches_one_process(one_process, tmp_path):
 
     weights = load_file(one / "model.safetensors")
     exported = load_file(out / "model.safetensors")
-    for name, value in weights.items():
-        torch.testing.assert_close(exported[name], value, rtol=1e-3, atol=2e-4, msg=name)
-    total = sum(t.nbytes for t in weights.values())
+    start = load_file(Path(summaries[0]["config"]["toolkit"]["model_name_or_path"]) / "model.safetensors")
+    assert_updates_agree(exported, weights, start)
+    total = 2 * sum(t.numel() for t in weights.values())  # bf16 weights (DeepSpeed's; its fp32 masters apart)
     for rank in ranks:
         assert rank["param_bytes"] == pytest.approx(total / 2, rel=0.01)  # ZeRO-3 over both ranks (padding)
 
-    # Activations: the rows are padded to max_seq_length (128), each rank runs 64 of each row's tokens.
+    # On a CPU every row is max_seq_length (gloo gathers equal shapes only: test_split_padding below), each rank's
+    # slice half of it.
+    assert [rank["saved_width"] for rank in ranks] == [128, 128]
+    # Activations per token: what each rank saved in the first step's forward, at its slice of that batch, against
+    # the plan at its slice of max_seq_length (linear in the tokens under sdpa).
     planned = summaries[1]["config"]["memory_plan"]["device"]["activations"]
-    whole_rows = reference["memory_plan"]["device"]["activations"]  # the same model at the whole 128 tokens
+    whole_rows = reference["memory_plan"]["device"]["activations"]  # the same model at the whole 256 tokens
     assert planned < 0.6 * whole_rows
     for rank in ranks:
-        assert rank["saved_bytes"] == pytest.approx(planned, rel=0.15)
+        assert rank["saved_bytes"] / rank["saved_width"] == pytest.approx(planned / 128, rel=0.15)
 
 
 @pytest.mark.launch
@@ -157,3 +163,29 @@ def test_check_refuses_a_split_without_its_engine(base, sizes, message, tmp_path
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ConfigError, match=message):
         check_file(path)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "on_gpu", "attention", "multiple"),
+    [
+        ({"sp": 2}, True, "sdpa", 2),  # Ulysses on NCCL: each batch to a multiple of sp, no further
+        ({"sp": 2}, False, "sdpa", 256),  # on gloo: every row at max_seq_length (equal shapes to gather)
+        ({"cp": 2}, True, "sdpa", 4),  # the ring's two chunks per rank
+        ({"sp": 4}, True, "flex_attention", 128),  # flex's block covers the split's 4
+        ({}, True, "flex_attention", 128),
+        ({}, True, "sdpa", None),
+    ],
+)  # fmt: skip
+def test_split_padding(mesh, on_gpu, attention, multiple, monkeypatch):
+    """Long rows under a split were padded to max_seq_length whatever their length: at 131,072 tokens a 20k-token
+    row cost six times its compute. Now a batch is padded to what the split needs (and the attention kernel), and
+    to max_seq_length only where the backend cannot gather unequal batches (gloo, a CPU)."""
+    from llama3_fft import RECIPE
+
+    from toolkit.runner import padding_multiple
+
+    for axis, size in mesh.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", str(size))
+    args = parse(RECIPE, "llama3_fft", ["--max_seq_length", "256", "--output_dir", "/tmp/unused"])
+    args.model.attn_implementation = attention
+    assert padding_multiple(args, on_gpu=on_gpu) == multiple

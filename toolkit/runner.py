@@ -16,6 +16,7 @@ seconds, before any data is tokenized or weights are loaded.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
 from .settings.arguments import Arguments, global_batch_size
 from .settings.compile import choose_compile, set_compile
-from .settings.mesh import launch_mesh, model_parallel_size
+from .settings.mesh import launch_mesh, model_parallel_size, split_multiple
 from .settings.parser import parse
 from .training import checkpoints
 from .training.evaluation import metrics_for
@@ -80,7 +81,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     resume, resume_note = checked_launch(args)
     model_plan = blueprint(args)
     resolve_compile(args)
-    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, pad_multiple(args.model.attn_implementation))
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args))
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
@@ -133,6 +134,18 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
         note = f"{note} ({changed})" if changed else note
     set_seed(training.seed)
     return resume, note
+
+
+def padding_multiple(args: Arguments, on_gpu: bool | None = None) -> int | None:
+    """What every batch's width is a multiple of: the attention kernel's and the sequence split's needs together.
+    Under DeepSpeed's Ulysses on a CPU every row is max_seq_length: its loader all-gathers the ranks' batches,
+    which NCCL does at any sizes and gloo only at equal ones ("ProcessGroupGloo::allgather: invalid tensor size")."""
+    split = split_multiple()
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if split and launch_mesh().get("sp", 1) > 1 and not on_gpu:
+        split = args.data.max_seq_length  # a multiple of sp (models/parallel.py checks it)
+    needs = [m for m in (pad_multiple(args.model.attn_implementation), split) if m]
+    return math.lcm(*needs) if needs else None
 
 
 def resolve_compile(args: Arguments) -> None:

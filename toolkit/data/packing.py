@@ -110,29 +110,27 @@ class PackedCollator:
     micro-batch becomes one row without padding; attention cost then grows with the whole micro-batch, which is
     why the other kernels keep rows.
 
-    `pad_to_multiple_of` rounds the width up (flex attention's kernels need a batch of at least one mask block).
+    `pad_to_multiple_of` rounds the width up: flex attention's kernels need a batch of at least one mask block,
+    and a sequence split cuts each row into equal slices (Ulysses: one per rank; torch's ring attention: two).
     `attention_mask` marks real tokens for the token count only: `model_inputs` withholds it from the
     model (a mask would switch off the packed-sequence detection). `use_cache=False` travels with every batch:
     transformers detects packed position_ids only when no KV cache is passed, and Llama-family models create one
     whenever `config.use_cache` is on (the default, in training too), which silently lets conversations attend
     to each other; per batch, the saved config (and later generation) stays untouched.
 
-    Under a sequence split (context or sequence parallelism) it also collates unpacked rows (their positions
-    from 0), each padded to `width`: the engines slice every row into equal parts, and DeepSpeed's Ulysses loader
-    gathers the ranks' batches, which gloo allows only for equal shapes."""
+    Under a sequence split (context or sequence parallelism) it also collates unpacked rows, with their positions
+    from 0, which the engines need in every batch. DeepSpeed's Ulysses loader gathers each rank's batch at its
+    own length (it exchanges the lengths first), so no rank pads beyond its own longest row."""
 
     pad_token_id: int
     flatten: bool = False
-    width: int | None = None  # every row padded to this (a sequence split's max_seq_length), else to the longest
-    pad_to_multiple_of: int | None = None  # the width rounded up to it (flex attention's block: models/attention.py)
+    pad_to_multiple_of: int | None = None  # the width rounded up to it (the kernel's and the split's needs)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         keys = ("input_ids", "labels", "position_ids")
         features = [f if "position_ids" in f else {**f, "position_ids": range(len(f["input_ids"]))} for f in features]
         rows = [{k: [v for f in features for v in f[k]] for k in keys}] if self.flatten else features
         width = max(len(row["input_ids"]) for row in rows)
-        if self.width:  # a flattened micro-batch is as long as its rows' widths together
-            width = self.width * (len(features) if self.flatten else 1)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch: dict[str, list] = {k: [] for k in (*keys, "attention_mask")}

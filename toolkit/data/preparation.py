@@ -208,11 +208,10 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
                 keep(tokenized, meta, folder)
             rows = sum(len(split) for split in ds.values())
             note = f"tokenized {rows:,} rows in {meta['seconds']:.1f} s, kept in {folder}"
-    split = sequence_split() > 1  # a split's rows: each padded to max_seq_length (PackedCollator)
     if args.task == "classification":
         collator = DataCollatorWithPadding(tokenizer)
-    elif packing or split:
-        collator = PackedCollator(tokenizer.pad_token_id, width=args.max_seq_length if split else None)
+    elif packing or sequence_split() > 1:  # a split needs position_ids in every batch (PackedCollator)
+        collator = PackedCollator(tokenizer.pad_token_id)
     else:
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)
@@ -233,7 +232,8 @@ def prepare_data(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: b
                  pad_to_multiple_of: int | None = None) -> PreparedData:  # fmt: skip
     """The data room's entry: the recipe's data read and checked (loading.py), prepared for its task (tokenized,
     packed, cached), with the held-out prompts --generation_samples answers. `pad_to_multiple_of`: every batch's
-    width is a multiple of it (what the attention kernel needs, models/attention.py's pad_multiple)."""
+    width is a multiple of it (what the attention kernel needs, models/attention.py's pad_multiple, and a sequence
+    split, settings/mesh.py's split_multiple)."""
     raw, read = load_data(args.data)
     data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)

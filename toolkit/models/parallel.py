@@ -76,8 +76,9 @@ def check_split_task(mesh: dict[str, int], task: str) -> None:
 
 def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: Arguments, *, on_gpu: bool,
                          world_size: int = 1) -> None:  # fmt: skip
-    """Context (cp) or sequence (sp) parallelism: the rows of a causal LM, padded to max_seq_length so that every
-    rank's slice is equally long (collated in data/packing.py), attention each engine can run, and packed rows
+    """Context (cp) or sequence (sp) parallelism: the rows of a causal LM, each batch padded to a multiple of the
+    split so that every rank's slice is equally long (settings/mesh.py's split_multiple; max_seq_length a multiple
+    of it, so no padded row is longer), attention each engine can run, and packed rows
     only where the kernel keeps them apart. Sets what the recipe left open: packing (off unless Ulysses runs flash
     attention), the attention (Ulysses' kernel). TRL's fused loss scores the pre-shifted labels a split passes."""
     cp, sp = mesh.get("cp", 1), mesh.get("sp", 1)

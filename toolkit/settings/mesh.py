@@ -35,10 +35,17 @@ def model_parallel_size() -> int:
 
 
 def sequence_split() -> int:
-    """Ranks one row's sequence is split over (context or sequence parallel): under a split, rows are padded to
-    max_seq_length, a multiple of it, so every rank's slice is equally long."""
+    """Ranks one row's sequence is split over (context or sequence parallel): under a split, each batch is padded
+    to a multiple of split_multiple(), so every rank's slice is equally long."""
     mesh = launch_mesh()
     return mesh.get("cp", 1) * mesh.get("sp", 1)
+
+
+def split_multiple() -> int | None:
+    """What every row's length must be a multiple of under a sequence split: sp (Ulysses gives each rank an equal
+    slice) or 2 x cp (torch's load-balanced ring attention cuts a row into 2 x cp chunks); None without one."""
+    mesh = launch_mesh()
+    return 2 * mesh["cp"] if mesh.get("cp", 1) > 1 else mesh.get("sp") if mesh.get("sp", 1) > 1 else None
 
 
 def sequence_attention() -> str:

@@ -54,11 +54,13 @@ class MasterWeights:
         optimizer.register_load_state_dict_post_hook(lambda *_: self.restore())
 
     def take_gradients(self) -> None:
-        """Before the step: each bf16 gradient as its master's fp32 gradient, the bf16 one freed as it goes (the
-        step holds fp32 gradients where backward held bf16 ones)."""
+        """Before clipping (the trainer's _clip_grad_norm) and the step: each bf16 gradient as its master's fp32
+        gradient, the bf16 one freed as it goes (the step holds fp32 gradients where backward held bf16 ones), so
+        the norm and the clipping are computed in fp32, as under FSDP2. A second call finds nothing left to take."""
         for weight, master in zip(self.weights, self.masters, strict=True):
-            master.grad = None if weight.grad is None else weight.grad.to(torch.float32)
-            weight.grad = None
+            if weight.grad is not None:
+                master.grad = weight.grad.to(torch.float32)
+                weight.grad = None
 
     def write_back(self) -> None:
         """After the step: the updated masters, rounded to bf16, are the weights the next forward computes with."""

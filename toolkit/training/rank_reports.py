@@ -67,6 +67,7 @@ class RankReports(TrainerCallback):
         self.load_host: dict[str, Any] | None = None  # the loading footprint through placing and sharding
         self.gradient_bytes: int | None = None
         self.saved_bytes: int | None = None
+        self.saved_width: int | None = None  # the tokens per row of that first step's batch, on this rank
         self.measure_saved = sequence_split() > 1  # see saving()
 
     @contextlib.contextmanager
@@ -95,6 +96,8 @@ class RankReports(TrainerCallback):
     def record(self, inputs: dict[str, torch.Tensor]) -> None:
         self.rows += [hashlib.sha1(json.dumps(row).encode()).hexdigest()
                       for row in sequences_of(inputs, SEQUENCES in inputs)]  # fmt: skip
+        if self.saved_width is None and self.measure_saved:
+            self.saved_width = inputs["input_ids"].shape[1]
 
     def on_train_begin(self, args, state, control, **kwargs):
         # The Trainer has wrapped, placed and (FSDP, ZeRO-3) sharded the model; no optimizer state yet.
@@ -124,6 +127,7 @@ class RankReports(TrainerCallback):
             **held_bytes(trainer.model_wrapped, trainer.optimizer),
             "gradient_bytes": self.gradient_bytes,
             "saved_bytes": self.saved_bytes,  # activations of the first step's forward
+            "saved_width": self.saved_width,  # its batch's tokens per row on this rank
             "loaded_param_bytes": self.load.param_bytes,  # held right after from_pretrained, before sharding
             "loaded_host": self.load.host,  # peak host RAM (PSS) added by from_pretrained: anon and file-backed
             "load_host": self.load_host,  # the same through placing and sharding

@@ -142,6 +142,12 @@ class ToolkitTrainerMixin:
             self.masters.attach(optimizer)
         return optimizer
 
+    def _clip_grad_norm(self, model):
+        if self.masters is None:
+            return super()._clip_grad_norm(model)
+        self.masters.take_gradients()  # the norm of the fp32 gradients, and those clipped (precision.py)
+        return self.accelerator.clip_grad_norm_(self.masters.masters, self.args.max_grad_norm)
+
     def evaluate(self, *args, **kwargs):
         with self.tracker.paused():
             return super().evaluate(*args, **kwargs)
