@@ -7,23 +7,27 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.data.packing import (
-    IGNORE_INDEX,
-    SEQUENCES,
-    PackedCollator,
-    best_fit_decreasing,
-    pack,
-    supports_packing,
-)
+from toolkit.data.packing import IGNORE_INDEX, SEQUENCES, PackedCollator, pack, supports_packing
 from toolkit.models import tiny
 
 
 def test_best_fit_decreasing_fills_rows_tightly():
-    lengths = [6, 5, 4, 3, 2, 2, 1, 1]  # 24 tokens: 3 rows of 8 is the optimum, and BFD finds it
-    bins = best_fit_decreasing(lengths, capacity=8)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every item once
-    assert [sum(lengths[i] for i in b) for b in bins] == [8, 8, 8]
-    assert best_fit_decreasing([8, 8, 1], 8) == [[0], [1], [2]]
+    """TRL's packer under the toolkit's marks: 24 tokens in 3 rows of 8 (the optimum, which BFD finds), every
+    conversation once and whole, its positions from 0 and its first label ignored."""
+    lengths = [6, 5, 4, 3, 2, 2, 1, 1]
+    convs = [[100 * (i + 1) + k for k in range(n)] for i, n in enumerate(lengths)]
+    packed = pack(Dataset.from_dict({"input_ids": convs, "labels": convs}), 8)
+    assert packed["length"] == [8, 8, 8]
+    found = []
+    for row in packed:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        for a, b in zip(starts, starts[1:], strict=False):
+            found.append(row["input_ids"][a:b])
+            assert row["position_ids"][a:b] == list(range(b - a))
+            assert row["labels"][a:b] == [IGNORE_INDEX, *row["input_ids"][a + 1 : b]]
+    assert sorted(found) == sorted(convs)
+    assert pack(Dataset.from_dict({"input_ids": [[1] * 8, [2] * 8, [3]], "labels": [[1] * 8, [2] * 8, [3]]}),
+                8)["length"] == [8, 8, 1]  # fmt: skip
 
 
 def conversations(n: int, vocab: int) -> Dataset:
@@ -63,7 +67,8 @@ def test_packed_logits_and_loss_equal_each_conversation_alone(llama, attention, 
     batch = PackedCollator(pad_token_id=0, flatten=flatten)([packed[i] for i in range(len(packed))])
     assert batch[SEQUENCES] == len(data) and batch["use_cache"] is False
     assert batch["input_ids"].shape[0] == (1 if flatten else len(packed))
-    mask = batch.pop("attention_mask")  # for counting tokens only: RecipeTrainer keeps it from the model
+    # for counting tokens only (RecipeTrainer keeps it from the model); a flattened row without padding has none
+    mask = batch.pop("attention_mask", torch.ones_like(batch["input_ids"]))
     assert int(mask.sum()) == sum(map(len, data["input_ids"]))
     del batch[SEQUENCES]
 
