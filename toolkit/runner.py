@@ -163,7 +163,8 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
     """The run's workload, its activation fit measured (into the cache) before the weights load, not within the
     loading footprint the rank reports record."""
     work = workload_for(args, checkpoint_dtype(args.model.dtype, model_plan.config), on_gpu=torch.cuda.is_available())
-    measured_activations(model_plan.config, args.data.task, work.precision, work.flash_attention, work.fused_head)
+    measured_activations(model_plan.config, args.data.task, work.precision, work.flash_attention, work.fused_head,
+                         args.model.lora_settings(), args.training.bf16 or args.training.fp16)  # fmt: skip
     return work
 
 

@@ -14,6 +14,7 @@ batch sizes and four lengths, fit it by least squares; r = 1 is the model. A sec
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -162,32 +163,53 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None) -> int | dict:
     return parts
 
 
+def instance(config, task: str, dtype: torch.dtype, attention: str | None, lora: dict | None):
+    """A random-weight model of `config`, with the run's LoRA adapters where it trains them (peft's: its dropout
+    masks and the adapters' fp32 copies of their inputs are saved for backward, and the frozen linears save none)."""
+    model = model_class(task).from_config(config, dtype=dtype, attn_implementation=attention)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        kind = "CAUSAL_LM" if task in GENERATIVE else "SEQ_CLS"
+        model = get_peft_model(model, LoraConfig(**lora, task_type=kind))
+    return model
+
+
 def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float, layers: int,
-            inputs: list[tuple[int, int]], fused_head: bool = False) -> list[int]:  # fmt: skip
+            inputs: list[tuple[int, int]], fused_head: bool = False, lora: dict | None = None,
+            autocast: bool = False) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
-    for each (micro-batch, sequence length) in `inputs`; `fused_head`: the loss through TRL's fused head."""
+    for each (micro-batch, sequence length) in `inputs`; `fused_head`: the loss through TRL's fused head; `lora`:
+    peft's LoraConfig arguments, dropout included, where the run trains an adapter."""
     small = scaled(config, ratio, layers, attention)
     text = small.get_text_config() if hasattr(small, "get_text_config") else small
     with torch.random.fork_rng(devices=[]), outside_zero3_init():  # the run's random state is left as it was
         torch.manual_seed(0)
-        model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
+        model = instance(small, task, dtype, attention, lora)
         fused = {}
         if fused_head:  # the loss as the run computes it: TRL's head saves its input, not log-probabilities
             from trl.trainer.utils import add_fused_lm_head
 
-            add_fused_lm_head(model)
+            add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
             fused = {"fused_lm_head": True}
         out = []
         for b, s in inputs:
             ids = torch.randint(1, text.vocab_size, (b, s))
             labels = ids if task in GENERATIVE else torch.zeros(b, dtype=torch.long)
-            out.append(saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}))
+            with mixed(dtype, autocast):
+                out.append(saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}))
         return out
 
 
+def mixed(dtype: torch.dtype, autocast: bool):
+    """The run's autocast (its --bf16 or --fp16), under which LoRA adapters (fp32) save 16-bit copies of their
+    inputs: a measurement without it would count fp32 ones."""
+    return torch.autocast("cpu", dtype=dtype) if autocast and dtype != torch.float32 else contextlib.nullcontext()
+
+
 def measure_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float,
-                     inputs: list[tuple[int, int]], layers: list | None,
-                     fused_head: bool = False) -> list[tuple[int, int]]:  # fmt: skip
+                     inputs: list[tuple[int, int]], layers: list | None, fused_head: bool = False,
+                     lora: dict | None = None, autocast: bool = False) -> list[tuple[int, int]]:  # fmt: skip
     """(the largest layer's bytes, the bytes outside the layers) saved for backward by an instance of `config` at
     `ratio` width with `layers` (scaled's: a layer of each type, or None, its own depth and layout), for each
     (micro-batch, sequence length) in `inputs`."""
@@ -195,12 +217,12 @@ def measure_by_layer(config, task: str, dtype: torch.dtype, attention: str | Non
     text = small.get_text_config() if hasattr(small, "get_text_config") else small
     with torch.random.fork_rng(devices=[]), outside_zero3_init():
         torch.manual_seed(0)
-        model = model_class(task).from_config(small, dtype=dtype, attn_implementation=attention)
+        model = instance(small, task, dtype, attention, lora)
         fused = {}
         if fused_head:
             from trl.trainer.utils import add_fused_lm_head
 
-            add_fused_lm_head(model)
+            add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
             fused = {"fused_lm_head": True}
         blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
         layers = max(blocks, key=len)
@@ -214,7 +236,8 @@ def measure_by_layer(config, task: str, dtype: torch.dtype, attention: str | Non
                 raise TimeoutError(f"an instance at full depth takes over {BUDGET_S} s on this CPU")
             ids = torch.randint(1, text.vocab_size, (b, s))
             labels = ids if task in GENERATIVE else torch.zeros(b, dtype=torch.long)
-            parts = saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}, owner=lambda: running[0])
+            with mixed(dtype, autocast):
+                parts = saved_bytes(model, {"input_ids": ids, "labels": labels, **fused}, owner=lambda: running[0])
             out.append((max((v for k, v in parts.items() if k is not None), default=0), parts.get(None, 0)))
         return out
 
@@ -240,7 +263,8 @@ def uniform_layers(config) -> bool:
     return not derived and len(mixers) <= 1
 
 
-def fit_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool) -> ActivationFit:
+def fit_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool,
+                 lora: dict | None = None, autocast: bool = False) -> ActivationFit:  # fmt: skip
     """For layers that differ: instances with one layer of each type (or, where the layout is derived and cannot
     be set, at full depth), the largest layer fitted as every layer's (an upper bound) and what is outside the
     layers fitted apart, each by least squares over two widths x eight inputs."""
@@ -250,7 +274,8 @@ def fit_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, f
     kinds = list(dict.fromkeys(getattr(text, "layer_types", None) or [])) if settable(text, "layer_types") else []
     layer_rows, layer_bytes, outside_rows, outside_bytes = [], [], [], []
     for r in ratios:
-        measured = measure_by_layer(config, task, dtype, attention, r, inputs, kinds or None, fused_head)
+        measured = measure_by_layer(config, task, dtype, attention, r, inputs, kinds or None, fused_head, lora,
+                                    autocast)  # fmt: skip
         for (b, s), (largest, outside) in zip(inputs, measured, strict=True):
             layer_rows.append(features(r, 1, s, b)[:LAYER_TERMS])
             layer_bytes.append(largest)
@@ -262,17 +287,18 @@ def fit_by_layer(config, task: str, dtype: torch.dtype, attention: str | None, f
     return ActivationFit(tuple(solve(layer_rows, layer_bytes) + solve(outside_rows, outside_bytes)), ratios, True)
 
 
-def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool = False) -> ActivationFit:
+def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head: bool = False,
+        lora: dict | None = None, autocast: bool = False) -> ActivationFit:  # fmt: skip
     """Least squares over four instances at eight inputs each (module docstring); the model's own size is r = 1.
     Layers that differ are measured at full depth instead (fit_by_layer)."""
     if not uniform_layers(config):
-        return fit_by_layer(config, task, dtype, attention, fused_head)
+        return fit_by_layer(config, task, dtype, attention, fused_head, lora, autocast)
     ratios = width_ratios(config)
     inputs = [(b, s) for b in BATCHES for s in SEQUENCES]
     rows, measured = [], []
     for r in ratios:
         for layers in LAYERS:
-            measured += measure(config, task, dtype, attention, r, layers, inputs, fused_head)
+            measured += measure(config, task, dtype, attention, r, layers, inputs, fused_head, lora, autocast)
             rows += [features(r, layers, s, b) for b, s in inputs]
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(measured, dtype=torch.float64).unsqueeze(1)
@@ -280,20 +306,26 @@ def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head
     return ActivationFit(tuple(solution.tolist()), ratios)
 
 
-def measured_activations(config, task: str, precision: str, flash_attention: bool,
-                         fused_head: bool = False) -> tuple[ActivationFit | None, str]:  # fmt: skip
+def measured_activations(config, task: str, precision: str, flash_attention: bool, fused_head: bool = False,
+                         lora: dict | None = None,
+                         autocast: bool = False) -> tuple[ActivationFit | None, str]:  # fmt: skip
     """The fit for a model under a workload, from the cache or measured now; (None, why) when the architecture
-    cannot run on this CPU (the planner then falls back to its formula and says so)."""
+    cannot run on this CPU (the planner then falls back to its formula and says so). `lora`: the adapter the run
+    trains (peft's LoraConfig arguments), measured without its dropout, whose masks the planner adds at the
+    device's size (memory.lora_dropout_bytes: a CPU's masks are 4 bytes an element, CUDA's 1); `autocast`: the run
+    computes under autocast (--bf16 with 16-bit weights)."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
-    key = json.dumps([config.to_dict(), task, str(dtype), attention, fused_head, VERSION], sort_keys=True, default=str)
+    lora = {**lora, "lora_dropout": 0.0} if lora else None
+    key = json.dumps([config.to_dict(), task, str(dtype), attention, fused_head, lora, autocast, VERSION],
+                     sort_keys=True, default=str)  # fmt: skip
     path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file() and path.stat().st_size:
         stored = json.loads(path.read_text())
         result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]), stored.get("largest_layer"))
         return result, result.note
     try:
-        result = fit(config, task, dtype, attention, fused_head)
+        result = fit(config, task, dtype, attention, fused_head, lora, autocast)
     except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why
         return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
     path.parent.mkdir(parents=True, exist_ok=True)

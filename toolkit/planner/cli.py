@@ -86,9 +86,11 @@ def build_plan(args) -> dict:
         weights_4bit=bool(values.get("load_in_4bit")),
         master_weights=masters,
         trainable_fp32=lora is not None or bool(values.get("fp16")),
+        lora_dropout=values.get("lora_dropout", ModelArguments.lora_dropout) if lora is not None else 0.0,
         **task_workload(task, lora is not None, fused),
     )
-    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head)
+    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,
+                                                 lora, bool(mixed))  # fmt: skip
     shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu)
     samples = args.samples or stored_split_size(values)

@@ -69,6 +69,8 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                                                     arguments.model.fp32_master_weights)  # fmt: skip
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
                     master_weights=master, trainable_fp32=arguments.model.use_lora or bool(t.fp16),
+                    lora_dropout=arguments.model.lora_dropout if arguments.model.use_lora else 0.0,
+                    dropout_mask_bytes=1 if on_gpu else 4,
                     seq_length=d.max_seq_length, activation_checkpointing=bool(t.activation_checkpointing),
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,

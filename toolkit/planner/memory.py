@@ -56,6 +56,8 @@ class Workload:
     master_weights: bool = False
     # The trainable weights are fp32 themselves (peft's LoRA adapters; fp16's automatic mixed precision).
     trainable_fp32: bool = False
+    # LoRA's dropout on the adapters' inputs (--lora_dropout): a mask over every adapted input, kept for backward
+    lora_dropout: float = 0.0
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -233,6 +235,19 @@ def masters_of(layout: Layout, work: Workload) -> str:
     return "upcast" if engine_upcasts or work.trainable_fp32 else "optimizer"
 
 
+def lora_dropout_bytes(shape: Shape, work: Workload) -> int:
+    """The masks of LoRA's dropout (peft: lora_B(lora_A(dropout(x))) in every adapted module), one element per
+    adapted input feature and token, of work.dropout_mask_bytes (CUDA's fused dropout: a bool; a CPU's: the
+    adapters' fp32). The rest of what the adapters save is in the measured activations (measured without dropout,
+    under the run's autocast). Measured on an H100: llama3_qlora's adapter on a Llama-3.2-1B shape, 2 x 4,096
+    tokens, peaked at 18.25 GiB, 2.5 GiB of it these masks (../shared/gpu/README.md; tests/test_qlora.py). With
+    activation checkpointing only the recomputed layer's are alive."""
+    if not work.lora_dropout or not shape.lora_inputs:
+        return 0
+    inputs = shape.lora_inputs / shape.num_layers if work.activation_checkpointing else shape.lora_inputs
+    return int(work.dropout_mask_bytes * inputs * work.seq_length * work.micro_batch)
+
+
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
     world = gpus_per_node * nodes
     shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
@@ -302,6 +317,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     sequences = replace(work, micro_batch=work.micro_batch * work.sequences_per_sample,
                         seq_length=work.seq_length // layout.sequence_split)  # fmt: skip
     mem.device["activations"] = activation_bytes(shape, sequences)
+    mem.device["lora_dropout"] = lora_dropout_bytes(shape, sequences)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
     mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)

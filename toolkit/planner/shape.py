@@ -44,6 +44,9 @@ class Shape:
     # Layers with softmax attention (attention's FLOPs): all of them in a transformer, some in a hybrid (Jamba's,
     # Qwen3-Next's linear-attention layers), none in a state-space model (Mamba); None: num_layers.
     attention_layers: int | None = None
+    # The input features of every LoRA-adapted module, all layers together (peft's lora_A in_features): per token,
+    # the elements of what the adapters' dropout masks cover
+    lora_inputs: int = 0
     # Why a figure is an upper bound rather than the model's own: per-layer sizes that differ, a family without
     # attention heads (a line of the plan says so)
     conservative: str = ""
@@ -107,6 +110,11 @@ class Shape:
             lookups=sum(p.numel() for p in tables),
             lookups_trainable=sum(p.numel() for p in tables if p.requires_grad),
             attention_layers=len(attention) if attention else (text.num_hidden_layers if heads else 0),
+            lora_inputs=sum(
+                next(iter(m.lora_A.values())).in_features
+                for m in model.modules()
+                if hasattr(m, "lora_A") and len(m.lora_A)
+            ),  # fmt: skip
             conservative="; ".join(notes),
         )
 

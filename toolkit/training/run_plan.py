@@ -81,9 +81,9 @@ class RunPlan:
         # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        fit, why = measured_activations(
-            base.config, arguments.data.task, work.precision, work.flash_attention, work.fused_head
-        )
+        fit, why = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention,
+                                        work.fused_head, arguments.model.lora_settings(),
+                                        trainer.args.bf16 or trainer.args.fp16)  # fmt: skip
         shape = replace(shape, activations=fit)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
