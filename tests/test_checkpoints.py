@@ -84,7 +84,7 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
     [
         (LLAMA, [], "holds checkpoints of another run (recipe bert"),  # another recipe's folder
         (BERT, [], "already holds checkpoints of this recipe (newest: checkpoint-6)"),  # not resuming
-        (BERT, ["--resume", "nowhere"], "Cannot resume from 'nowhere': not a complete checkpoint folder"),
+        (BERT, ["--resume", "nowhere"], "Cannot resume from 'nowhere': no such folder"),
         (BERT, ["--resume", "auto", "--resume_from_checkpoint", "x"], "Both resume and resume_from_checkpoint"),
     ],
     ids=["other-recipe", "not-resuming", "bad-path", "both"],

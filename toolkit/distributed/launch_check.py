@@ -20,7 +20,13 @@ from accelerate.commands.config.config_args import ClusterConfig
 from ..data.sources import model_config
 from ..errors import ConfigError, command
 from ..models.meta import meta_model
-from ..models.parallel import check_mesh_size, check_sequence_heads, check_split_task, check_tensor_parallel
+from ..models.parallel import (
+    accelerator_parallelism,
+    check_mesh_size,
+    check_sequence_heads,
+    check_split_task,
+    check_tensor_parallel,
+)
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
 from ..settings.mesh import config_mesh
 from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
@@ -145,6 +151,11 @@ def check_parallelism_values(section: dict, path: Path) -> None:
 
     names = {f"{axis}_size" for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp")} | {"cp_backend", "sp_backend"}
     values = {key.removeprefix("parallelism_config_"): value for key, value in section.items()}
+    try:  # tensor parallelism's node replicas reach accelerate as one dp_shard axis (models/parallel.py)
+        if (view := accelerator_parallelism(config_mesh(section))) is not None:
+            values.update(dp_replicate_size=view.dp_replicate_size, dp_shard_size=view.dp_shard_size)
+    except (ValueError, TypeError):
+        pass  # a size that is not a number: ParallelismConfig's own message below
     try:
         ParallelismConfig(**{k: v for k, v in values.items() if k in names})
     except (ValueError, TypeError) as error:
