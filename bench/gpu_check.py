@@ -57,10 +57,15 @@ def mesh_flags(config: dict, gpus: int) -> tuple[int, list[str], str]:
     a model-parallel axis of 2); '' or why it cannot run on so few."""
     mesh = {k.removeprefix("parallelism_config_").removesuffix("_size"): int(v)
             for k, v in (config.get("parallelism_config") or {}).items() if k.endswith("_size")}  # fmt: skip
-    split = {axis: 2 for axis in ("tp", "cp", "sp") if mesh.get(axis, 1) > 1}
+    split = {axis: 2 for axis in ("tp", "cp", "sp", "pp") if mesh.get(axis, 1) > 1}
     if not mesh:
         kind = config.get("distributed_type")
         return (1 if kind == "NO" else gpus), [], ""
+    if "pp" in split:  # the tiny Llama's 2 layers: 2 stages, the pipeline replicated over the other GPUs
+        if gpus < 2 or ("dp_replicate" in mesh and gpus < 4):
+            return 0, [], "needs 4 GPUs (2 stages x 2 replicas)" if "dp_replicate" in mesh else "needs 2 GPUs"
+        sizes = {"pp": 2, **({"dp_replicate": gpus // 2} if "dp_replicate" in mesh else {})}
+        return 2 * sizes.get("dp_replicate", 1), [f"--parallelism_config_{a}_size={n}" for a, n in sizes.items()], ""
     model_parallel = 1
     for size in split.values():
         model_parallel *= size
@@ -107,6 +112,10 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
                 row.skip = "QLoRA trains under single_gpu.yaml or ddp.yaml (the toolkit refuses the pair)"
             elif "tp" in str(flags) and recipe == "smollm2_chat":  # its own model, not the stand-in Llama
                 row.skip = "the tiny SmolLM2 has one key/value head, which no tensor-parallel size above 1 divides"
+            elif "pp" in str(flags) and load_recipe(recipe).get("load_in_4bit"):
+                row.skip = "QLoRA trains under single_gpu.yaml or ddp.yaml (the toolkit refuses the pair)"
+            elif "pp" in str(flags) and recipe == "smollm2_chat":
+                row.skip = "SmolLM2 ties its head to its embeddings, which pipeline stages refuse"
             elif skip:
                 row.skip = skip
             if not row.skip and (recipe in RESUMED or recipe not in resumed):

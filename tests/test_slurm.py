@@ -57,7 +57,7 @@ def test_only_what_can_resume_is_requeued(exit_code, signalled, requeued, tmp_pa
 
 MESH_CONFIGS = {  # config -> MESH_FLAGS fitting 2 GPUs per node (the shipped sp and cp are 8)
     "tp": "", "fsdp2_tp": "", "fsdp_hybrid": "", "zero3_sp": "--parallelism_config_sp_size=2",
-    "fsdp2_cp": "--parallelism_config_cp_size=2",
+    "fsdp2_cp": "--parallelism_config_cp_size=2", "pp": "", "pp_ddp": "",
 }  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from .distributed.strategy import (
     check_4bit_engine,
     check_fp8,
     check_mesh_engine,
+    check_pipeline_launch,
     check_processes,
     cuda_capability,
     resolve_config_paths,
@@ -59,7 +60,7 @@ from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
 from .settings.arguments import Arguments, global_batch_size
 from .settings.compile import choose_compile, set_compile
-from .settings.mesh import launch_mesh, model_parallel_size, split_multiple
+from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, split_multiple
 from .settings.parser import parse
 from .training import checkpoints
 from .training.evaluation import metrics_for
@@ -108,6 +109,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     engine = Requested.from_env().engine
+    check_pipeline_launch(args.training.world_size)
     check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
     if args.model.load_in_4bit:
         check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
@@ -139,10 +141,11 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
 def padding_multiple(args: Arguments, on_gpu: bool | None = None) -> int | None:
     """What every batch's width is a multiple of: the attention kernel's and the sequence split's needs together.
     Under DeepSpeed's Ulysses on a CPU every row is max_seq_length: its loader all-gathers the ranks' batches,
-    which NCCL does at any sizes and gloo only at equal ones ("ProcessGroupGloo::allgather: invalid tensor size")."""
+    which NCCL does at any sizes and gloo only at equal ones ("ProcessGroupGloo::allgather: invalid tensor size").
+    Under pipeline stages every row is max_seq_length: a schedule's stages exchange the shapes of its first step."""
     split = split_multiple()
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    if split and launch_mesh().get("sp", 1) > 1 and not on_gpu:
+    if (split and launch_mesh().get("sp", 1) > 1 and not on_gpu) or pipeline_stages() > 1:
         split = args.data.max_seq_length  # a multiple of sp (models/parallel.py checks it)
     needs = [m for m in (pad_multiple(args.model.attn_implementation), split) if m]
     return math.lcm(*needs) if needs else None

@@ -52,8 +52,13 @@ class Requested:
 
     @property
     def engine(self) -> str:
-        """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
-        return "DEEPSPEED" if self.deepspeed else "FSDP" if self.fsdp else "replicated"
+        """What decides a checkpoint's format: DeepSpeed's, FSDP's, a pipeline's (one optimizer file a stage), or
+        the Trainer's own (single, DDP)."""
+        from ..settings.mesh import pipeline_stages
+
+        if self.deepspeed or self.fsdp:
+            return "DEEPSPEED" if self.deepspeed else "FSDP"
+        return "PIPELINE" if pipeline_stages() > 1 else "replicated"
 
 
 def num_machines(num_processes: int) -> int:

@@ -27,8 +27,9 @@ from ..models.parallel import (
     check_split_task,
     check_tensor_parallel,
 )
+from ..models.pipeline import check_pipeline, check_pipeline_task, check_schedule
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
-from ..settings.mesh import config_mesh
+from ..settings.mesh import PIPELINE_KEYS, PIPELINE_SCHEDULES, config_mesh
 from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "fp8_config")  # keys: accelerate launch flags
@@ -40,10 +41,11 @@ def suggest(key: str, known: set[str]) -> str:
 
 
 def known_keys() -> tuple[set[str], set[str]]:
-    """Top-level keys of accelerate's config file, and the launch flags its sections may set."""
+    """Top-level keys of accelerate's config file, and the launch flags its sections may set (with the pipeline's,
+    which `toolkit launch` passes on: settings/mesh.py)."""
     from accelerate.commands.launch import launch_command_parser
 
-    flags = {action.dest for action in launch_command_parser()._actions}
+    flags = {action.dest for action in launch_command_parser()._actions} | set(PIPELINE_KEYS)
     return set(ClusterConfig.__dataclass_fields__), flags
 
 
@@ -51,7 +53,8 @@ def launch_flag_types() -> dict:
     """Each accelerate launch flag's type, as its parser converts it (int, float, str)."""
     from accelerate.commands.launch import launch_command_parser
 
-    return {action.dest: action.type for action in launch_command_parser()._actions if action.type is not None}
+    types = {action.dest: action.type for action in launch_command_parser()._actions if action.type is not None}
+    return {**types, "parallelism_config_pp_size": int}
 
 
 # Numbers only: accelerate reads its flags as text (its own files write downcast_bf16: 'no').
@@ -178,11 +181,18 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         check_mesh_size(mesh, processes, f"{fix}.")
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
-    if recipe is None or not {"tp", "cp", "sp"} & set(mesh):
+    schedule = (config.get("parallelism_config") or {}).get("parallelism_config_pp_schedule", PIPELINE_SCHEDULES[0])
+    try:
+        check_schedule(schedule)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    if recipe is None or not {"tp", "cp", "sp", "pp"} & set(mesh):
         return
     values = load_recipe(recipe)
     try:
         check_split_task(mesh, values.get("task", "sft"))
+        check_pipeline_task(mesh, values.get("task", "sft"), load_in_4bit=bool(values.get("load_in_4bit")),
+                            schedule=schedule)  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
     try:
@@ -191,6 +201,11 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
     check_tensor_parallel(config, mesh, processes)
     check_sequence_heads(config, mesh.get("sp", 1))
+    try:
+        check_pipeline(config, mesh, values.get("task", "sft"), world_size=processes,
+                       load_in_4bit=bool(values.get("load_in_4bit")), schedule=schedule)  # fmt: skip
+    except ConfigError as error:
+        raise ConfigError(f"{path} with {recipe}: {error}") from None
 
 
 def check(config_file: str | Path, recipe: str | None = None) -> str:

@@ -16,6 +16,10 @@ parser: it is set here (unless set already) to add SIGUSR1, with TORCH_ELASTIC_S
 processes get to finish a step and write a checkpoint before SIGKILL) at 300 s instead of torch's 30. accelerate's
 one-process launcher passes no signal on at all: here its process gets them. A launcher stopped by SIGTERM or
 SIGUSR1 exits 75, as its processes do: the run was preempted, `--resume auto` continues it.
+
+Pipeline parallelism: accelerate has no pipeline axis, and its launcher drops the keys of `parallelism_config` it
+does not know. The config's `parallelism_config_pp_size` and `_pp_schedule` (or the same as flags, which
+accelerate's parser would refuse) are exported here as PARALLELISM_CONFIG_PP_*, as accelerate exports the others.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = launch_command_parser()
     parser.prog = "python -m toolkit launch"
+    pipeline, argv = pipeline_flags(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     script = Path(args.training_script)
     recipe = script.stem if script.parent.name == "recipes" else None  # check() names the known recipes
@@ -81,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"No script {script}: pass a recipe (recipes/<name>.py) or your own training script.")
     if args.config_file:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
+        export_pipeline(args.config_file, pipeline)
     elif recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
@@ -100,6 +107,36 @@ def main(argv: list[str] | None = None) -> int:
         signum = int(signalled.sigval)
         return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
     return 0
+
+
+def pipeline_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The pipeline's flags (`--parallelism_config_pp_size=N`, `--parallelism_config_pp_schedule NAME`), taken out
+    of a launch command line before accelerate's parser sees them; the rest of it."""
+    from ..settings.mesh import PIPELINE_KEYS
+
+    found, rest, words = {}, [], iter(argv)
+    for word in words:
+        key, equals, value = word.removeprefix("--").partition("=")
+        if word.startswith("--") and key in PIPELINE_KEYS:
+            found[key] = value if equals else next(words, "")
+        elif not word.startswith("-") and word.endswith(".py"):  # the script: the rest are its own flags
+            rest += [word, *words]
+        else:
+            rest.append(word)
+    return found, rest
+
+
+def export_pipeline(config_file: str, flags: dict[str, str]) -> None:
+    """PARALLELISM_CONFIG_PP_SIZE and _SCHEDULE for the processes: the config's pipeline keys, `flags` over them."""
+    import yaml
+
+    from ..settings.mesh import PIPELINE_KEYS
+
+    section = (yaml.safe_load(Path(config_file).read_text()) or {}).get("parallelism_config") or {}
+    for key in PIPELINE_KEYS:
+        value = flags.get(key, section.get(key))
+        if value is not None:
+            os.environ[key.upper()] = str(value)
 
 
 @command

@@ -18,13 +18,14 @@ from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
-from ..settings.mesh import launch_mesh
+from ..settings.mesh import launch_mesh, pipeline_schedule
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .attention import ATTENTION_SUPPORT, choose_attention
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
 from .parallel import check_sequence_split, check_tensor_parallel
+from .pipeline import check_pipeline, split_stage
 
 
 def allocate_placeholders(model: torch.nn.Module, upcast: bool) -> None:
@@ -222,6 +223,8 @@ def blueprint(args: Arguments) -> Blueprint:
     mesh = launch_mesh()
     check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model)
     check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
+    check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,
+                   load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule())  # fmt: skip
     packing = use_packing(args.data.task, args.data.packing, config)
     m = args.model
     m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,
@@ -251,6 +254,10 @@ def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[s
     if args.model.use_lora:
         set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task)
+    if (stages := launch_mesh().get("pp", 1)) > 1:  # this rank's stage: ranks are (stage, replica), stages outermost;
+        # cut once LoRA's adapters are made (each then has the values it has in one process): what the rank keeps
+        split_stage(model, int(os.environ.get("RANK", 0)) * stages // args.training.world_size, stages)
+        load.param_bytes = ParameterCounts.of(model).held_bytes
     # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
     allocate_placeholders(model, upcast=upcast_placeholders)
     return LoadedModel(model, blueprint.tokenizer, ParameterCounts.of(model), load)

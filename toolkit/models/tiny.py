@@ -74,13 +74,22 @@ def cache_dir() -> Path:
 
 
 def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """The model's config at toy size, whatever its family: sizes through transformers' standard names (which
-    each config maps to its own: GPT-2's n_embd, n_layer, n_head), and what must agree with them scaled too:
-    per-layer type lists, head_dim where it is a setting, experts, OPT's embedding projection."""
-    config = stored_config(model_name)
+    """The model's config at toy size (shrunk_config), with the tokenizer's vocabulary and special tokens."""
+    config = shrunk_config(stored_config(model_name), len(tokenizer))
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token_id = getattr(tokenizer, name)
+        if hasattr(config, name) or token_id is not None:
+            setattr(config, name, token_id)
+    return config
+
+
+def shrunk_config(config: PretrainedConfig, vocab_size: int, layers: int | None = None) -> PretrainedConfig:
+    """A config at toy size, in place, whatever its family: sizes through transformers' standard names (which each
+    config maps to its own: GPT-2's n_embd, n_layer, n_head), and what must agree with them scaled too: per-layer
+    type lists, head_dim where it is a setting, experts, OPT's embedding projection; `layers` of them."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)  # Falcon's
-    for key, value in TINY_SIZES.items():
+    for key, value in {**TINY_SIZES, **({"num_hidden_layers": layers} if layers else {})}.items():
         if hasattr(config, key):
             setattr(config, key, value)
     # other names of the MLP width (GPT-2's n_inner: None means 4 x hidden, left so; DistilBERT's hidden_dim)
@@ -105,11 +114,7 @@ def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> Pretrain
         if getattr(config, key, None):
             setattr(config, key, min(getattr(config, key), 4))
             config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))
-    config.vocab_size = len(tokenizer)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        token_id = getattr(tokenizer, name)
-        if hasattr(config, name) or token_id is not None:
-            setattr(config, name, token_id)
+    config.vocab_size = vocab_size
     return config
 
 

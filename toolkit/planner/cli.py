@@ -23,6 +23,7 @@ from .estimate import (
     FP8_SPEEDUP,
     PREFERENCE,
     assumed_mfu,
+    bubble,
     cost_from_throughput,
     master_weights,
     samples_per_second_at_mfu,
@@ -77,6 +78,7 @@ def build_plan(args) -> dict:
         precision=precision,
         optimizer=args.optimizer,
         micro_batch=args.micro_batch or values.get("per_device_train_batch_size", 8),
+        micro_batches=values.get("gradient_accumulation_steps", 1),
         seq_length=args.seq_length or values.get("max_seq_length", 512),
         activation_checkpointing=values.get("activation_checkpointing", False)
         if args.activation_checkpointing is None
@@ -111,9 +113,13 @@ def build_plan(args) -> dict:
     for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom, list(layouts.values()),
                       fp8):  # fmt: skip
         row = asdict(v)
+        layout = layouts[v.config]
+        if v.pipeline_stages > 1:
+            layout = Layout.pipeline(v.config, v.pipeline_stages, layout.pipeline_schedule,
+                                     args.gpus * args.nodes // v.pipeline_stages)  # fmt: skip
+            row["bubble"] = bubble(v.pipeline_stages, work.micro_batches)
         if samples:
-            layout = layouts[v.config]
-            mfu = args.mfu or assumed_mfu(layout)
+            mfu = args.mfu or assumed_mfu(layout, work.micro_batches)
             peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
                                              work.sequences_per_sample, task == "dpo")  # fmt: skip
@@ -151,6 +157,7 @@ def build_plan(args) -> dict:
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
+        "recommended_pipeline_stages": fitting[0]["pipeline_stages"] if fitting else 1,
     }
 
 
@@ -193,12 +200,20 @@ def render(plan: dict) -> str:
             line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.{hour_digits}f}{r['usd']:>13,.{cents}f}{spot}"
         lines.append(line)
     lines.append("")
+    for r in plan["configs"]:
+        if r.get("pipeline_stages", 1) > 1:
+            lines.append(f"{r['config']}: {r['pipeline_stages']} stages (--parallelism_config_pp_size "
+                         f"{r['pipeline_stages']}), {w['micro_batches']} micro-batch(es) a step: bubble "
+                         f"(stages - 1) / micro-batches = {r['bubble']:.0%} of the step's work idle, in the MFU; raise "
+                         "--gradient_accumulation_steps to shrink it")  # fmt: skip
     if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
         lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
                      "one H100 measured 1.26x with it, 0.46x without (docs/benchmarks.md)")  # fmt: skip
     if plan["recommended"]:
-        lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml with --per_device_train_batch_size "
-                     f"{plan['recommended_micro_batch']}")  # fmt: skip
+        stages = plan.get("recommended_pipeline_stages", 1)
+        flags = f" --parallelism_config_pp_size {stages} (python -m toolkit launch)" if stages > 1 else ""
+        lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml{flags} with "
+                     f"--per_device_train_batch_size {plan['recommended_micro_batch']}")  # fmt: skip
     else:
         least = min(plan["configs"], key=lambda r: r["device_gib"])
         lines.append(f"recommended: nothing fits; the least memory, {least['config']}, needs {least['device_gib']:.1f} "

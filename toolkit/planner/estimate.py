@@ -10,6 +10,7 @@ import torch
 
 from ..metrics.cost import CostModel
 from ..metrics.memory import GIB
+from ..models.pipeline import bubble
 from ..project import strategy_files
 from ..settings.tasks import TASKS, fused_head
 from .layout import Layout
@@ -25,6 +26,7 @@ class Verdict:
     host_load_gib_per_node: float  # while loading the pretrained weights
     fits: bool
     micro_batch: int
+    pipeline_stages: int = 1  # a pipeline config's stages for this job (--parallelism_config_pp_size)
 
 
 def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
@@ -35,6 +37,9 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
     out = []
     budget = device_gib * (1 - headroom) * GIB
     for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
+        if layout.pipeline_stages > 1 and not (layout := sized_pipeline(layout, shape, work, gpus_per_node, nodes,
+                                                                         budget)):  # fmt: skip
+            continue
         if layout.name == "single_gpu" and gpus_per_node * nodes > 1 or layout.ddp and gpus_per_node * nodes == 1:
             continue  # one device is single_gpu's case, several are DDP's
         if layout.hybrid and nodes < 2:
@@ -52,7 +57,7 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             if trial.device_total <= budget:
                 best = b
         out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.host_loading / GIB,
-                           mem.device_total <= budget, best))  # fmt: skip
+                           mem.device_total <= budget, best, layout.pipeline_stages))  # fmt: skip
     return out
 
 
@@ -68,6 +73,7 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
     master = precision == "bf16" and master_weights(arguments.model.use_lora, t.bf16 or t.fp16,
                                                     arguments.model.fp32_master_weights)  # fmt: skip
     return Workload(precision=precision, optimizer=optimizer, micro_batch=t.per_device_train_batch_size,
+                    micro_batches=t.gradient_accumulation_steps,
                     master_weights=master, trainable_fp32=arguments.model.use_lora or bool(t.fp16),
                     lora_dropout=arguments.model.lora_dropout if arguments.model.use_lora else 0.0,
                     dropout_mask_bytes=1 if on_gpu else 4,
@@ -147,7 +153,7 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 # Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
 # what fits; this order only breaks ties between configs that fit.
 PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
-              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "zero2_offload", "fsdp_offload",
+              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp", "zero2_offload", "fsdp_offload",
               "zero3_offload")  # fmt: skip
 # FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
 # at 8 GPUs / 8B parameters (docs.pytorch.org/ao, "Quantized Training": "up to 1.25x"; up to 1.5x at 512 GPUs /
@@ -161,8 +167,29 @@ FP8_SPEEDUP = 1.25
 ASSUMED_MFU = {"replicated": 0.40, "sharded": 0.34, "offload": 0.15}
 
 
-def assumed_mfu(layout: Layout) -> float:
+def assumed_mfu(layout: Layout, micro_batches: int = 1) -> float:
+    """The strategy's assumed MFU; under pipeline stages, a replicated model's over the time with the bubble
+    ((stages - 1) / micro-batches of idle time on top of each step's work, models/pipeline.py)."""
     if layout.offload_optimizer or layout.offload_params:
         return ASSUMED_MFU["offload"]
+    if layout.pipeline_stages > 1:
+        return ASSUMED_MFU["replicated"] / (1 + bubble(layout.pipeline_stages, micro_batches))
     # Tensor parallelism all-reduces activations in every layer: assumed no better than sharding (not measured).
     return ASSUMED_MFU["sharded" if layout.shard_params or layout.tensor_parallel > 1 else "replicated"]
+
+
+def sized_pipeline(layout: Layout, shape: Shape, work: Workload, gpus_per_node: int, nodes: int,
+                   budget: float) -> Layout | None:  # fmt: skip
+    """A pipeline config sized for the job, as a launch sizes it (settings/mesh.py's job_mesh; the stage count by
+    --parallelism_config_pp_size): the fewest stages that divide the layers and the devices and fit `budget`, else
+    the most; replicas filling the rest. One pipeline (pp.yaml: no replicas) only where the stages are the devices,
+    replicated ones (pp_ddp.yaml) only with two replicas or more. None where no stage count can."""
+    world = gpus_per_node * nodes
+    replicated = layout.ddp
+    counts = [n for n in range(2, shape.num_layers + 1) if shape.num_layers % n == 0 and world % n == 0
+              and (world // n >= 2 if replicated else n == world)]  # fmt: skip
+    sized = [Layout.pipeline(layout.name, n, layout.pipeline_schedule, world // n) for n in counts]
+    for candidate in sized:
+        if plan_memory(shape, candidate, work, gpus_per_node, nodes).device_total <= budget:
+            return candidate
+    return sized[-1] if sized else None

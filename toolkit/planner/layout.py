@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..project import project_path
-from ..settings.mesh import config_mesh, launch_mesh
+from ..settings.mesh import PIPELINE_SCHEDULES, config_mesh, launch_mesh, pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class Layout:
     tensor_shards: int = 1  # under TP: the data-parallel ranks FSDP2 shards each slice over
     sequence_split: int = 1  # ranks each row's sequence is split over (cp: torch's ring attention; sp: Ulysses)
     fp8: bool = False  # mixed_precision fp8: float8 GEMMs; memory as in bf16 (estimate.py's FP8_SPEEDUP: time)
+    pipeline_stages: int = 1  # the layers cut into this many stages, one a rank (0: sized for the job)
+    pipeline_schedule: str = ""  # 1F1B or GPipe: how many micro-batches' activations a stage holds
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -75,6 +77,14 @@ class Layout:
         sharded = shards > 1
         return cls(name, "torch", shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
                    tensor_parallel=max(tp, 1), tensor_shards=max(shards, 1), sharding=sharding)  # fmt: skip
+
+    @classmethod
+    def pipeline(cls, name: str, stages: int, schedule: str, replicas: int = 1) -> Layout:
+        """Pipeline stages (torch's pipelining engine, training/pipeline.py): each rank holds its stage's weights,
+        gradients and optimizer states, whole; `replicas` pipelines sum their gradients (DDP's buckets)."""
+        sharding = f"pipeline, {stages} stages ({schedule})" + (f" x {replicas} replicas" if replicas > 1 else "")
+        return cls(name, "torch", ddp=replicas > 1, pipeline_stages=stages, pipeline_schedule=schedule,
+                   sharding=sharding)  # fmt: skip
 
     @property
     def mesh_devices(self) -> int:
@@ -115,6 +125,9 @@ class Layout:
             return replace(layout, **axes)
         if "tp" in mesh:
             return cls.tensor(path.stem, mesh["tp"], mesh.get("dp_shard", 1))
+        if "pp" in mesh:
+            schedule = config["parallelism_config"].get("parallelism_config_pp_schedule", PIPELINE_SCHEDULES[0])
+            return cls.pipeline(path.stem, mesh["pp"], schedule, mesh.get("dp_replicate", 1))
         return cls.replicated(path.stem, config.get("num_processes", 1) if kind != "NO" else 1)
 
     @classmethod
@@ -144,4 +157,6 @@ class Layout:
             return replace(layout, **axes)
         if mesh is not None and mesh.tp_enabled:  # the launch's own mesh: accelerate's counts replicas as shards
             return cls.tensor(kind.value.lower(), mesh.tp_size, launch_mesh().get("dp_shard", 1))
+        if (stages := launch_mesh().get("pp", 1)) > 1:  # the toolkit's axis: accelerate's mesh is left off
+            return cls.pipeline("pipeline", stages, pipeline_schedule(), launch_mesh().get("dp_replicate", 1))
         return cls.replicated(kind.value.lower(), accelerator.num_processes)

@@ -58,6 +58,9 @@ class Workload:
     trainable_fp32: bool = False
     # LoRA's dropout on the adapters' inputs (--lora_dropout): a mask over every adapted input, kept for backward
     lora_dropout: float = 0.0
+    # Micro-batches per optimizer step (--gradient_accumulation_steps): under pipeline stages the schedule's, which
+    # decide the activations a stage holds and the bubble (models/pipeline.py)
+    micro_batches: int = 1
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -249,6 +252,8 @@ def lora_dropout_bytes(shape: Shape, work: Workload) -> int:
 
 
 def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
+    if layout.pipeline_stages > 1:
+        return plan_pipeline(shape, layout, work, gpus_per_node, nodes)
     world = gpus_per_node * nodes
     shards = gpus_per_node if layout.hybrid else world  # HYBRID_SHARD splits over one node's devices
     shards //= layout.tensor_parallel  # FSDP2 x TP: the data-parallel ranks shard what TP split
@@ -321,4 +326,36 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
     mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
+    return mem
+
+
+def plan_pipeline(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:
+    """Pipeline stages: the busiest stage's device (the first holds the most micro-batches, the last the head, its
+    loss and the logits); every rank loads the whole checkpoint before it keeps its stage (models/loading.py)."""
+    stages = layout.pipeline_stages
+    plans = [stage_memory(shape, layout, work, stage, gpus_per_node, nodes) for stage in (0, stages - 1)]
+    busiest = max(plans, key=lambda m: m.device_total)
+    plain = replace(layout, pipeline_stages=1)
+    busiest.host_loading = plan_memory(shape, plain, work, gpus_per_node, nodes).host_loading
+    return busiest
+
+
+def stage_memory(shape: Shape, layout: Layout, work: Workload, stage: int, gpus_per_node: int,
+                 nodes: int = 1) -> Memory:  # fmt: skip
+    """Pipeline stage `stage`'s device, planned as a replicated model of the stage's part (its weights, gradients,
+    optimizer states and, with replicas, DDP's buckets; Shape.stage) whose activations are those of the
+    micro-batches in flight (models/pipeline.py: GPipe all of them, 1F1B up to the stages from this one to the
+    last), of its layers and, on the last stage, of the head and loss; one micro-batch's logits at the loss. The
+    last stage returns its logits to the schedule's loss: no fused head."""
+    from ..models.pipeline import micro_batches_in_flight
+
+    stages, work = layout.pipeline_stages, replace(work, fused_head=False)
+    part = shape.stage(stage, stages)
+    mem = plan_memory(part, replace(layout, pipeline_stages=1), work, gpus_per_node, nodes)
+    in_flight = micro_batches_in_flight(layout.pipeline_schedule, stages, work.micro_batches, stage)
+    held = activation_bytes(replace(shape, num_layers=part.num_layers), work)
+    if stage != stages - 1:  # no head, loss or logits before the last stage
+        held -= activation_bytes(replace(shape, num_layers=0), work)
+    mem.device["activations"] = in_flight * held
+    mem.device["lora_dropout"] *= in_flight
     return mem

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,10 +50,37 @@ class Shape:
     # Why a figure is an upper bound rather than the model's own: per-layer sizes that differ, a family without
     # attention heads (a line of the plan says so)
     conservative: str = ""
+    # Where the parameters sit, for pipeline stages (stage): in the layer list, all layers together, and in the input
+    # embeddings (the first stage's); the rest (final norm, head) is the last stage's.
+    layers_params: int = 0
+    layers_trainable: int = 0
+    input_params: int = 0
+    input_trainable: int = 0
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
+
+    def stage(self, stage: int, stages: int) -> Shape:
+        """The part of the model pipeline stage `stage` of `stages` holds: an equal share of the layers, with the
+        input embeddings on the first, the final norm and head on the last (models/pipeline.py's cut)."""
+        first, last = stage == 0, stage == stages - 1
+        rest, rest_trainable = (
+            self.total - self.layers_params - self.input_params,
+            (self.trainable - self.layers_trainable - self.input_trainable),
+        )
+        return replace(
+            self,
+            total=self.layers_params // stages + first * self.input_params + last * rest,
+            trainable=self.layers_trainable // stages + first * self.input_trainable + last * rest_trainable,
+            num_layers=self.num_layers // stages,
+            attention_layers=None if self.attention_layers is None else self.attention_layers // stages,
+            lookups=self.lookups if first else 0,
+            lookups_trainable=self.lookups_trainable if first else 0,
+            quantizable=self.quantizable // stages,
+            lora_inputs=self.lora_inputs // stages,
+            language_model=self.language_model and last,
+        )
 
     @classmethod
     def of(cls, model: torch.nn.Module, config) -> Shape:
@@ -81,6 +108,9 @@ class Shape:
         tables = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
         norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
+        layer_list = max(blocks, key=len, default=[])
+        in_layers = {id(p): p for m in layer_list for p in m.parameters()}.values()
+        inputs = model.get_input_embeddings().weight
         return cls(
             total=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -116,6 +146,10 @@ class Shape:
                 if hasattr(m, "lora_A") and len(m.lora_A)
             ),  # fmt: skip
             conservative="; ".join(notes),
+            layers_params=sum(p.numel() for p in in_layers),
+            layers_trainable=sum(p.numel() for p in in_layers if p.requires_grad),
+            input_params=inputs.numel(),
+            input_trainable=inputs.numel() if inputs.requires_grad else 0,
         )
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import math
 import os
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # accelerate's ParallelismConfig, in its order
+MESH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")  # accelerate's ParallelismConfig's, and pp
+# Pipeline parallelism is the toolkit's axis (accelerate's ParallelismConfig has none): `toolkit launch` exports
+# the file's parallelism_config_pp_size and _pp_schedule the same way accelerate exports the others.
+PIPELINE_KEYS = ("parallelism_config_pp_size", "parallelism_config_pp_schedule")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's schedules of one stage per rank
 
 
 def launch_mesh() -> dict[str, int]:
@@ -14,6 +18,16 @@ def launch_mesh() -> dict[str, int]:
     exports as PARALLELISM_CONFIG_*_SIZE): each axis larger than 1, by accelerate's name."""
     sizes = {axis: int(os.environ.get(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE") or 1) for axis in MESH_AXES}
     return {axis: size for axis, size in sizes.items() if size > 1}
+
+
+def pipeline_stages() -> int:
+    """Stages the model's layers are split into (1: no pipeline)."""
+    return launch_mesh().get("pp", 1)
+
+
+def pipeline_schedule() -> str:
+    """The pipeline's schedule (torch.distributed.pipelining's name): the config's, 1F1B unless it says."""
+    return os.environ.get("PARALLELISM_CONFIG_PP_SCHEDULE") or PIPELINE_SCHEDULES[0]
 
 
 def config_mesh(parallelism_config: dict | None) -> dict[str, int]:
@@ -29,9 +43,9 @@ def describe(mesh: dict[str, int]) -> str:
 
 
 def model_parallel_size() -> int:
-    """Ranks that share one batch (tensor, context and sequence parallel axes): a data-parallel replica's size."""
+    """Ranks that share one batch (tensor, context, sequence and pipeline axes): a data-parallel replica's size."""
     mesh = launch_mesh()
-    return mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("sp", 1)
+    return math.prod(mesh.get(axis, 1) for axis in MODEL_PARALLEL_AXES)
 
 
 def sequence_split() -> int:
@@ -61,17 +75,17 @@ def data_parallel_replicas(world_size: int) -> int:
     return world_size // model_parallel_size()
 
 
-MODEL_PARALLEL_AXES = ("tp", "cp", "sp")
+MODEL_PARALLEL_AXES = ("tp", "cp", "sp", "pp")
 
 
 def job_mesh(parallelism_config: dict | None, nodes: int, per_node: int) -> dict[str, int]:
     """A config file's mesh (its `parallelism_config`) sized for a job of `nodes` x `per_node` processes (a
-    scheduler's, slurm/): the file's
-    model-parallel axes as they are (tp, cp, sp: what the model and rows need), its data-parallel axes filling the
-    rest of the job, each kind as the file asks for it: HYBRID_SHARD (dp_replicate and dp_shard) replicates across
-    the nodes and shards inside each; a dp_shard axis shards over every replica; a file with none replicates (tp,
-    cp); under DeepSpeed's sequence parallelism (sp) DeepSpeed forms data parallelism itself. Every size given, 1s
-    included, so the job's flags replace the file's one for one. {} for a file without a mesh."""
+    scheduler's, slurm/): the file's model-parallel axes as they are (tp, cp, sp, pp: what the model and rows
+    need), its data-parallel axes filling the rest of the job, each kind as the file asks for it: HYBRID_SHARD
+    (dp_replicate and dp_shard) replicates across the nodes and shards inside each; a dp_shard axis shards over
+    every replica; a file with none, and a pipeline, replicates (tp, cp, pp); under DeepSpeed's sequence
+    parallelism (sp) DeepSpeed forms data parallelism itself. Every size given, 1s included, so the job's flags
+    replace the file's one for one. {} for a file without a mesh."""
     from ..errors import ConfigError
 
     file_mesh = {key.removeprefix("parallelism_config_").removesuffix("_size"): int(value)
@@ -93,6 +107,8 @@ def job_mesh(parallelism_config: dict | None, nodes: int, per_node: int) -> dict
     if "sp" in split:
         return split
     replicas = world // model_parallel
+    if "pp" in split:  # stages across nodes (only activations cross), their replicas inside and across them
+        return {"dp_replicate": replicas, "dp_shard": 1, **split}
     if "dp_replicate" in file_mesh:
         return {"dp_replicate": nodes, "dp_shard": per_node // inside, **split}
     if "dp_shard" in file_mesh:

@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..metrics.memory import plain_tensor
 from ..settings.arguments import global_batch_size
+from ..settings.mesh import pipeline_stages
 
 STAGING = ".staging"
 OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
@@ -158,13 +159,20 @@ def weights_damage(folder: Path, engine: str) -> str | None:
     return "the model's weights are missing (no model.safetensors, adapter or shards)"
 
 
-def optimizer_damage(folder: Path, engine: str) -> str | None:
+def stage_optimizer(folder: str | Path, stage: int) -> Path:
+    """A pipeline stage's optimizer state in a checkpoint (training/pipeline.py writes one a stage)."""
+    return Path(folder) / f"optimizer-stage{stage}.pt"
+
+
+def optimizer_damage(folder: Path, engine: str, stages: int = 1) -> str | None:
     """The optimizer's state and the scheduler's, without which a resume would silently start a fresh optimizer
-    (DeepSpeed keeps both in its global_step folder, checked with the weights)."""
+    (DeepSpeed keeps both in its global_step folder, checked with the weights; a pipeline one file a stage)."""
     if engine == "DEEPSPEED":
         return None
     if engine == "FSDP" and (folder / "optimizer_0").exists():
         damage = dcp_damage(folder / "optimizer_0")
+    elif engine == "PIPELINE":
+        damage = next(filter(None, (torch_file_damage(stage_optimizer(folder, s)) for s in range(stages))), None)
     else:
         damage = torch_file_damage(folder / "optimizer.pt")
     return damage or torch_file_damage(folder / "scheduler.pt")
@@ -186,7 +194,8 @@ def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | No
                 return damage
     recorded = json.loads((folder / OWNER).read_text()) if (folder / OWNER).is_file() else {}
     engine = recorded.get("engine", engine)
-    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine))
+    stages = recorded.get("pipeline_stages", 1)
+    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine, stages))
 
 
 def resume_point(resume: str | None, output_dir: str | Path, engine: str = "replicated",
@@ -244,6 +253,11 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
                           f"has {global_batch}, which would change the data order and the schedule it resumes. "
                           f"Pass {fix} (or change --gradient_accumulation_steps) to continue the same "
                           "run.")  # fmt: skip
+    stages = pipeline_stages()
+    if engine == "PIPELINE" and then.get("pipeline_stages", 1) != stages:
+        raise ConfigError(f"{checkpoint} holds the optimizer states of {then['pipeline_stages']} pipeline stages and "
+                          f"this launch cuts the model into {stages}: resume with parallelism_config_pp_size "
+                          f"{then['pipeline_stages']}.")  # fmt: skip
     if then["world_size"] == world_size:
         return ""
     if engine == "DEEPSPEED":
@@ -315,7 +329,8 @@ class StagedCheckpoints:
         return {
             "recipe": trainer.recipe.recipe_name,
             "model": trainer.recipe.model.model_name_or_path,
-            "engine": engine_of(trainer.accelerator.distributed_type.value),
+            "engine": "PIPELINE" if trainer.pipeline else engine_of(trainer.accelerator.distributed_type.value),
+            "pipeline_stages": trainer.pipeline.stages if trainer.pipeline else 1,
             "world_size": trainer.accelerator.num_processes,
             "global_batch_size": global_batch_size(trainer.args),
         }

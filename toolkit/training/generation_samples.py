@@ -2,7 +2,8 @@
 
 The answer is greedy, so runs and steps compare. A model that trains with flex attention generates with sdpa
 (models/attention.py's for_generation: flex cannot lower every prompt length). Every rank generates (under FSDP
-and ZeRO-3 each forward gathers the sharded weights, a collective every rank must join: `synced_gpus`); rank 0
+and ZeRO-3 each forward gathers the sharded weights, a collective every rank must join: `synced_gpus`; under
+pipeline stages each forward passes through them); rank 0
 appends to OUTPUT/samples.jsonl (metrics/samples.py reads it back) and logs a W&B table. With an evaluation
 before training (`--eval_on_start true`), step 0 holds the base model's answers.
 """
@@ -35,10 +36,11 @@ def root_unsharded(model: torch.nn.Module):
 
 
 class GenerationSamples(TrainerCallback):
-    def __init__(self, trainer, prompts: list[Prompt], max_new_tokens: int, synced: bool):
+    def __init__(self, trainer, prompts: list[Prompt], max_new_tokens: int, synced: bool, pipeline=None):
         self.trainer, self.prompts = trainer, prompts
         self.max_new_tokens = max_new_tokens
         self.synced = synced  # weights sharded over several ranks: every rank joins each forward's gathers
+        self.pipeline = pipeline  # pipeline stages: each forward runs through them (training/pipeline.py)
 
     def on_evaluate(self, args, state, control, **kwargs):
         self.record(self.generate(), state.global_step)
@@ -49,13 +51,15 @@ class GenerationSamples(TrainerCallback):
         training = model.training
         model.eval()
         answers = []
-        with torch.no_grad(), root_unsharded(self.trainer.model_wrapped), for_generation(model):
+        through_stages = self.pipeline.generating() if self.pipeline is not None else contextlib.nullcontext()
+        with torch.no_grad(), root_unsharded(self.trainer.model_wrapped), for_generation(model), through_stages:
             for prompt in self.prompts:
                 ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
                                                     return_dict=True)["input_ids"].to(device)  # fmt: skip
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=self.max_new_tokens, synced_gpus=self.synced,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)  # fmt: skip
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stop,
+                                     use_cache=self.pipeline is None)  # fmt: skip
                 answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
         model.train(training)
         return answers

@@ -105,7 +105,7 @@ class RunPlan:
         mean_length = sum(lengths) / len(lengths)
         steps = planned_steps(training, len(lengths))
         tokens = steps * global_batch_size(training) * mean_length
-        mfu = assumed_mfu(self.layout)
+        mfu = assumed_mfu(self.layout, training.gradient_accumulation_steps)
         devices = self.strategy["num_processes"]
         seconds = tokens * self.flops_per_token(mean_length) / (mfu * devices * self.peak_flops)
         usd = self.cost.usd(seconds)

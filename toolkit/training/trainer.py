@@ -10,7 +10,8 @@ order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Tra
   RunTracker           tokens/s, MFU, memory, cost on every log line; summary   metrics/tracking.py
   Health               one warning per kind: MFU, memory, data wait, NaN        metrics/health.py
   SafeStop             signals, a non-finite loss, the budget: stop with exit  stopping.py (callback)
-  MasterWeights        fp32 masters of bf16 weights in the optimizer step      precision.py (single/DDP/TP)
+  MasterWeights        fp32 masters of bf16 weights in the optimizer step      precision.py (single/DDP/TP/PP)
+  Pipeline             the stages' schedule, data, clipping and saves (pp)      pipeline.py
   StagedCheckpoints    checkpoints published whole, a consolidated final save   checkpoints.py
   LengthGroupedOrder   the training order, length-grouped per global batch      order.py (callback)
   GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
@@ -23,7 +24,8 @@ Per micro-batch, `training_step` (the package's only override of it), in this or
                            device, unread: summed over ranks once per log line and checkpoint
   3. model_inputs          the collator's bookkeeping, and a packed batch's mask, kept from the model
                            (data/packing.py); the batch itself stays whole for the Trainer's token count
-  4. the Trainer's step    forward, the loss (FusedLoss.compute_loss for SFT), backward
+  4. the Trainer's step    forward, the loss (FusedLoss.compute_loss for SFT), backward; under pipeline stages
+                           the micro-batch is kept until the window's last, then the schedule runs them all
   5. SafeStop.note_loss    a non-finite loss marks its optimizer step
 Per optimizer step, the callbacks in the order added: SafeStop (every rank agrees on a signal, a non-finite loss or
 a spent budget, and stops with a checkpoint), then RankReports (gradient bytes).
@@ -59,12 +61,13 @@ from ..metrics.wandb_run import finish_run, launch_environment, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
-from ..settings.mesh import launch_mesh, model_parallel_size
+from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
+from .pipeline import Pipeline
 from .precision import keep_master_weights
 from .rank_reports import RankReports, held_bytes
 from .run_plan import RunPlan
@@ -79,6 +82,9 @@ class ToolkitTrainerMixin:
         set_fsdp_wrap_class(kwargs["model"])  # before the Trainer's accelerator reads the FSDP settings
         super().__init__(*args, **kwargs)
         check_strategy(self.accelerator)  # before a single step is paid for
+        self.pipeline = Pipeline(self) if pipeline_stages() > 1 else None
+        if self.pipeline is not None:  # the stage, driven by its schedule: accelerate wraps nothing
+            self.model_wrapped, self.gather_function = self.pipeline.module, self.pipeline.gather
         if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see settings/tasks.py's Task
         self.recipe, self.param_counts, self.data_note = arguments, param_counts, data_note
@@ -88,15 +94,17 @@ class ToolkitTrainerMixin:
         self.plan = RunPlan.of(self, arguments)  # refuses a plan over --budget_usd
         self.tracker = RunTracker(self.plan.cost, self.accelerator.num_processes, self.plan.flops_per_token,
                                   self.plan.peak_flops, model_parallel_size(), launch_mesh().get("sp", 1))  # fmt: skip
-        self.health = Health(assumed_mfu(self.plan.layout), self.is_world_process_zero())
+        self.health = Health(assumed_mfu(self.plan.layout, self.args.gradient_accumulation_steps),
+                             self.is_world_process_zero())  # fmt: skip
         self.checkpoints = StagedCheckpoints(self)
         self.safe_stop = SafeStop(over_budget=self.over_budget)
         self.order = LengthGroupedOrder()
         self.rank_reports = RankReports(self, load) if arguments.run.record_rank_reports else None
         self.samples = None
         if prompts:
-            synced = self.accelerator.num_processes > 1 and self.plan.layout.shard_params
-            self.samples = GenerationSamples(self, prompts, arguments.run.generation_max_new_tokens, synced)
+            synced = self.accelerator.num_processes > 1 and (self.plan.layout.shard_params or bool(self.pipeline))
+            self.samples = GenerationSamples(self, prompts, arguments.run.generation_max_new_tokens, synced,
+                                             self.pipeline)  # fmt: skip
         for part in (self.tracker, self.safe_stop, self.order, self.rank_reports, self.samples):
             if part is not None:
                 self.add_callback(part)
@@ -131,8 +139,11 @@ class ToolkitTrainerMixin:
         if reports is not None:
             reports.record(inputs)
         self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
-        with reports.saving() if reports is not None else contextlib.nullcontext():
-            loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(model_inputs(inputs), window_ends=self.accelerator.sync_gradients)
+        else:
+            with reports.saving() if reports is not None else contextlib.nullcontext():
+                loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
 
@@ -143,17 +154,31 @@ class ToolkitTrainerMixin:
         return optimizer
 
     def _clip_grad_norm(self, model):
+        if self.masters is not None:
+            self.masters.take_gradients()  # the norm of the fp32 gradients, and those clipped (precision.py)
+        parameters = self.masters.masters if self.masters is not None else list(self.model.parameters())
+        if self.pipeline is not None:  # the norm over every stage's gradients
+            return self.pipeline.clip(parameters, self.args.max_grad_norm)
         if self.masters is None:
             return super()._clip_grad_norm(model)
-        self.masters.take_gradients()  # the norm of the fp32 gradients, and those clipped (precision.py)
-        return self.accelerator.clip_grad_norm_(self.masters.masters, self.args.max_grad_norm)
+        return self.accelerator.clip_grad_norm_(parameters, self.args.max_grad_norm)
 
     def evaluate(self, *args, **kwargs):
         with self.tracker.paused():
             return super().evaluate(*args, **kwargs)
 
-    def prediction_step(self, model, inputs, *args, **kwargs):
-        return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.pipeline is not None:
+            return self.pipeline.eval_step(model_inputs(inputs), prediction_loss_only)
+        return super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        return self.pipeline.shard(loader) if self.pipeline is not None else loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        loader = super().get_eval_dataloader(eval_dataset)
+        return self.pipeline.shard(loader) if self.pipeline is not None else loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
@@ -172,6 +197,26 @@ class ToolkitTrainerMixin:
                 f.write(json.dumps(self.state.log_history[-1]) + "\n")
 
     # ---------------------------------------------------------------------------------------- checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.pipeline is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.pipeline.save_optimizer(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.pipeline is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.pipeline.load_optimizer(checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.pipeline is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.pipeline.load_weights(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        if self.pipeline is None:
+            return super()._load_best_model()
+        self.pipeline.load_weights(self.state.best_model_checkpoint)
+
     def _get_output_dir(self, trial) -> str:
         if self.checkpoints.active:  # while a checkpoint is written: into the staging folder
             return str(staging_dir(self.args.output_dir))
@@ -187,7 +232,11 @@ class ToolkitTrainerMixin:
         super()._save(output_dir, plain_state_dict(self.model, state_dict))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format."""
+        """The final save is always a consolidated Hugging Face folder; checkpoints keep their sharded format.
+        Pipeline stages write the stages' parts of one folder (checkpoints and the export alike)."""
+        if self.pipeline is not None:
+            self.pipeline.save(output_dir or self.args.output_dir)
+            return
         gathered = None if _internal_call else self.checkpoints.gathered_state_dict()
         if gathered is not None:
             self._save(output_dir, state_dict=gathered)
