@@ -121,10 +121,11 @@ def rank_reports(output_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_cache():
-    """DeepSpeed JIT-builds its ops (about 50 s and 145 s here) once per virtual environment, not once per test.
-    In the environment's own folder: another environment's build would be redone anyway (its source paths
-    differ), and what a killed build leaves in another environment's folder cannot reach this one."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    """DeepSpeed's ops in the environment's own folder (toolkit/distributed/op_builds.py), where `make install`
+    built them: the tests' in-process runs and launches find them there."""
+    from toolkit.distributed import op_builds
+
+    op_builds.use_environment_folder()
 
 
 def slurm_stand_ins(folder: Path) -> Path:

@@ -12,6 +12,7 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
     "report": "toolkit.metrics.report:main",  # runs side by side: charts, pages, samples
     "generate": "toolkit.generate:generate_main",  # answers from a trained model
     "chat": "toolkit.generate:chat_main",  # a conversation with a trained model
+    "build-ops": "toolkit.distributed.op_builds:build_main",  # DeepSpeed's CPU ops, ahead of the first launch
 }
 
 

@@ -94,9 +94,11 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
 
 
 def prepare_process() -> None:
-    """Before anything builds accelerate's state: DeepSpeed's config found from any folder, build locks left by a
-    killed build cleared (before DeepSpeed builds its first op), the patches this launch needs installed."""
+    """Before anything builds accelerate's state: DeepSpeed's config found from any folder, its ops built in (or
+    loaded from) this environment's folder, build locks left by a killed build cleared (before DeepSpeed builds its
+    first op), the patches this launch needs installed."""
     resolve_config_paths()
+    op_builds.use_environment_folder()
     if is_local_main_process():
         op_builds.clear_stale_locks()
     patches.apply()

@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_file:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
         export_pipeline(args.config_file, pipeline)
+    if recipe is not None and is_recipe(recipe):
+        check_recipe_model(recipe, args.training_script_args)
     elif recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
@@ -107,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         signum = int(signalled.sigval)
         return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
     return 0
+
+
+def check_recipe_model(recipe: str, script_args: list[str]) -> None:
+    """The recipe's own model, where the run would load it from the Hub, reachable (or cached) before N processes
+    start only for each to say it is not: the check each rank makes first, made once, in seconds."""
+    from ..data.sources import check_hub_model, resolve
+    from ..project import load_recipe
+
+    if any(a == "--tiny" or a.startswith(("--tiny=", "--model_name_or_path")) for a in script_args):
+        return  # tiny mode or another model: the ranks check what they load
+    name = load_recipe(recipe).get("model_name_or_path")
+    if name:
+        check_hub_model(resolve(name))
 
 
 def pipeline_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -1,4 +1,11 @@
-"""Locks left behind by a killed build of DeepSpeed's JIT-compiled ops (CPU Adam for ZeRO-Offload, ...).
+"""DeepSpeed's JIT-compiled ops (CPU Adam for ZeRO-Offload, the shared-memory collectives on a CPU): built once
+per virtual environment, in its own folder, ahead of the first launch (`python -m toolkit build-ops`, which
+`make install` runs), and the locks a killed build leaves behind.
+
+Where: `<venv>/torch_extensions` unless TORCH_EXTENSIONS_DIR says otherwise. A build belongs to the environment
+(its torch and DeepSpeed versions, its source paths): another environment's would be rebuilt anyway, and what a
+killed build leaves in another environment's folder cannot reach this one. Ahead of time: a fresh machine's first
+DeepSpeed launch otherwise spends 65 s building the collectives and its first offload launch 83 s more (2 cores).
 
 torch builds an extension under a lock file (`torch.utils.file_baton.FileBaton`): the builder creates
 `<extensions dir>/<op>/lock` and removes it when the build ends; everyone else polls until it is gone. A build
@@ -18,6 +25,13 @@ from pathlib import Path
 from ..errors import warn
 
 SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"}
+
+
+def use_environment_folder() -> None:
+    """Builds go to this environment's folder, unless TORCH_EXTENSIONS_DIR names another."""
+    import sys
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def extensions_root() -> Path:
@@ -88,3 +102,33 @@ def clear_stale_locks(root: Path | None = None) -> list[Path]:
         )
         removed.append(lock)
     return removed
+
+
+# The ops a CPU machine's DeepSpeed launches build: the shared-memory collectives (every launch) and CPU Adam
+# (ZeRO-Offload). On a GPU machine DeepSpeed's own CUDA builds happen at first use, as it documents.
+CPU_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+
+
+def build_main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit build-ops`: build DeepSpeed's CPU ops into this environment's folder now, once, instead of
+    inside the first launches that need them (each prints `built` or why it is skipped)."""
+    import torch
+
+    use_environment_folder()
+    if torch.cuda.is_available():
+        print("build-ops: a CUDA machine: DeepSpeed builds its ops when first used")
+        return 0
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        print("build-ops: DeepSpeed is not installed: nothing to build")
+        return 0
+    clear_stale_locks()
+    for name in CPU_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not builder.is_compatible(verbose=False):
+            print(f"build-ops: {name} cannot be built here (a C++ compiler and the Python headers are needed)")
+            continue
+        builder.load(verbose=False)
+        print(f"build-ops: {builder.absolute_name()} built in {extensions_root() / builder.name}")
+    return 0
