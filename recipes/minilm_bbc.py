@@ -20,6 +20,7 @@ RECIPE = dict(
     max_steps=40,
     warmup_steps=0.1,
     logging_steps=5,
+    eval_after_training=True,  # then the encoder it started from (an untrained head) against this one, held out
 )
 
 if __name__ == "__main__":

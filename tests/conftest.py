@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -70,10 +71,21 @@ def own_environment():
     os.environ.update(saved)
 
 
+# Launch ports from a range of this test process's own (xdist's workers: gw0, gw1, ...), below the kernel's
+# ephemeral ports (gloo's connections): two workers never pick the same port between its check and its use.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORTS = itertools.count(20000 + 3000 * _WORKER)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: the next one
+            return port
+    raise RuntimeError("no free port")
 
 
 def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

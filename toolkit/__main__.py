@@ -12,6 +12,8 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
     "report": "toolkit.metrics.report:main",  # runs side by side: charts, pages, samples
     "generate": "toolkit.generate:generate_main",  # answers from a trained model
     "chat": "toolkit.generate:chat_main",  # a conversation with a trained model
+    "eval": "toolkit.results.evaluation:eval_main",  # the fine-tuned model against the one it started from
+    "push": "toolkit.results.push:push_main",  # the export and its card to the Hugging Face Hub
     "build-ops": "toolkit.distributed.op_builds:build_main",  # DeepSpeed's CPU ops, ahead of the first launch
 }
 

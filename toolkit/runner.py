@@ -58,6 +58,7 @@ from .planner.activations import measured_activations
 from .planner.estimate import workload_for
 from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_names
+from .results.card import write_card
 from .settings.arguments import Arguments, global_batch_size
 from .settings.compile import choose_compile, set_compile
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, split_multiple
@@ -136,6 +137,13 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
         changed = checkpoints.check_resumable(resume, engine, training.world_size, batch,
                                               training.gradient_accumulation_steps)  # fmt: skip
         note = f"{note} ({changed})" if changed else note
+    if training.push_to_hub:  # refused now, not after the training, where it cannot work
+        from .results.push import check_push
+
+        check_push(training.hub_model_id)
+        private = True if training.hub_private_repo is None else bool(training.hub_private_repo)
+        args.hub_push = (training.hub_model_id, private, training.hub_revision)
+        training.push_to_hub = False  # one push, of the finished model: the Trainer's would push every save
     set_seed(training.seed)
     return resume, note
 
@@ -191,7 +199,8 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
                                                         fused_loss=work.fused_head)  # fmt: skip
     return trainer_class(model=loaded.model, args=args.training, train_dataset=data.train, eval_dataset=data.eval,
                          processing_class=loaded.tokenizer, **task_parts, arguments=args, param_counts=loaded.counts,
-                         load=loaded.load, prompts=data.prompts, data_note=data.note)  # fmt: skip
+                         load=loaded.load, prompts=data.prompts, data_note=data.note,
+                         data_summary=data.summary())  # fmt: skip
 
 
 def fit(trainer: RecipeTrainer, args: Arguments, data: PreparedData, resume: str | None) -> dict[str, float]:
@@ -216,9 +225,28 @@ def fit(trainer: RecipeTrainer, args: Arguments, data: PreparedData, resume: str
                 print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
         trainer.end_of_run("completed", metrics)
         finish_run()
+        if trainer.is_world_process_zero():
+            write_card(training.output_dir)  # README.md: the run's model card, its figures from the files above
     finally:
         trainer.safe_stop.uninstall()
     return metrics
+
+
+def after_training(args: Arguments) -> None:
+    """What follows a finished run, on its first process once the others have left (they would wait on it at a
+    barrier): the evaluation against the base model (--eval_after_training), the card again with its table, the
+    push (--push_to_hub). The training is saved before either starts: a failure here loses nothing."""
+    output = args.training.output_dir
+    if args.run.eval_after_training:
+        from .results.evaluation import evaluate_run, table
+
+        print(table(evaluate_run(output, args.run.eval_tasks, args.run.eval_limit)), flush=True)
+        write_card(output)
+    if args.hub_push is not None:
+        from .results.push import push
+
+        repo, private, revision = args.hub_push
+        print(f"pushed {output} to {repo}: {push(output, repo, private, revision)}", flush=True)
 
 
 @command
@@ -237,12 +265,26 @@ def prepare_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def after_run(args: Arguments) -> int:
+    """after_training, its refusals one line and an exit code (the run's own files stay as they are)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        after_training(args)
+    except ToolkitError as error:
+        return report(error)
+    return 0
+
+
 def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None = None) -> None:
     """Entry point of a recipe script: one line for bad input or an early stop, its exit code, a clean
     distributed exit."""
-    code, distributed = 0, False
+    code, distributed, finished = 0, False, None
     try:
-        train(recipe, argv, name)
+        finished = train(recipe, argv, name)
     except ToolkitError as error:
         code = report(error)
     except Stopped as stop:
@@ -256,6 +298,10 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
         if dist.is_available() and dist.is_initialized():
             distributed = True
             dist.destroy_process_group()  # every rank leaves the group cleanly, whatever happened
+    if finished is not None and finished.trainer.is_world_process_zero():
+        arguments = finished.trainer.recipe
+        del finished  # the trainer, its model and optimizer: the evaluation loads models of its own
+        code = code or after_run(arguments)
     if distributed:
         # Everything is written and the group is gone: leave without the interpreter's teardown. A rank has been
         # seen to abort after a run that had succeeded ("terminate called without an active exception", gloo,

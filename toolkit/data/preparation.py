@@ -43,6 +43,12 @@ class PreparedData:
     label_names: list[str] | None  # classification only
     note: str = ""  # where it came from: the cache, or tokenized now and how long it took
     prompts: list[Prompt] = field(default_factory=list)  # --generation_samples: held-out conversations, cut
+    packed: bool = False  # rows hold several examples (packing.py)
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary and model card say of its data."""
+        return {"train_rows": len(self.train), "eval_rows": len(self.eval) if self.eval is not None else 0,
+                "packed": self.packed, "note": self.note}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------- classification
@@ -236,6 +242,7 @@ def prepare_data(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: b
     split, settings/mesh.py's split_multiple)."""
     raw, read = load_data(args.data)
     data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
+    data.packed = packing
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
         data.collator.flatten = "flash" in str(args.model.attn_implementation)
     if data.collator is not None:  # each of the three collators has the setting (DPO's is TRL's: the runner's)

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_file:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
         export_pipeline(args.config_file, pipeline)
+        os.environ["TOOLKIT_CONFIG_FILE"] = args.config_file  # the run's model card says how it was launched
     if recipe is not None and is_recipe(recipe):
         check_recipe_model(recipe, args.training_script_args)
     elif recipe is not None and not is_recipe(recipe):

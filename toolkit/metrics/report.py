@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ToolkitError, command
 from ..errors import report as report_error
-from .samples import RUN_LOG, SAMPLES_FILE, SUMMARY
+from .samples import EVAL_FILE, RUN_LOG, SAMPLES_FILE, SUMMARY
 
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
@@ -44,6 +44,7 @@ class Run:
     summary: dict[str, Any]
     samples: list[dict[str, Any]] = field(default_factory=list)  # --generation_samples: OUTPUT/samples.jsonl
     config: dict[str, Any] = field(default_factory=dict)  # what defines the run, its plans included
+    evaluation: list[dict[str, Any]] = field(default_factory=list)  # OUTPUT/eval_results.json's rows, before/after
 
 
 class ReportError(ToolkitError, ValueError):
@@ -99,7 +100,14 @@ def load_run(path: str | Path) -> Run:
         raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
     by_step = {line["step"]: line for line in lines if "loss" in line and "step" in line}  # resumed: last wins
     samples = json_lines(path / SAMPLES_FILE) if (path / SAMPLES_FILE).is_file() else []
-    return Run(name, [by_step[s] for s in sorted(by_step)], summary, samples, config)
+    evaluation = []
+    if (path / EVAL_FILE).is_file():
+        try:
+            evaluation = json.loads((path / EVAL_FILE).read_text())["results"]
+        except (ValueError, KeyError, TypeError):
+            raise ReportError(f"{path / EVAL_FILE} is not `toolkit eval`'s (not JSON, or cut short): run `python -m "
+                              f"toolkit eval {path}` again, or remove it.") from None  # fmt: skip
+    return Run(name, [by_step[s] for s in sorted(by_step)], summary, samples, config, evaluation)
 
 
 def unique_names(runs: list[Run]) -> None:
@@ -188,6 +196,13 @@ def samples_table(runs: list[Run]) -> tuple[list[str], list[list[str]]] | None:
     return head, rows
 
 
+def evaluation_table(runs: list[Run]) -> tuple[list[str], list[list[str]]] | None:
+    """Each run's evaluation against its base model (`toolkit eval`): task, metric, base, fine-tuned, change."""
+    rows = [[run.name, r["task"], r["metric"], f"{r['base']:.4g}", "-" if r["tuned"] is None else f"{r['tuned']:.4g}",
+             "-" if r["delta"] is None else f"{r['delta']:+.4g}"] for run in runs for r in run.evaluation]  # fmt: skip
+    return (["run", "task", "metric", "base", "fine-tuned", "change"], rows) if rows else None
+
+
 def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
     return ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head),
@@ -198,6 +213,9 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
     head, rows = table(runs)
     md = ["# Run comparison", "", *markdown_table(head, rows)]
     md += ["", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
+    evaluation = evaluation_table(runs)
+    if evaluation:
+        md += ["## Evaluation against the base model", "", *markdown_table(*evaluation), ""]
     samples = samples_table(runs)
     if samples:
         md += ["## What the models say", "", *markdown_table(*samples), ""]
@@ -210,6 +228,9 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
         f"<tr>{cells(head, 'th')}</tr>" + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows) + "</table>"
         + "".join(f"<p><img src='{p.name}' alt='{p.stem}'></p>" for p in pngs)
     )  # fmt: skip
+    if evaluation:
+        page += ("<h2>Evaluation against the base model</h2><table>" f"<tr>{cells(evaluation[0], 'th')}</tr>"
+                 + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in evaluation[1]) + "</table>")  # fmt: skip
     if samples:
         page += ("<h2>What the models say</h2><table class='samples'>" f"<tr>{cells(samples[0], 'th')}</tr>"
                  + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in samples[1]) + "</table>")  # fmt: skip

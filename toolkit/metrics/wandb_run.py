@@ -38,6 +38,21 @@ def redact_argv(argv: list[str]) -> None:
                 argv[i + 1] = "<redacted>"
 
 
+def redacted_command() -> str:
+    """The command that ran this process, credentials masked: `python SCRIPT FLAGS`, or under a launcher `accelerate
+    launch --config_file CONFIG --num_processes N SCRIPT FLAGS` (the config as `toolkit launch` names it)."""
+    import shlex
+
+    argv = list(sys.argv)
+    redact_argv(argv)
+    script = shlex.join(argv)
+    world = os.environ.get("WORLD_SIZE")
+    if not world:
+        return f"python {script}"
+    config = os.environ.get("TOOLKIT_CONFIG_FILE", "<the accelerate config>")
+    return f"python -m toolkit launch --config_file {config} --num_processes {world} {script}"
+
+
 def finish_run() -> None:
     """Flush and close the W&B run, so the process does not exit with it half-written."""
     wandb = sys.modules.get("wandb")

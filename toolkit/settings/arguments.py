@@ -312,9 +312,20 @@ class RunArguments:
         metadata={"help": "sft: at each evaluation, answer this many held-out prompts (OUTPUT/samples.jsonl, W&B)."},
     )
     generation_max_new_tokens: int = field(default=64, metadata={"help": "Length of each generation sample."})
+    eval_after_training: bool = field(
+        default=False,
+        metadata={"help": "At the end: the fine-tuned model against the base on --eval_tasks (`toolkit eval`)."},
+    )
+    eval_tasks: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated: held-out, reply_choice, or lm-evaluation-harness tasks (the task's "
+                          "defaults when unset)."},
+    )  # fmt: skip
+    eval_limit: int | None = field(default=None, metadata={"help": "At most this many examples of each harness task."})
 
     def __post_init__(self) -> None:
         optional_fields_unset(self)
+        at_least("eval_limit", self.eval_limit, 1)
         if self.pricing not in ("on_demand", "spot"):
             raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{self.pricing}'.")
         for name in ("budget_usd", "hourly_usd", "peak_tflops"):
@@ -446,6 +457,8 @@ class Arguments:
     preference: PreferenceArguments = field(default_factory=PreferenceArguments)
     torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)
     compile_note: str = ""  # why auto chose, for the header
+    # --push_to_hub: (repo id, private, revision), pushed once at the end (the Trainer's own pushes left off)
+    hub_push: tuple[str, bool, str | None] | None = None
 
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""

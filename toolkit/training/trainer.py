@@ -57,7 +57,7 @@ from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
 from ..metrics.samples import RUN_LOG, SUMMARY, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
-from ..metrics.wandb_run import finish_run, launch_environment, run_callback
+from ..metrics.wandb_run import finish_run, launch_environment, redacted_command, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
@@ -76,7 +76,8 @@ from .stopping import SafeStop, Stopped
 
 class ToolkitTrainerMixin:
     def __init__(self, *args, arguments: Arguments, param_counts: ParameterCounts, load: LoadRecord | None = None,
-                 prompts: list[Prompt] | None = None, data_note: str = "", **kwargs):  # fmt: skip
+                 prompts: list[Prompt] | None = None, data_note: str = "", data_summary: dict | None = None,
+                 **kwargs):  # fmt: skip
         # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         set_fsdp_wrap_class(kwargs["model"])  # before the Trainer's accelerator reads the FSDP settings
@@ -88,6 +89,7 @@ class ToolkitTrainerMixin:
         if not task(arguments.data.task).token_normalised_loss:
             self.model_accepts_loss_kwargs = False  # see settings/tasks.py's Task
         self.recipe, self.param_counts, self.data_note = arguments, param_counts, data_note
+        self.data_summary = data_summary or {}
         # The model is on its device, no optimizer exists yet: where no engine keeps master weights, the toolkit.
         self.masters, self.master_weights = keep_master_weights(self, arguments.model.fp32_master_weights)
         # The parts, each with its own state; the callbacks are called in the order added.
@@ -265,6 +267,8 @@ class ToolkitTrainerMixin:
             "launch": launch_environment(),
             "parameters": {"total": self.param_counts.total, "trainable": self.param_counts.trainable},
             "global_batch_size": global_batch_size(self.args),
+            "data": self.data_summary,
+            "command": redacted_command(),
             **self.plan.summary(),
         }
 

@@ -1,0 +1,231 @@
+"""The model card (README.md in the export folder, the Hub's format: YAML metadata, then Markdown), written at the
+end of every run from what only the run knows: its settings, data, strategy, steps, wall time, device-hours and
+dollars, the plan against what was measured, the evaluation before and after (eval_results.json, when there is
+one), the loss curve (loss_curve.png beside it), the generation samples, and the command that reproduces it.
+
+Every figure comes from the run's own files (run_summary.json, run_log.jsonl, samples.jsonl, eval_results.json)
+through `figure()`, which is how a test reads them back and compares them with the summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..metrics.memory import GIB
+from ..metrics.samples import RUN_LOG, read_samples
+from .record import RunRecord
+
+CARD = "README.md"
+TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}"  # huggingface_hub's ModelCard.from_template: the YAML, then ours
+CURVE = "loss_curve.png"
+TOOLKIT_TAG = "finetune-recipes"
+
+
+def figure(value: Any, digits: int = 4) -> str:
+    """A number as the card writes it (and a test reads it back)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}"
+
+
+def metadata(record: RunRecord, evaluation: dict | None, license: str | None):
+    """The card's YAML header, as huggingface_hub models it (ModelCardData, EvalResult: the Hub's model-index)."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    settings, task = record.settings, record.task
+    pipeline = "text-classification" if task == "classification" else "text-generation"
+    datasets = [name for name in [settings.get("dataset_name")] if name and hub_id(name)]
+    results = []
+    for row in (evaluation or {}).get("results", []):
+        if row["tuned"] is not None:
+            results.append(EvalResult(task_type=pipeline, dataset_type=row["task"], dataset_name=row["task"],
+                                      metric_type=row["metric"], metric_value=row["tuned"],
+                                      metric_name=f"{row['metric']} (fine-tuned)"))  # fmt: skip
+    base = record.base_model
+    return ModelCardData(
+        base_model=base if hub_id(base) else None,  # a local folder or a PyPI package's file: named in the text
+        datasets=datasets or None,
+        library_name="peft" if record.lora else "transformers",
+        pipeline_tag=pipeline,
+        license=license,
+        tags=[TOOLKIT_TAG, settings["recipe"], task, "lora" if record.lora else "full-fine-tune"],
+        model_name=record.folder.name,
+        eval_results=results or None,
+    )
+
+
+def hub_id(name: str) -> bool:
+    """A Hugging Face Hub repository id (`org/name`), not a local path or a `package:` file: what the metadata's
+    base_model and datasets link to."""
+    return name.count("/") == 1 and ":" not in name and not Path(name).exists() and not name.startswith((".", "/"))
+
+
+def base_license(base: str) -> str | None:
+    """The base model's license, from its own card where it can be read here (a local folder's README.md, or the
+    Hub's card when the Hub can be reached); None where it cannot (the card then says to check it)."""
+    from huggingface_hub import ModelCard
+
+    from ..data.sources import hub_offline, hub_reachable, is_local
+
+    local = Path(base) / "README.md"
+    if not local.is_file() and (is_local(base) or base.startswith("package:") or hub_offline() or not hub_reachable()):
+        return None
+    try:
+        card = ModelCard.load(local) if local.is_file() else ModelCard.load(base, ignore_metadata_errors=True)
+        return card.data.license
+    except Exception:  # noqa: BLE001 (not on the Hub, no card, a card without metadata: whatever it raises)
+        return None
+
+
+def loss_curve(record: RunRecord) -> Path | None:
+    """Training (and evaluation) loss by step, from the run's log: loss_curve.png beside the card."""
+    log = record.folder / RUN_LOG
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    train = [(line["step"], line["loss"]) for line in lines if "loss" in line]
+    evals = [(line["step"], line["eval_loss"]) for line in lines if "eval_loss" in line]
+    if not train:
+        return None
+    from matplotlib.figure import Figure  # no pyplot: a figure drawn and saved, at every run's end
+
+    fig = Figure(figsize=(6, 3.6), layout="tight")
+    ax = fig.add_subplot()
+    ax.plot(*zip(*train, strict=True), label="training loss")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o--", label="held-out loss")
+    ax.set(xlabel="optimizer step", ylabel="loss", title=f"{record.settings['recipe']}: loss by step")
+    ax.legend(fontsize=8)
+    path = record.folder / CURVE
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def rows(pairs: list[tuple[str, Any]]) -> list[str]:
+    return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in pairs)]
+
+
+def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None) -> str:
+    summary, config, settings = record.summary, record.config, record.settings
+    strategy, data = config.get("strategy", {}), config.get("data", {})
+    plan, cost_plan = config.get("memory_plan") or {}, config.get("cost_plan") or {}
+    name, base = record.folder.name, record.base_model
+    adapted = f"LoRA adapter (r {settings.get('lora_r')}, alpha {settings.get('lora_alpha')}, " \
+              f"{settings.get('lora_target_modules')})" if record.lora else "full fine-tune (every weight)"  # fmt: skip
+    lines = [
+        f"# {name}",
+        "",
+        f"`{base}` fine-tuned with the `{settings['recipe']}` recipe of {TOOLKIT_TAG} ({record.task}, {adapted}). "
+        "Every figure below is this run's own, from its output folder.",
+        "",
+        "## Training",
+        *rows(
+            [
+                ("recipe", settings["recipe"]),
+                ("task", record.task),
+                ("base model", base),
+                ("learning rate", figure(settings.get("learning_rate"))),
+                (
+                    "batch",
+                    f"{settings.get('per_device_train_batch_size')} per device x "
+                    f"{settings.get('gradient_accumulation_steps')} accumulation = "
+                    f"{figure(config.get('global_batch_size'))} global",
+                ),
+                ("max sequence length", figure(settings.get("max_seq_length"))),
+                ("precision", f"{strategy.get('mixed_precision')}, weights {settings.get('dtype')}"),
+                ("epochs / max steps", f"{settings.get('num_train_epochs')} / {settings.get('max_steps')}"),
+            ]
+        ),  # fmt: skip
+        "",
+        "## Data",
+        *rows(
+            [
+                ("data set", settings.get("dataset_name")),
+                ("training rows", figure(data.get("train_rows"))),
+                ("held-out rows", figure(data.get("eval_rows"))),
+                ("packed", figure(data.get("packed"))),
+                ("tokens trained on", figure(summary.get("tokens"))),
+            ]
+        ),  # fmt: skip
+        "",
+        "## Strategy",
+        *rows(
+            [
+                ("distributed type", strategy.get("distributed_type")),
+                ("sharding", strategy.get("sharding")),
+                ("processes", figure(strategy.get("num_processes"))),
+                ("machines", figure(strategy.get("num_machines"))),
+                ("device", summary.get("device")),
+            ]
+        ),  # fmt: skip
+        "",
+        "## The run",
+        *rows(
+            [
+                ("status", summary.get("status")),
+                ("steps", figure(summary.get("steps"))),
+                ("wall seconds", figure(summary.get("wall_seconds"))),
+                ("tokens per second", figure(summary.get("tokens_per_second"))),
+                ("MFU", figure(summary.get("mean_mfu"))),
+                (f"{summary.get('unit', 'device')}-hours", figure(summary.get("unit_hours"))),
+                ("cost (USD)", figure(summary.get("cost_usd"))),
+                ("pricing", summary.get("pricing")),
+                ("train loss", figure(summary.get("train_loss"))),
+                ("eval loss", figure(summary.get("eval_loss"))),
+            ]
+        ),  # fmt: skip
+        "",
+        "## Planned against measured",
+        *rows(
+            [
+                ("memory per device, planned (GiB)", figure((plan.get("device_total") or 0) / GIB or None)),
+                ("peak memory, measured (GiB)", figure(summary.get("peak_memory_gib"))),
+                ("cost, planned (USD)", figure(cost_plan.get("usd"))),
+                ("cost, spent (USD)", figure(summary.get("cost_usd"))),
+            ]
+        ),  # fmt: skip
+        "",
+    ]
+    if evaluation:
+        lines += ["## Evaluation: before and after", "",
+                  f"The base model and this one on the same inputs ({', '.join(evaluation['tasks'])}; "
+                  "`python -m toolkit eval`):", "",
+                  "| task | metric | base | fine-tuned | change |", "|---|---|---|---|---|"]  # fmt: skip
+        for row in evaluation["results"]:
+            lines.append(f"| {row['task']} | {row['metric']} | {figure(row['base'])} | {figure(row['tuned'])} | "
+                         f"{figure(row['delta'])} |")  # fmt: skip
+        lines.append("")
+    if curve is not None:
+        lines += ["## Loss", "", f"![loss by step]({curve.name})", ""]
+    samples = read_samples(record.folder)
+    if samples:
+        first, last = min(s["step"] for s in samples), max(s["step"] for s in samples)
+        answers = {(s["step"], s["prompt"]): s["answer"] for s in samples}
+        lines += ["## What it says", "", f"| prompt | reference | step {first} | step {last} |", "|---|---|---|---|"]
+        cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
+        for s in (s for s in samples if s["step"] == first):
+            lines.append(f"| {cell(s['prompt'])} | {cell(s['reference'])} | {cell(s['answer'])} | "
+                         f"{cell(answers.get((last, s['prompt']), '-'))} |")  # fmt: skip
+        lines.append("")
+    lines += ["## Reproduce", "", "```bash", config.get("command") or f"python recipes/{settings['recipe']}.py",
+              "```", ""]  # fmt: skip
+    if license is None:
+        lines += ["The base model's license could not be read here: check it before sharing this model.", ""]
+    return "\n".join(lines)
+
+
+def write_card(folder: str | Path) -> Path:
+    """README.md in the run's output folder (and loss_curve.png beside it); returns its path."""
+    from huggingface_hub import ModelCard
+
+    record = RunRecord.read(folder)
+    evaluation, curve, license = record.evaluation(), loss_curve(record), base_license(record.base_model)
+    card = ModelCard.from_template(metadata(record, evaluation, license), template_str=TEMPLATE,
+                                   body=body(record, evaluation, curve, license))  # fmt: skip
+    path = record.folder / CARD
+    card.save(path)
+    return path

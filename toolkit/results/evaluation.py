@@ -1,0 +1,332 @@
+"""Did it help: the fine-tuned model against the one it started from, on the same inputs with the same settings.
+
+`python -m toolkit eval RUN [--tasks a,b] [--limit N]` (and `--eval_after_training true` at the end of a run):
+  held-out       the recipe's own held-out split, through the run's own collator and metrics (perplexity and
+                 token accuracy for SFT, accuracy for classification: per token and per example, so they do not
+                 move with how rows are batched), the Trainer's evaluate
+  reply_choice   an lm-evaluation-harness task made from the held-out conversations (the harness's YAML format
+                 over a JSON file in RUN/eval/): each prompt, as the run's chat template writes it, with its real
+                 answer and three answers to other prompts; acc picks by log-likelihood, acc_norm per character.
+                 Offline, on real data, for any chat SFT recipe
+  other names    the harness's own tasks (hellaswag, arc_easy, mmlu, ...): their data comes from the Hub
+Results go to RUN/eval_results.json (both models' inputs fingerprinted: they are the same), a table on stdout, and
+the run's W&B run (a table), when it had one. One process: both models load one after the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, command
+from ..metrics.samples import EVAL_FILE
+from .record import RunRecord
+
+HELD_OUT = "held-out"
+REPLY_CHOICE = "reply_choice"
+DEFAULT_TASKS = {"sft": (HELD_OUT, REPLY_CHOICE), "classification": (HELD_OUT,), "dpo": ()}
+
+
+def tasks_for(record: RunRecord, requested: str | None) -> list[str]:
+    """The tasks asked for (--tasks, or the recipe's eval_tasks), else the task's defaults."""
+    named = requested or record.settings.get("eval_tasks")
+    tasks = [t.strip() for t in named.split(",") if t.strip()] if named else list(DEFAULT_TASKS.get(record.task, ()))
+    if not tasks:
+        raise ConfigError(f"a {record.task} run has no default evaluation here yet: name lm-evaluation-harness tasks "
+                          "with --tasks (hellaswag, arc_easy, ...).")  # fmt: skip
+    if REPLY_CHOICE in tasks and record.task != "sft":
+        raise ConfigError(f"{REPLY_CHOICE} scores chat answers: a {record.task} run has none. Drop it from --tasks.")
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def load(record: RunRecord, which: str):
+    """The model the run started from ("base") or the one it saved ("tuned"; a LoRA run's adapter on its base), as
+    its task loads them, and the tokenizer the run trained with."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..models.loading import load_model
+    from ..settings.arguments import ModelArguments
+    from ..settings.tasks import model_class
+
+    folder, task = record.folder, record.task
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    labels = None
+    if task == "classification":
+        config = AutoConfig.from_pretrained(folder / "merged" if (folder / "merged").is_dir() else folder)
+        labels = [config.id2label[i] for i in range(len(config.id2label))]
+    model_args = record.arguments(ModelArguments)
+    model_args.use_lora, model_args.load_in_4bit = False, False
+    if which == "base" or (folder / "adapter_config.json").is_file():
+        model = load_model(model_args, task, tokenizer, labels)
+        if which == "tuned":
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, folder)
+    else:
+        model = model_class(task).from_pretrained(folder, dtype=torch_dtype_of(model_args))
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
+
+
+def torch_dtype_of(model_args):
+    from ..settings.arguments import torch_dtype
+
+    return "auto" if model_args.dtype == "auto" else torch_dtype(model_args.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- held-out
+
+
+def held_out_data(record: RunRecord, tokenizer, model_config):
+    """The run's held-out split prepared as the run prepared it (from the same cache), its collator, and the raw
+    held-out conversations (SFT)."""
+    from ..data.loading import load_data
+    from ..data.packing import use_packing
+    from ..data.preparation import prepare
+    from ..settings.arguments import DataArguments
+
+    data_args = record.arguments(DataArguments)
+    raw, _ = load_data(data_args)
+    if raw.get("eval") is None or len(raw["eval"]) == 0:
+        raise ConfigError(f"{record.folder}: the run held nothing out (eval_fraction 0, no eval_split): its held-out "
+                          "evaluation has no rows. Name harness tasks with --tasks instead.")  # fmt: skip
+    packing = use_packing(record.task, data_args.packing, model_config)
+    prepared = prepare(raw, tokenizer, data_args, lambda desc: contextlib.nullcontext(), packing)
+    conversations = raw["eval"][data_args.messages_column] if data_args.messages_column in raw["eval"].column_names \
+        else []  # fmt: skip
+    return prepared, conversations
+
+
+def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str, float]:
+    """The Trainer's evaluate on the held-out split with the run's collator and metrics (training/evaluation.py)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ..data.packing import model_inputs
+    from ..training.evaluation import metrics_for
+
+    class HeldOut(Trainer):
+        def prediction_step(self, model, inputs, *args, **kwargs):  # the collator's bookkeeping kept from the model
+            return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
+
+    settings = record.settings
+    compute, preprocess = metrics_for(record.task)
+    with tempfile.TemporaryDirectory() as scratch:
+        args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=settings["per_device_eval_batch_size"],
+                                 bf16=bool(settings.get("bf16")), fp16=bool(settings.get("fp16")), report_to=[],
+                                 use_cpu=not torch.cuda.is_available(), disable_tqdm=False)  # fmt: skip
+        trainer = HeldOut(model=model, args=args, eval_dataset=prepared.eval, data_collator=prepared.collator,
+                          processing_class=tokenizer, compute_metrics=compute,
+                          preprocess_logits_for_metrics=preprocess)  # fmt: skip
+        metrics = trainer.evaluate()
+    # Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched)
+    keep = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy")
+    return {k.removeprefix("eval_"): float(v) for k, v in metrics.items() if k in keep}
+
+
+# ----------------------------------------------------------------------------------- the harness's tasks
+
+
+def reply_choice_task(conversations: list, tokenizer, folder: Path, limit: int | None = None) -> Path:
+    """The held-out conversations as an lm-evaluation-harness multiple-choice task (YAML over a JSON file, in
+    `folder`): each prompt rendered by the run's chat template up to the assistant's turn; its real answer among
+    three answers to other prompts, in a seeded order. Returns the folder to include."""
+    from ..metrics.samples import held_out_prompts
+
+    prompts = held_out_prompts(conversations, len(conversations))
+    answers = list(dict.fromkeys(p.reference for p in prompts))  # distinct answers to draw the others from
+    if len(answers) < 4:
+        raise ConfigError(f"{REPLY_CHOICE} needs 4 different held-out answers and the run held out {len(answers)}: "
+                          "raise eval_fraction, or drop it from --tasks.")  # fmt: skip
+    rng = random.Random(0)
+    docs = []
+    for prompt in prompts[:limit]:
+        others = rng.sample([a for a in answers if a != prompt.reference], 3)
+        gold = rng.randrange(4)
+        choices = [*others[:gold], prompt.reference, *others[gold:]]
+        context = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        docs.append({"context": context, "choices": choices, "gold": gold})
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{REPLY_CHOICE}.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (folder / f"{REPLY_CHOICE}.yaml").write_text(f"""\
+# Made by `python -m toolkit eval` from the run's held-out conversations (toolkit/results/evaluation.py).
+task: {REPLY_CHOICE}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+    return folder
+
+
+def harness(model, tokenizer, tasks: list[str], include: Path | None, limit: int | None,
+            batch_size: int) -> tuple[dict[str, dict[str, float]], dict[str, str]]:  # fmt: skip
+    """lm-evaluation-harness's simple_evaluate on an in-memory model: each task's metrics, and a fingerprint of the
+    requests it scored (the contexts and continuations), which is what makes two models' results comparable."""
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError("lm-evaluation-harness is not installed: `pip install lm-eval` (make install has it).") \
+            from None  # fmt: skip
+    manager = TaskManager(include_path=str(include) if include else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"--tasks {', '.join(unknown)}: not a task of lm-evaluation-harness (`lm-eval ls tasks` "
+                          f"lists them) nor {REPLY_CHOICE} or {HELD_OUT}.")  # fmt: skip
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    try:
+        out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
+                              bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                              fewshot_random_seed=0)  # fmt: skip
+    except (ConnectionError, OSError, ValueError) as error:  # the Hub's data sets, offline
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"lm-evaluation-harness could not load its tasks' data ({reason}): its tasks read their "
+            "data from the Hugging Face Hub; offline, use held-out and reply_choice."
+        ) from None
+    metrics, fingerprints = {}, {}
+    for task in tasks:
+        found = out["results"][task]
+        metrics[task] = {k.split(",")[0]: float(v) for k, v in found.items()
+                         if "," in k and "stderr" not in k and isinstance(v, (int, float))}  # fmt: skip
+        requests = [sample["arguments"] for sample in out["samples"][task]]
+        fingerprints[task] = hashlib.sha256(json.dumps(requests, default=str).encode()).hexdigest()
+    return metrics, fingerprints
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | None = None,
+                 batch_size: int = 8) -> dict[str, Any]:  # fmt: skip
+    """Both models on every task, compared; written to RUN/eval_results.json and returned."""
+    import gc
+
+    record = RunRecord.read(folder)
+    tasks = tasks_for(record, requested)
+    prepared, include = None, None
+    harness_tasks = [t for t in tasks if t != HELD_OUT]
+    scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
+    inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
+    for which in ("base", "tuned"):  # one model in memory at a time
+        print(f"eval: the {which} model ({record.base_model if which == 'base' else record.folder})", file=sys.stderr,
+              flush=True)  # fmt: skip
+        model, tokenizer = load(record, which)
+        if prepared is None and (HELD_OUT in tasks or REPLY_CHOICE in tasks):
+            prepared, conversations = held_out_data(record, tokenizer, model.config)
+            if REPLY_CHOICE in tasks:
+                include = reply_choice_task(conversations, tokenizer, record.folder / "eval", limit)
+        if HELD_OUT in tasks:
+            scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
+            rows = [list(ids) for ids in prepared.eval["input_ids"]]
+            inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+        if harness_tasks:
+            found, prints = harness(model, tokenizer, harness_tasks, include, None if include else limit, batch_size)
+            scores[which].update(found)
+            inputs[which].update(prints)
+        del model
+        gc.collect()
+    rows = []
+    for task in tasks:
+        for metric, before in scores["base"][task].items():
+            after = scores["tuned"][task].get(metric)
+            rows.append({"task": task, "metric": metric, "base": before, "tuned": after,
+                         "delta": None if after is None else after - before})  # fmt: skip
+    result = {
+        "run": str(record.folder),
+        "base_model": record.base_model,
+        "tasks": tasks,
+        "settings": {
+            "limit": limit,
+            "batch_size": batch_size,
+            "eval_batch_size": record.settings["per_device_eval_batch_size"],
+            "seed": 0,
+        },  # fmt: skip
+        "inputs": inputs,  # fingerprints of what each model was scored on: equal for both
+        "results": rows,
+    }
+    (record.folder / EVAL_FILE).write_text(json.dumps(result, indent=1))
+    log_to_wandb(record, rows)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The before/after table, as the run and `toolkit eval` print it."""
+    lines = [f"{'task':<14}{'metric':<16}{'base':>12}{'fine-tuned':>12}{'change':>10}"]
+    for row in result["results"]:
+        after = row["tuned"]
+        change = "" if after is None else f"{after - row['base']:+.4g}"
+        lines.append(f"{row['task']:<14}{row['metric']:<16}{fmt(row['base']):>12}{fmt(after):>12}{change:>10}")
+    return "\n".join(lines)
+
+
+def fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.4g}"
+
+
+def log_to_wandb(record: RunRecord, rows: list[dict[str, Any]]) -> None:
+    """The table in the run's own W&B run (resumed by its id, offline if it was), where it had one."""
+    summary = record.summary
+    if not summary.get("wandb_run_id"):
+        return
+    try:
+        import wandb
+    except ImportError:
+        return
+    logged = summary.get("wandb_run_dir")  # WANDB_DIR/wandb/<run>: the same WANDB_DIR again
+    run = wandb.init(id=summary["wandb_run_id"], project=summary.get("wandb_project"), resume="allow",
+                     entity=summary.get("wandb_entity"), mode="offline" if summary.get("wandb_offline") else None,
+                     dir=str(Path(logged).parent.parent) if logged else None)  # fmt: skip
+    columns = ["task", "metric", "base", "tuned", "delta"]
+    run.log({"eval/before_after": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
+    run.summary.update({f"eval_after/{r['task']}/{r['metric']}": r["tuned"] for r in rows})
+    run.finish()
+
+
+@command
+def eval_main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit eval RUN [--tasks a,b] [--limit N] [--batch_size B]`: the fine-tuned model against the one
+    it started from, on the same inputs; RUN/eval_results.json and the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m toolkit eval", description=eval_main.__doc__.splitlines()[0])
+    parser.add_argument("run", help="a run's --output_dir")
+    parser.add_argument("--tasks", help=f"comma-separated: {HELD_OUT}, {REPLY_CHOICE}, or lm-evaluation-harness tasks")
+    parser.add_argument("--limit", type=int, help="at most this many examples of each harness task")
+    parser.add_argument("--batch_size", type=int, default=8, help="the harness's batch size")
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: at least 1 example per task, or leave it out for all.")
+    print(table(evaluate_run(args.run, args.tasks, args.limit, args.batch_size)))
+    return 0
