@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 # Bottom to top: a room may import the rooms before it, never one after it.
-ROOMS = ["errors", "project", "settings", "metrics", "data", "models", "planner", "distributed", "training", "runner",
-         "generate", "__main__", "__init__"]  # fmt: skip
+ROOMS = ["errors", "project", "settings", "metrics", "data", "models", "planner", "distributed", "training", "results",
+         "runner", "generate", "__main__", "__init__"]  # fmt: skip
 
 
 def modules() -> dict[str, Path]:
@@ -121,6 +121,8 @@ def test_one_training_step_and_its_order_written_down():
     assert positions == sorted(positions)
 
 
-@pytest.mark.parametrize("name", ["data", "models", "settings", "training", "planner", "metrics", "distributed"])
+@pytest.mark.parametrize(
+    "name", ["data", "models", "settings", "training", "planner", "metrics", "distributed", "results"]
+)
 def test_each_room_says_what_it_holds(name):
     assert (PACKAGE / name / "__init__.py").read_text().strip().startswith('"""')

@@ -186,13 +186,9 @@ metadata:
     return folder
 
 
-def harness(model, tokenizer, tasks: list[str], include: Path | None, limit: int | None,
-            batch_size: int) -> tuple[dict[str, dict[str, float]], dict[str, str]]:  # fmt: skip
-    """lm-evaluation-harness's simple_evaluate on an in-memory model: each task's metrics, and a fingerprint of the
-    requests it scored (the contexts and continuations), which is what makes two models' results comparable."""
+def task_manager(tasks: list[str], include: Path | None):
+    """lm-evaluation-harness's index of its tasks (and ours, `include`), the names checked before any model loads."""
     try:
-        from lm_eval import simple_evaluate
-        from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise ConfigError("lm-evaluation-harness is not installed: `pip install lm-eval` (make install has it).") \
@@ -202,6 +198,16 @@ def harness(model, tokenizer, tasks: list[str], include: Path | None, limit: int
     if unknown:
         raise ConfigError(f"--tasks {', '.join(unknown)}: not a task of lm-evaluation-harness (`lm-eval ls tasks` "
                           f"lists them) nor {REPLY_CHOICE} or {HELD_OUT}.")  # fmt: skip
+    return manager
+
+
+def harness(model, tokenizer, tasks: list[str], manager, limit: int | None,
+            batch_size: int) -> tuple[dict[str, dict[str, float]], dict[str, str]]:  # fmt: skip
+    """lm-evaluation-harness's simple_evaluate on an in-memory model: each task's metrics, and a fingerprint of the
+    requests it scored (the contexts and continuations), which is what makes two models' results comparable."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     try:
         out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
@@ -231,26 +237,34 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
     """Both models on every task, compared; written to RUN/eval_results.json and returned."""
     import gc
 
+    from transformers import AutoTokenizer
+
+    from ..models.loading import load_config
+    from ..settings.arguments import ModelArguments
+
     record = RunRecord.read(folder)
     tasks = tasks_for(record, requested)
-    prepared, include = None, None
     harness_tasks = [t for t in tasks if t != HELD_OUT]
+    prepared, include, manager = None, None, None
+    tokenizer = AutoTokenizer.from_pretrained(record.folder)  # the one the run trained with, its chat template
+    if HELD_OUT in tasks or REPLY_CHOICE in tasks:
+        prepared, conversations = held_out_data(record, tokenizer, load_config(record.arguments(ModelArguments)))
+        if REPLY_CHOICE in tasks:
+            include = reply_choice_task(conversations, tokenizer, record.folder / "eval", limit)
+    if harness_tasks:  # every name checked before any model loads
+        manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
     for which in ("base", "tuned"):  # one model in memory at a time
         print(f"eval: the {which} model ({record.base_model if which == 'base' else record.folder})", file=sys.stderr,
               flush=True)  # fmt: skip
-        model, tokenizer = load(record, which)
-        if prepared is None and (HELD_OUT in tasks or REPLY_CHOICE in tasks):
-            prepared, conversations = held_out_data(record, tokenizer, model.config)
-            if REPLY_CHOICE in tasks:
-                include = reply_choice_task(conversations, tokenizer, record.folder / "eval", limit)
+        model, _ = load(record, which)
         if HELD_OUT in tasks:
             scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
             rows = [list(ids) for ids in prepared.eval["input_ids"]]
             inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
         if harness_tasks:
-            found, prints = harness(model, tokenizer, harness_tasks, include, None if include else limit, batch_size)
+            found, prints = harness(model, tokenizer, harness_tasks, manager, None if include else limit, batch_size)
             scores[which].update(found)
             inputs[which].update(prints)
         del model
