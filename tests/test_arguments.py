@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import platform
+import re
 from pathlib import Path
 
 import pytest
 
 from toolkit.errors import ConfigError
 from toolkit.models.tiny import tiny_layer
+from toolkit.settings import parser
 from toolkit.settings.parser import parse
 
 RECIPE = dict(
@@ -109,3 +112,29 @@ def test_every_recipe_parses(name):
 def test_secrets_masked_in_resolved_config():
     args = parse(RECIPE, "bert", ["--hub_token", "hf_supersecret"])
     assert "hf_supersecret" not in str(args.resolved())
+
+
+def test_a_recipes_bf16_runs_in_fp32_on_a_cpu_that_would_emulate_it(monkeypatch, capsys):
+    recipe = {**RECIPE, "dtype": "bfloat16", "bf16": True}
+    monkeypatch.setattr(parser, "computes_bf16", lambda: False)
+    args = parse(recipe, "bert", [], here=True)
+    assert (args.model.dtype, args.training.bf16) == ("float32", False)
+    assert "has no bf16 kernels" in capsys.readouterr().err
+    kept = parse(recipe, "bert", ["--dtype", "bf16", "--bf16", "true"], here=True)  # asked for, on this machine
+    assert (kept.model.dtype, kept.training.bf16) == ("bfloat16", True)
+    assert "bf16 kernels" not in capsys.readouterr().err
+    planned = parse(recipe, "bert", [])  # a plan is for the GPU it names, not for this machine
+    assert (planned.model.dtype, planned.training.bf16) == ("bfloat16", True)
+    monkeypatch.setattr(parser, "computes_bf16", lambda: True)
+    assert parse(recipe, "bert", [], here=True).model.dtype == "bfloat16"
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file() or platform.machine() != "x86_64", reason="x86 Linux")
+def test_bf16_kernels_are_the_ones_this_cpu_has():
+    """oneDNN's bf16 kernels need AVX512 (BW, VL, DQ): read from the kernel's CPU flags, not from torch."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU computes bf16")
+    flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    assert parser.computes_bf16() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)

@@ -39,7 +39,10 @@ def load_model_and_tokenizer(folder: Path, dtype: str):
     if not adapter.is_file() and not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} holds no model (no config.json, no adapter_config.json): pass a run's "
                           "--output_dir, its merged/ folder, or a checkpoint-N folder.")  # fmt: skip
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    from .settings.parser import computes_bf16
+
+    # auto: the checkpoint's own dtype, or fp32 on a CPU that would emulate its bf16 (settings/parser.py)
+    torch_dtype = ("auto" if computes_bf16() else torch.float32) if dtype == "auto" else getattr(torch, dtype)
     if adapter.is_file():
         base = json.loads(adapter.read_text())["base_model_name_or_path"]
         if base.startswith(("/", ".")) and not Path(base).is_dir():

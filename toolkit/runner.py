@@ -79,7 +79,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     """Run a recipe; returns the trainer and the final metrics. Raises a ToolkitError on bad input, and a
     Stopped when training stopped early (preempted, diverged, out of budget; its checkpoints intact)."""
     prepare_process()
-    args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer)
+    args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer, here=True)
     resume, resume_note = checked_launch(args)
     model_plan = blueprint(args)
     resolve_compile(args)

@@ -56,6 +56,7 @@ def load(record: RunRecord, which: str):
 
     from ..models.loading import load_model
     from ..settings.arguments import ModelArguments
+    from ..settings.parser import computes_bf16
     from ..settings.tasks import model_class
 
     folder, task = record.folder, record.task
@@ -66,6 +67,8 @@ def load(record: RunRecord, which: str):
         labels = [config.id2label[i] for i in range(len(config.id2label))]
     model_args = record.arguments(ModelArguments)
     model_args.use_lora, model_args.load_in_4bit = False, False
+    if not computes_bf16():  # both models in fp32 on a CPU that would emulate 16 bits (settings/parser.py)
+        model_args.dtype = "float32"
     if which == "base" or (folder / "adapter_config.json").is_file():
         model = load_model(model_args, task, tokenizer, labels)
         if which == "tuned":
@@ -114,6 +117,7 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
     from transformers import Trainer, TrainingArguments
 
     from ..data.packing import model_inputs
+    from ..settings.parser import computes_bf16
     from ..training.evaluation import metrics_for
 
     class HeldOut(Trainer):
@@ -124,7 +128,8 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
     compute, preprocess = metrics_for(record.task)
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=settings["per_device_eval_batch_size"],
-                                 bf16=bool(settings.get("bf16")), fp16=bool(settings.get("fp16")), report_to=[],
+                                 bf16=bool(settings.get("bf16")) and computes_bf16(),
+                                 fp16=bool(settings.get("fp16")), report_to=[],
                                  use_cpu=not torch.cuda.is_available(), disable_tqdm=False)  # fmt: skip
         trainer = HeldOut(model=model, args=args, eval_dataset=prepared.eval, data_collator=prepared.collator,
                           processing_class=tokenizer, compute_metrics=compute,

@@ -22,9 +22,10 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn
 from .arguments import (
     ARGUMENT_CLASSES,
+    DTYPE_ALIASES,
     NULLS,
     Arguments,
     DataArguments,
@@ -45,6 +46,35 @@ def has_accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def computes_bf16() -> bool:
+    """Whether this machine computes bf16 at speed: a GPU, or a CPU with oneDNN's bf16 kernels (AVX512, AMX). An
+    AVX2-only CPU runs bf16 matmuls in torch's reference kernel instead: 157x slower than fp32 (512x2048 by
+    2048x2048, one core of an AMD EPYC, torch 2.13), so a 3-minute CPU run takes hours."""
+    import torch
+
+    return has_accelerator() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def machine_layer(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The run's machine below `--config` and flags (`given`): a recipe's bf16 (weights or autocast) on a CPU that
+    would emulate it becomes fp32, said in one line; bf16 given by --config or a flag is kept."""
+    if computes_bf16():
+        return {}
+    changed = {}
+    if DTYPE_ALIASES.get(values.get("dtype"), values.get("dtype")) == "bfloat16" and "dtype" not in given:
+        changed["dtype"] = "float32"
+    if values.get("bf16") is True and "bf16" not in given:
+        changed["bf16"] = False
+    if changed:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        warn(f"this CPU ({capability}) has no bf16 kernels (oneDNN's need AVX512 or AMX): the recipe's bf16 runs in "
+             "float32 here, as bf16 emulated on such a CPU was measured 157x slower. --dtype bfloat16 --bf16 true "
+             "keeps it.")  # fmt: skip
+    return changed
 
 
 def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
@@ -170,10 +200,13 @@ def load_overrides(path: str) -> dict[str, Any]:
     return coerce(values, path)
 
 
-def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None) -> Arguments:
+def parse(
+    recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None, here: bool = False
+) -> Arguments:
     """Resolve a recipe and its overrides into typed argument objects.
 
-    `tiny_defaults(values) -> dict` supplies the `--tiny` layer; it sees the values resolved so far.
+    `tiny_defaults(values) -> dict` supplies the `--tiny` layer; it sees the values resolved so far. `here`: the
+    settings of a run on this machine (machine_layer, above the tiny one), not of a plan for another.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     check_keys(recipe, f"recipe '{recipe_name}'")
@@ -210,6 +243,8 @@ def parse(recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = Non
     values: dict[str, Any] = {**toolkit_defaults(recipe_name), **recipe}
     if {**values, **overrides, **flags}.get("tiny") and tiny_defaults is not None:
         values.update(tiny_defaults({**values, **overrides, **flags}))
+    if here:
+        values.update(machine_layer(values, set(overrides) | set(flags)))
     values.update(overrides)
     values.update(flags)
     missing = [k for k in required if values.get(k) is None]
