@@ -20,7 +20,8 @@ def test_master_weights_keep_the_updates_bf16_would_lose(tmp_path, capsys):
     compute, one AdamW step: the optimizer's fp32 masters take every update; the same update applied to the bf16
     weights leaves most of them where they were (measured here, printed). The compute weights and the residual
     stream stay bf16 (no per-forward casts, no fp32 activations), the masters and AdamW's states are fp32."""
-    flags = ["--use_lora", "false", "--bf16", "true", "--learning_rate", "2e-5", "--warmup_steps", "0",
+    flags = ["--use_lora", "false", "--dtype", "bfloat16", "--bf16", "true", "--learning_rate", "2e-5",
+             "--warmup_steps", "0",
              "--max_steps", "1", "--eval_fraction", "0", "--eval_on_start", "false", "--generation_samples", "0",
              "--report_to", "none", "--output_dir", str(tmp_path)]  # fmt: skip
     trainer = train(SMOLLM2_CHAT, flags, "smollm2_chat").trainer
