@@ -1,10 +1,10 @@
 """The layered parser: a recipe and its overrides into typed settings (arguments.py).
 
 A recipe is a flat mapping of defaults (alignment-handbook style). Values are resolved in this order, later
-wins: `TrainingArguments` defaults < toolkit defaults < the recipe < `--tiny` settings < a YAML file given
-with `--config` < command-line flags. Every key is checked against the known fields, so a typo fails at once
-with the closest valid name; numbers a YAML file leaves as text are converted; `--name none` unsets an optional
-setting of the toolkit's.
+wins: `TrainingArguments` defaults < toolkit defaults < the recipe < `--tiny` settings < this machine (a run's
+own: machine_layer) < a YAML file given with `--config` < command-line flags. Every key is checked against the
+known fields, so a typo fails at once with the closest valid name; numbers a YAML file leaves as text are
+converted; `--name none` unsets an optional setting of the toolkit's.
 """
 
 from __future__ import annotations
