@@ -76,17 +76,20 @@ def test_sequence_parallel_matches_one_process(one_process, tmp_path):
 @pytest.mark.launch
 def test_context_parallel_is_refused_on_cpu_in_one_line(tmp_path):
     """fsdp2_cp.yaml, launched (by the toolkit's launcher, as `make finetune` does): torch's ring attention
-    shards only the GPU kernels, so on a CPU the run stops before any weight loads, with the reason and the
-    config that does run here."""
+    shards only the GPU kernels, so on a CPU the launcher refuses it before any process starts (the ranks' own
+    refusal, for `accelerate launch`: test_sequence_split_refusals_name_the_fix), with the reason and the config
+    that does run here."""
+    cache = tmp_path / "cache"  # where a started process would build its tiny model first
     result = run_cmd([str(BIN / "python"), "-m", "toolkit", "launch", "--config_file",
                       str(ROOT / "accelerate_configs" / "fsdp2_cp.yaml"), "--num_processes", "2",
                       "--parallelism_config_cp_size", "2", "--main_process_port", str(free_port()),
                       str(ROOT / "recipes" / "llama3_fft.py"), "--tiny", "--output_dir", str(tmp_path / "o")],
-                     cwd=tmp_path)  # fmt: skip
+                     cwd=tmp_path, env={"TOOLKIT_CACHE": str(cache)})  # fmt: skip
     assert result.returncode == 2  # bad input, as the toolkit's launcher passes it on
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors[0] == f"error: {CP_ON_CPU}"
     assert "Traceback" not in result.stderr
+    assert not cache.exists() or not any(cache.rglob("config.json"))  # no process was started
 
 
 def recipe_args(*flags: str):

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
         export_pipeline(args.config_file, pipeline)
         os.environ["TOOLKIT_CONFIG_FILE"] = args.config_file  # the run's model card says how it was launched
+    check_this_machine(args)
     if recipe is not None and is_recipe(recipe):
         check_recipe_model(recipe, args.training_script_args)
     elif recipe is not None and not is_recipe(recipe):
@@ -110,6 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         signum = int(signalled.sigval)
         return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
     return 0
+
+
+def check_this_machine(args) -> None:
+    """What this machine cannot run, refused before N processes start only for each to refuse it (the ranks'
+    own check stays, for `accelerate launch`): context parallelism without CUDA (models/parallel.py)."""
+    import torch
+
+    from ..models.parallel import CP_ON_CPU
+    from ..settings.mesh import config_mesh
+    from .launch_check import read_yaml
+
+    section = read_yaml(Path(args.config_file)).get("parallelism_config") if args.config_file else None
+    cp = max(int(args.parallelism_config_cp_size or 1), config_mesh(section).get("cp", 1))
+    if cp > 1 and not torch.cuda.is_available():
+        raise ConfigError(CP_ON_CPU)
 
 
 def check_recipe_model(recipe: str, script_args: list[str]) -> None:
