@@ -126,6 +126,21 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+def exported_weights(folder, recipe: str) -> dict:
+    """The weights a user gets back: the exported folder loaded with from_pretrained (peft's for adapters)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    loader = {"bert": AutoModelForSequenceClassification, "llama3_fft": AutoModelForCausalLM,
+              "llama3_lora": AutoPeftModelForCausalLM}[recipe]  # fmt: skip
+    model = loader.from_pretrained(folder)
+    if recipe != "llama3_lora":  # the file names its tensors as the model does (ZeRO-3 wrote BERT's as gamma/beta)
+        from safetensors.torch import load_file
+
+        assert set(load_file(Path(folder) / "model.safetensors")) <= set(model.state_dict()), folder
+    return model.state_dict()
+
+
 def rank_reports(output_dir: Path) -> list[dict]:
     files = sorted((output_dir / "rank_reports").glob("rank*.json"))
     return [json.loads(f.read_text()) for f in files]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import BIN, ROOT, assert_updates_agree, check, free_port, launch, rank_reports, run_cmd
 from safetensors.torch import load_file
 from transformers import LlamaConfig
@@ -192,3 +193,25 @@ def test_split_padding(mesh, on_gpu, attention, multiple, monkeypatch):
     args = parse(RECIPE, "llama3_fft", ["--max_seq_length", "256", "--output_dir", "/tmp/unused"])
     args.model.attn_implementation = attention
     assert padding_multiple(args, on_gpu=on_gpu) == multiple
+
+
+def test_the_launcher_refuses_context_parallelism_only_without_cuda(monkeypatch):
+    """toolkit launch's check, from the file's mesh or the launch flag: refused on a CPU, passed on to the ranks
+    where CUDA is (the GPU path users take must not meet it)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from toolkit.distributed.launcher import check_this_machine
+
+    def args(*flags):
+        return launch_command_parser().parse_args([*flags, "recipes/llama3_fft.py"])
+
+    from_file = args("--config_file", str(ROOT / "accelerate_configs" / "fsdp2_cp.yaml"))
+    from_flag = args("--parallelism_config_cp_size", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for launch_args in (from_file, from_flag):
+        with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+            check_this_machine(launch_args)
+    check_this_machine(args("--config_file", str(ROOT / "accelerate_configs" / "zero3_sp.yaml")))  # sp runs here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_this_machine(from_file)
+    check_this_machine(from_flag)

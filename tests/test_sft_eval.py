@@ -9,10 +9,9 @@ import re
 
 import pytest
 import torch
-from conftest import check, launch
+from conftest import check, exported_weights, launch
 from llama3_fft import RECIPE as LLAMA3_FFT
 from safetensors.torch import load_file
-from test_strategies import exported_weights
 
 from toolkit import train
 from toolkit.__main__ import entry

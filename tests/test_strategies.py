@@ -21,7 +21,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, check, free_port, launch, no_lock, rank_reports, run_cmd, slurm_stand_ins
+from conftest import (
+    BIN,
+    ROOT,
+    check,
+    exported_weights,
+    free_port,
+    launch,
+    no_lock,
+    rank_reports,
+    run_cmd,
+    slurm_stand_ins,
+)
 from safetensors.torch import load_file
 
 from toolkit import planner
@@ -121,21 +132,6 @@ def recipe_flags(recipe: str) -> list[str]:
     if recipe == "llama3_fft":
         return ["--save_strategy", "steps", "--save_steps", str(RESUME_STEP)]
     return []
-
-
-def exported_weights(folder, recipe: str) -> dict[str, torch.Tensor]:
-    """The weights a user gets back: the exported folder loaded with from_pretrained (peft's for adapters)."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    loader = {"bert": AutoModelForSequenceClassification, "llama3_fft": AutoModelForCausalLM,
-              "llama3_lora": AutoPeftModelForCausalLM}[recipe]  # fmt: skip
-    model = loader.from_pretrained(folder)
-    if recipe != "llama3_lora":  # the file names its tensors as the model does (ZeRO-3 wrote BERT's as gamma/beta)
-        from safetensors.torch import load_file
-
-        assert set(load_file(Path(folder) / "model.safetensors")) <= set(model.state_dict()), folder
-    return model.state_dict()
 
 
 @pytest.fixture(scope="module")
