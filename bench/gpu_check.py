@@ -1,13 +1,17 @@
 """`make gpu-check`: the proof, on whatever GPUs a machine has, that every shipped config trains there.
 
 For each shipped config that fits the GPUs present, each decoder recipe in tiny mode at the recipe's own precision
-and default flags (on a GPU tiny mode keeps them: bf16, flex attention, the fused loss, --torch_compile auto):
-  train      10 steps, a checkpoint at step 5, the export
+and flags: only the model's width and depth, the data and the run's length are tiny mode's (on a GPU it keeps bf16,
+flex attention, the fused loss, --torch_compile auto; the training flags it changes are set back, OWN_FLAGS):
+  train      10 steps, a checkpoint at step 5 and at step 10, the export
   resume     (llama3_fft rows, and each recipe's first row) from a copy of checkpoint-5 to step 10: same losses
-  reload     the export (or the adapter on its base) loaded with `python -m toolkit generate`, which answers a prompt
-then bench/mfu.py (speed, MFU and memory against the plan, one repeat). One table on stdout, one JSON line per row
-in OUTPUT/rows.jsonl as each ends; a row that fails holds its error line, and the rest still runs. Offline. On one
-GPU: 38 rows, 50 launches (estimated 10-15 minutes with bench/mfu.py; --configs/--recipes narrow it).
+  reload     the model `toolkit generate` loads from the export (or the adapter on its base) holds the weights of
+             checkpoint-10, read as a resume reads them (DeepSpeed's partitions, FSDP's shards, safetensors)
+  generate   (the rows that resume) `python -m toolkit generate` answers a prompt
+then bench/mfu.py (speed, MFU and memory against the plan, one repeat). One table on stdout, also when a row raises
+or the sweep is interrupted; one JSON line per row in OUTPUT/rows.jsonl as each ends; a row that fails, whatever it
+raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches (estimated 10-15
+minutes with bench/mfu.py; --configs/--recipes narrow it).
 
     make gpu-check                      # = python bench/gpu_check.py
     python bench/gpu_check.py --dry_run --gpus 8    # what it would launch for 8 GPUs (any machine; the tests)
@@ -16,23 +20,42 @@ GPU: 38 rows, 50 launches (estimated 10-15 minutes with bench/mfu.py; --configs/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the toolkit, imported below from the checkout
+
+from toolkit.errors import ConfigError, command  # noqa: E402
 
 RECIPES = ("llama3_fft", "llama3_lora", "llama3_qlora", "smollm2_chat")  # decoders whose tiny mode needs no other run
 RESUMED = ("llama3_fft",)  # resumed under every config; the other recipes under their first config
 STEPS, SAVE_AT = 10, 5
 PROMPT = "What is 2 + 3?"
 ENGINES = {"DEEPSPEED": "DEEPSPEED", "FSDP": "FSDP"}  # else: replicated (Requested.engine's names)
+# Training flags tiny mode changes (toolkit/models/tiny.py's TINY_TRAINING) and a row sets back to the recipe's:
+# pipeline stages take the accumulation steps as micro-batches, checkpointing recomputes activations, dropout draws
+# masks a resume must replay, the recipe's attention kernel, its evaluation as it trains (smollm2_chat's held-out
+# fraction and answers to held-out prompts, generated under each strategy). Tiny mode's sizes, data, 10 steps, a
+# learning rate at which a random model's loss moves (a wrong resume shows) and no evaluation after training (a
+# command of its own) stay. The decoders' configs have no dropout of their own (Llama 3's attention_dropout is
+# 0.0), so the tiny model's, set to 0, is theirs.
+OWN_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "lora_dropout",
+             "attn_implementation", "eval_fraction", "generation_samples")  # fmt: skip
+
+
+class RowFailure(Exception):
+    """A row's own check failed (a launch's exit, resumed losses, reloaded weights): its message is the error."""
 
 
 @dataclass
@@ -49,6 +72,7 @@ class Row:
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
     resumed_losses: list[float] = field(default_factory=list)
+    reload: str = ""
     answer: str = ""
 
 
@@ -89,6 +113,23 @@ def mesh_flags(config: dict, gpus: int) -> tuple[int, list[str], str]:
     return processes, [f"--parallelism_config_{axis}_size={size}" for axis, size in sizes.items()], ""
 
 
+@functools.cache
+def own_flags(recipe: str) -> tuple[str, ...]:
+    """Flags setting OWN_FLAGS back to the recipe's values (defaults included) where tiny mode changes them."""
+    from toolkit.models.tiny import TINY_TRAINING
+    from toolkit.project import load_recipe
+    from toolkit.settings.parser import parse
+
+    args = parse(load_recipe(recipe), recipe, [])
+    parts = (args.model, args.data, args.run, args.training)
+    flags: list[str] = []
+    for key in OWN_FLAGS:
+        value = next(getattr(part, key) for part in parts if hasattr(part, key))
+        if key in TINY_TRAINING and value != TINY_TRAINING[key] and (key != "lora_dropout" or args.model.use_lora):
+            flags += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return tuple(flags)
+
+
 def plan_rows(gpus: int, fp8: bool) -> list[Row]:
     """Every (config, recipe) pair to launch on `gpus` GPUs, with why a pair is not launched."""
     import yaml
@@ -104,10 +145,10 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
         if str(config.get("mixed_precision")).lower() == "fp8" and not fp8:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
         for recipe in RECIPES:
-            row = Row(path.stem, recipe, processes, flags)
+            row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
                 # user's Llama with 2 (made once)
-                row.recipe_flags = ["--model_name_or_path", "{two_kv_heads}"]
+                row.recipe_flags += ["--model_name_or_path", "{two_kv_heads}"]
             if load_recipe(recipe).get("load_in_4bit") and (engine != "replicated" or "tp" in str(flags)):
                 row.skip = "QLoRA trains under single_gpu.yaml or ddp.yaml (the toolkit refuses the pair)"
             elif "tp" in str(flags) and recipe == "smollm2_chat":  # its own model, not the stand-in Llama
@@ -149,38 +190,110 @@ def losses(folder: Path) -> list[float]:
     return [line["loss"] for line in lines if "loss" in line]
 
 
+def plain_name(name: str) -> str:
+    """A weight's name without what wrappers add (compile's _orig_mod, DDP's module, FSDP1's and checkpointing's
+    wrappers) nor peft's adapter name, which its files leave out."""
+    skip = {"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "default"}
+    return ".".join(part for part in name.split(".") if part not in skip)
+
+
+def checkpoint_weights(folder: Path) -> dict:
+    """A checkpoint's weights as a resume reads them: DeepSpeed's ZeRO partitions (fp32), FSDP's sharded folder,
+    else the Trainer's or the pipeline stages' safetensors (whole, sharded with an index, or a LoRA adapter)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if (folder / "latest").is_file():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder)))
+    if (folder / "pytorch_model_fsdp_0").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(folder / "pytorch_model_fsdp_0", Path(scratch) / "model.pt")
+            return torch.load(Path(scratch) / "model.pt", weights_only=True)["model"]
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("adapter_model.safetensors"))
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def check_reload(run: Path, checkpoint: Path) -> int:
+    """The model `toolkit generate` loads from the run's export holds the checkpoint's every tensor (each compared at
+    the lower precision of the two: fp32 master weights against bf16 ones); raises RowFailure naming the first that
+    differs or is missing. Returns how many were compared."""
+    import torch
+
+    from toolkit.generate import load
+
+    if not checkpoint.is_dir():
+        raise RowFailure(f"no {checkpoint.name} to compare the export with")
+    quiet = io.StringIO()  # the loaders' progress bars and notes; what fails is raised
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        model, _ = load(run)
+        loaded = {plain_name(name): tensor for name, tensor in model.state_dict().items()}
+        saved = {plain_name(name): tensor for name, tensor in checkpoint_weights(checkpoint).items()}
+    if not saved:
+        raise RowFailure(f"{checkpoint.name} holds no weights")
+    for name, tensor in saved.items():
+        if name not in loaded:
+            raise RowFailure(f"the reloaded export has no {name}, which {checkpoint.name} holds")
+        other = loaded[name]
+        dtype = tensor.dtype if tensor.element_size() <= other.element_size() else other.dtype
+        if tensor.shape != other.shape or not torch.equal(tensor.to(dtype), other.to(dtype)):
+            raise RowFailure(f"the reloaded export's {name} differs from {checkpoint.name}'s")
+    return len(saved)
+
+
+def checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    if result.returncode:
+        raise RowFailure(error_line(result.stderr))
+    return result
+
+
 def run_row(row: Row, output: Path) -> None:
+    """Train, resume, reload and generate as the row says; whatever it raises is its failure, with that error (a
+    Ctrl-C marks it interrupted and goes on up)."""
     start = time.perf_counter()
     out = output / row.config / row.recipe
-    shutil.rmtree(out, ignore_errors=True)
     stage = "train"
     try:
-        result = launch(row, out / "run", [])
-        if result.returncode:
-            raise RuntimeError(error_line(result.stderr))
+        if "{two_kv_heads}" in row.recipe_flags:
+            kv2 = str(two_kv_heads_llama(output))
+            row.recipe_flags = [f.replace("{two_kv_heads}", kv2) for f in row.recipe_flags]
+        shutil.rmtree(out, ignore_errors=True)
+        checked(launch(row, out / "run", []))
         row.losses = losses(out / "run")
+        if len(row.losses) != STEPS:
+            raise RowFailure(f"{len(row.losses)} losses logged, not one for each of the {STEPS} steps")
         if row.resume:
             stage = "resume"
             (out / "resumed").mkdir(parents=True)
             shutil.copytree(out / "run" / f"checkpoint-{SAVE_AT}", out / "resumed" / f"checkpoint-{SAVE_AT}")
-            result = launch(row, out / "resumed", ["--resume", "auto"])
-            if result.returncode:
-                raise RuntimeError(error_line(result.stderr))
+            checked(launch(row, out / "resumed", ["--resume", "auto"]))
             row.resumed_losses = losses(out / "resumed")[-(STEPS - SAVE_AT) :]
             expected = row.losses[-(STEPS - SAVE_AT) :]
-            if any(abs(a - b) > 2e-3 * max(abs(b), 1) for a, b in zip(row.resumed_losses, expected, strict=True)):
-                raise RuntimeError(f"resumed losses {row.resumed_losses} differ from {expected}")
-            stage = "reload"
-            generated = subprocess.run([sys.executable, "-m", "toolkit", "generate", str(out / "run"), "--prompt",
-                                        PROMPT, "--max_new_tokens", "8"], capture_output=True, text=True,
-                                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT)  # fmt: skip
-            if generated.returncode:
-                raise RuntimeError(error_line(generated.stderr))
+            if len(row.resumed_losses) != len(expected) or any(
+                abs(a - b) > 2e-3 * max(abs(b), 1) for a, b in zip(row.resumed_losses, expected, strict=True)
+            ):
+                raise RowFailure(f"resumed losses {row.resumed_losses} differ from {expected}")
+        stage = "reload"
+        row.reload = f"same weights ({check_reload(out / 'run', out / 'run' / f'checkpoint-{STEPS}')} tensors)"
+        if row.resume:
+            stage = "generate"
+            command_line = [sys.executable, "-m", "toolkit", "generate", str(out / "run"), "--prompt", PROMPT,
+                            "--max_new_tokens", "8"]  # fmt: skip
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+            generated = checked(subprocess.run(command_line, capture_output=True, text=True, env=env, cwd=ROOT))
             row.answer = generated.stdout.strip().splitlines()[-1][:80] if generated.stdout.strip() else ""
         row.status = "ok"
-    except RuntimeError as failure:
-        row.status, row.error = f"failed: {stage}", str(failure)
-    row.seconds = round(time.perf_counter() - start, 1)
+    except KeyboardInterrupt:
+        row.status = f"interrupted: {stage}"
+        raise
+    except Exception as failure:  # noqa: BLE001 (whatever a row raises is that row's failure, not the sweep's end)
+        own = isinstance(failure, RowFailure)
+        row.status, row.error = f"failed: {stage}", str(failure) if own else f"{type(failure).__name__}: {failure}"
+    finally:
+        row.seconds = round(time.perf_counter() - start, 1)
 
 
 def two_kv_heads_llama(output: Path) -> Path:
@@ -203,21 +316,42 @@ def two_kv_heads_llama(output: Path) -> Path:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| config | recipe | processes | result | seconds | last loss | resumed | answer |",
-             "| --- | --- | ---: | --- | ---: | ---: | --- | --- |"]  # fmt: skip
+    lines = ["| config | recipe | processes | result | seconds | last loss | resumed | reload | answer |",
+             "| --- | --- | ---: | --- | ---: | ---: | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        result = r.status if r.status != "pending" else "-"
+        result = r.status if r.status != "pending" else "not run: the sweep was interrupted"
         if r.skip:
             result = f"not run: {r.skip}"
         elif r.error:
             result = f"{r.status}: {r.error}"
         resumed = "same losses" if r.resumed_losses else ("-" if not r.resume else "")
         last = f"{r.losses[-1]:.3f}" if r.losses else "-"
-        lines.append(f"| {r.config} | {r.recipe} | {r.processes or '-'} | {result} | {r.seconds or '-'} | {last} | "
-                     f"{resumed} | {r.answer.replace('|', '/')} |")  # fmt: skip
+        answer = r.answer.replace("|", "/")
+        lines.append(f"| {r.config} | {r.recipe} | {r.processes or '-'} | {result.replace('|', '/')} | "
+                     f"{r.seconds or '-'} | {last} | {resumed} | {r.reload} | {answer} |")  # fmt: skip
     return "\n".join(lines)
 
 
+def devices() -> tuple[int, str]:
+    """The GPUs torch sees here, and the first one's name."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, ""
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def check_names(given: str | None, known: list[str], what: str, where: str) -> list[str]:
+    """The comma-separated names of --configs or --recipes, each one gpu-check knows, or one error line."""
+    names = [name.strip() for name in (given or "").split(",") if name.strip()] or known
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ConfigError(f"unknown {what} {', '.join(repr(n) for n in unknown)}: gpu-check knows {', '.join(known)} "
+                          f"({where}); pass some of them, comma-separated.")  # fmt: skip
+    return names
+
+
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, help="GPUs to plan for (default: those present)")
@@ -227,35 +361,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_bench", action="store_true", help="skip bench/mfu.py at the end")
     parser.add_argument("--output", default="runs/gpu_check")
     args = parser.parse_args(argv)
+    from toolkit.project import strategy_files
+
+    configs = check_names(args.configs, [p.stem for p in strategy_files()], "config", "accelerate_configs/*.yaml")
+    recipes = check_names(args.recipes, list(RECIPES), "recipe", "the decoder recipes in recipes/")
+    present, device_name = devices()
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: pass 1 or more.")
+    if not args.dry_run and not present:
+        raise ConfigError("no GPU here (torch sees none): gpu-check launches on GPUs; `python bench/gpu_check.py "
+                          "--dry_run --gpus N` lists what it would launch on N.")  # fmt: skip
+    if not args.dry_run and args.gpus and args.gpus > present:
+        raise ConfigError(f"--gpus {args.gpus}, and this machine has {present} GPUs: pass --gpus {present} or fewer "
+                          "(or --dry_run --gpus N for the plan alone).")  # fmt: skip
+    gpus = args.gpus or present
+    if not gpus:
+        raise ConfigError("no GPU here to plan for: pass --dry_run --gpus N to see what it would launch on N.")
     import torch
 
-    gpus = args.gpus or torch.cuda.device_count()
-    if not gpus:
-        parser.error("no GPU here: pass --dry_run --gpus N to see what it would launch")
     fp8 = args.dry_run or (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
-    rows = plan_rows(gpus, fp8)
-    rows = [r for r in rows if (not args.configs or r.config in args.configs.split(","))
-            and (not args.recipes or r.recipe in args.recipes.split(","))]  # fmt: skip
+    rows = [r for r in plan_rows(gpus, fp8) if r.config in configs and r.recipe in recipes]
     if args.dry_run:
         for r in rows:
-            what = f"not run: {r.skip}" if r.skip else "train" + (", resume, reload" if r.resume else "")
+            steps = "train, resume, reload, generate" if r.resume else "train, reload"
+            what = f"not run: {r.skip}" if r.skip else steps
             flags = " ".join(r.launch_flags + [f.replace("{two_kv_heads}", "<a Llama with 2 kv heads>")
                                                for f in r.recipe_flags])  # fmt: skip
             print(f"{r.config:20s} {r.recipe:14s} {r.processes:>2} process(es) {flags:40s} {what}")
-        print(f"{sum(not r.skip for r in rows)} launches planned for {gpus} GPU(s), then bench/mfu.py")
+        run = [r for r in rows if not r.skip]
+        print(f"{len(run)} rows planned for {gpus} GPU(s): {len(run) + sum(r.resume for r in run)} launches "
+              f"({sum(r.resume for r in run)} resumed), then bench/mfu.py")  # fmt: skip
         return 0
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    kv2 = str(two_kv_heads_llama(output))
     (output / "rows.jsonl").write_text("")
-    for row in rows:
-        row.recipe_flags = [f.replace("{two_kv_heads}", kv2) for f in row.recipe_flags]
-        if not row.skip:
-            run_row(row, output)
-            print(f"{row.config:20s} {row.recipe:14s} {row.status} ({row.seconds} s) {row.error}", flush=True)
-        with (output / "rows.jsonl").open("a") as f:
-            f.write(json.dumps(asdict(row)) + "\n")
-    print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, {time.strftime('%Y-%m-%d')}\n\n{table(rows)}\n", flush=True)
+    try:  # the table, whatever ends the sweep
+        for row in rows:
+            if not row.skip:
+                run_row(row, output)
+                print(f"{row.config:20s} {row.recipe:14s} {row.status} ({row.seconds} s) {row.error}", flush=True)
+            with (output / "rows.jsonl").open("a") as f:
+                f.write(json.dumps(asdict(row)) + "\n")
+    except KeyboardInterrupt:
+        stopped = [r for r in rows if r.status.startswith("interrupted")]
+        with (output / "rows.jsonl").open("a") as f:  # the row it stopped in
+            f.writelines(json.dumps(asdict(r)) + "\n" for r in stopped)
+        return 130
+    finally:
+        print(f"\n{device_name} x {gpus}, {time.strftime('%Y-%m-%d')}\n\n{table(rows)}\n", flush=True)
     failed = [r for r in rows if r.status.startswith("failed")]
     if not args.no_bench:
         bench = subprocess.run([sys.executable, str(ROOT / "bench" / "mfu.py"), "--repeats", "1", "--output",

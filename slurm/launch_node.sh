@@ -19,11 +19,30 @@ node=${SLURM_NODEID:?not set: run under srun, or export SLURM_NODEID (0 on the h
 nodes=${SLURM_NNODES:?not set: run under srun, or export SLURM_NNODES}
 addr=${MAIN_ADDR:?not set: the head node address (finetune.sbatch sets it)}
 port=${MAIN_PORT:-29500}
-per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
-if [ "$per_node" -lt 1 ]; then
-  echo "no GPUs found on $(hostname): set GPUS_PER_NODE" >&2
-  exit 2
+per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+if [ -z "$per_node" ]; then  # the GPUs nvidia-smi lists (not their MIG slices); none where it is missing, whose
+  # 127 under pipefail would end the script without a word
+  per_node=$({ nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU ' || true)
+  if [ "$per_node" = 0 ]; then
+    echo "error: no GPUs found on $(hostname) (GPUS_PER_NODE and SLURM_GPUS_ON_NODE unset, nvidia-smi lists none):" \
+      "export GPUS_PER_NODE=N, the processes to start on each node" >&2
+    exit 2
+  fi
 fi
+
+# Checked before anything starts: a node id out of range (counted from 1, by hand) would wait out the rendezvous
+# for a rank that no node has.
+integer() {  # integer NAME VALUE LOWEST HIGHEST WHAT: VALUE in decimal (08 is not bash's octal), or one error line
+  case $2 in
+    '' | *[!0-9]*) ;;
+    *) if [ "$((10#$2))" -ge "$3" ] && [ "$((10#$2))" -le "$4" ]; then echo "$((10#$2))" && return; fi ;;
+  esac
+  echo "error: $1=$2 is not an integer from $3 to $4: export $1 as $5" >&2
+  exit 2
+}
+nodes=$(integer SLURM_NNODES "$nodes" 1 100000 "the job's node count")
+per_node=$(integer GPUS_PER_NODE "$per_node" 1 1024 "the processes to start on each node")
+node=$(integer SLURM_NODEID "$node" 0 $((nodes - 1)) "this node's id, counted from 0 (the head node's)")
 
 # Preemption (toolkit/training/stopping.py): `toolkit launch` has torch's launcher forward SLURM's warning signal
 # (USR1) to the training processes, not just SIGTERM, gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (300

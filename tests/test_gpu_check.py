@@ -4,14 +4,16 @@ checkpoint, resume, reload, generate), so the command a GPU session relies on ca
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import yaml
 from conftest import ROOT
+from safetensors.torch import load_file, save_file
 
 from toolkit.distributed.launch_check import check_mesh
-from toolkit.project import strategy_files
+from toolkit.project import load_recipe, recipe_names, strategy_files
 
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
@@ -27,7 +29,8 @@ def test_dry_run_lists_every_shipped_config(gpus, capsys):
     launched = {r.config for r in rows if not r.skip}
     if gpus == 8:  # every config, mesh configs included, launches somewhere
         assert launched == {p.stem for p in strategy_files()}
-    assert f"{sum(not r.skip for r in rows)} launches planned for {gpus} GPU(s)" in out
+    run = [r for r in rows if not r.skip]
+    assert f"{len(run)} rows planned for {gpus} GPU(s): {len(run) + sum(r.resume for r in run)} launches" in out
     assert all(r.resume for r in rows if r.recipe == "llama3_fft" and not r.skip)
 
 
@@ -46,7 +49,8 @@ def test_each_planned_launch_passes_the_toolkits_mesh_checks(gpus):
             config.setdefault("parallelism_config", {})[key] = int(value)
         # the recipe's own model where its real heads are the tiny one's concern too (Llama 3: 32 and 8 heads
         # split as its 4 and 1 do); SmolLM2's real 9 heads are not its tiny 4
-        check_mesh(config, path, row.recipe if row.recipe.startswith("llama3") and not row.recipe_flags else None)
+        own_model = "--model_name_or_path" not in row.recipe_flags
+        check_mesh(config, path, row.recipe if row.recipe.startswith("llama3") and own_model else None)
 
 
 def test_qlora_and_fp8_rows_follow_the_toolkits_refusals():
@@ -54,6 +58,103 @@ def test_qlora_and_fp8_rows_follow_the_toolkits_refusals():
     assert not rows[("single_gpu", "llama3_qlora")].skip
     assert "QLoRA trains under single_gpu.yaml or ddp.yaml" in rows[("fsdp2", "llama3_qlora")].skip
     assert "FP8 tensor cores" in rows[("fsdp2_fp8", "llama3_fft")].skip
+
+
+def setting(args, key: str):
+    return next(getattr(part, key) for part in (args.model, args.data, args.run, args.training) if hasattr(part, key))
+
+
+def test_rows_train_at_the_recipes_own_flags(capsys):
+    """Tiny mode shrinks the model and the run, and also sets training flags of its own (1 accumulation step, no
+    activation checkpointing, no LoRA dropout, its attention choice); a row sets them back to the recipe's. With
+    tiny mode's 1 accumulation step the pipeline configs ran 1 micro-batch on 2 stages, and gpu-check never met the
+    recipes' 4. Each planned row's flags, over tiny mode's training layer, give the recipe's own values (its
+    evaluation as it trains too), and the toolkit's parser accepts them."""
+    from toolkit.models.tiny import TINY_TRAINING
+    from toolkit.settings.parser import parse
+
+    own_keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
+                "lora_dropout", "attn_implementation", "eval_fraction", "generation_samples")  # fmt: skip
+
+    def tiny_training(values):  # the tiny layer's training settings, without building its model and data
+        return dict(TINY_TRAINING)
+
+    own = {name: parse(load_recipe(name), name, []) for name in gpu_check.RECIPES}
+    assert setting(parse(load_recipe("llama3_fft"), "llama3_fft", ["--tiny"], tiny_training),
+                   "gradient_accumulation_steps") == 1  # fmt: skip
+    rows = [r for r in gpu_check.plan_rows(8, fp8=True) if not r.skip]
+    assert {r.config for r in rows} >= {"pp", "pp_ddp", "tp", "zero3", "fsdp2"}
+    for row in rows:
+        flags = [f for f in row.recipe_flags if f not in ("--model_name_or_path", "{two_kv_heads}")]
+        tiny = parse(load_recipe(row.recipe), row.recipe, ["--tiny", *flags], tiny_training)
+        for key in own_keys:
+            if key != "lora_dropout" or setting(own[row.recipe], "use_lora"):
+                assert setting(tiny, key) == setting(own[row.recipe], key), (row.config, row.recipe, key)
+        if row.recipe.startswith("llama3"):  # 4 micro-batches through 2 pipeline stages, recomputed activations
+            assert setting(tiny, "gradient_accumulation_steps") == 4 and setting(tiny, "activation_checkpointing")
+    assert gpu_check.main(["--dry_run", "--gpus", "2", "--configs", "pp", "--recipes", "llama3_lora"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "--gradient_accumulation_steps 4" in line and "--lora_dropout 0.05" in line
+
+
+def test_without_a_gpu_the_sweep_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """On a machine without GPUs `make gpu-check` is one `error:` line (before: argparse's usage and its error;
+    with --gpus N, the rows launched and the table's device name ended in torch's AssertionError); so is asking
+    for more GPUs than there are."""
+    monkeypatch.setattr(gpu_check, "devices", lambda: (0, ""), raising=False)
+    monkeypatch.setattr(gpu_check, "run_row", lambda row, output: None)  # launch nothing, whatever happens
+    narrow = ["--configs", "ddp", "--recipes", "llama3_fft", "--no_bench", "--output", str(tmp_path)]
+    for argv in ([], ["--gpus", "2", *narrow]):
+        with pytest.raises(SystemExit) as stop:
+            gpu_check.main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "--dry_run --gpus N" in err[0], err
+    monkeypatch.setattr(gpu_check, "devices", lambda: (2, "Test GPU"))
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--gpus", "4", *narrow])
+    assert capsys.readouterr().err.startswith("error: --gpus 4, and this machine has 2 GPUs")
+
+
+@pytest.mark.parametrize(
+    ("flag", "names", "wrong"),
+    [("--configs", "ddp,ddpp", "ddpp"), ("--recipes", "llama3_fft,llama3_fftt", "llama3_fftt"),
+     ("--recipes", "bert", "bert")],
+)  # fmt: skip
+def test_unknown_names_are_one_error_line(flag, names, wrong, capsys):
+    """A misspelt config or recipe name planned 0 launches and passed (exit 0): now one line with the names gpu-check
+    knows (the files in accelerate_configs/, its decoder recipes in recipes/), exit 2."""
+    assert set(gpu_check.RECIPES) <= set(recipe_names())
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--dry_run", "--gpus", "2", flag, names])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"'{wrong}'" in err[0], err
+    known = [p.stem for p in strategy_files()] if flag == "--configs" else gpu_check.RECIPES
+    assert all(name in err[0] for name in known)
+
+
+def test_a_row_that_raises_is_a_failed_row_and_the_table_still_prints(monkeypatch, capsys, tmp_path):
+    """Whatever a row raises is that row's failure with its error, and the sweep goes on; interrupted (Ctrl-C), it
+    still prints its table and rows.jsonl holds every row that ran. Before, only a RuntimeError was a failed row:
+    anything else ended the sweep without a table."""
+    monkeypatch.setattr(gpu_check, "devices", lambda: (2, "Test GPU"), raising=False)
+
+    def launch(row, out, extra):
+        if row.config == "ddp":
+            raise ValueError("injected")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "launch", launch)
+    code = gpu_check.main(["--gpus", "2", "--configs", "ddp,zero2,zero3", "--recipes", "llama3_fft", "--no_bench",
+                           "--output", str(tmp_path)])  # fmt: skip
+    assert code == 130
+    out = capsys.readouterr().out
+    assert "| ddp | llama3_fft | 2 | failed: train: ValueError: injected |" in out
+    assert "| zero2 | llama3_fft | 2 | interrupted: train |" in out
+    assert "| zero3 | llama3_fft | 2 | not run: the sweep was interrupted |" in out
+    lines = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["status"]) for r in lines] == [("ddp", "failed: train"), ("zero2", "interrupted: train")]
 
 
 @pytest.mark.launch
@@ -67,3 +168,12 @@ def test_a_row_runs_for_real(tmp_path):
     assert row.answer
     table = gpu_check.table([row])
     assert "| ddp | llama3_fft | 2 | ok |" in table and "same losses" in table
+    # the model `toolkit generate` loads from the export holds the weights of the run's last checkpoint, each tensor
+    run = tmp_path / "ddp" / "llama3_fft" / "run"
+    saved = load_file(run / f"checkpoint-{gpu_check.STEPS}" / "model.safetensors")
+    assert row.reload == f"same weights ({len(saved)} tensors)" and f"same weights ({len(saved)} tensors)" in table
+    exported = load_file(run / "model.safetensors")  # the comparison is not vacuous: a changed tensor is told
+    name = sorted(exported)[-1]
+    save_file({**exported, name: exported[name] + 1e-2}, run / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(gpu_check.RowFailure, match=name):
+        gpu_check.check_reload(run, run / f"checkpoint-{gpu_check.STEPS}")

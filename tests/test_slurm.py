@@ -4,6 +4,8 @@ what the launcher would be given, and whether the job would be requeued."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 
 import pytest
 import yaml
@@ -102,3 +104,84 @@ def test_a_mesh_that_cannot_fit_the_nodes_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: the mesh sp=8 does not divide the job's 2 ")
     assert "MESH_FLAGS=--parallelism_config_<axis>_size=N" in result.stderr
+
+
+def node_env(tmp_path, **values):
+    """launch_node.sh's environment on one node, with `python` a stand-in that prints the launch it is given."""
+    python = tools(tmp_path / "bin", python=f'#!/bin/sh\nif [ "$3" = launch ]; then echo "$@"; exit 0; fi\n'
+                   f'exec {BIN / "python"} "$@"\n')  # fmt: skip
+    env = {"SLURM_NODEID": "0", "SLURM_NNODES": "1", "MAIN_ADDR": "127.0.0.1", "GPUS_PER_NODE": "2",
+           "SLURM_GPUS_ON_NODE": None, "MESH_FLAGS": None,
+           "PATH": f"{python}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    return {**env, **values}
+
+
+def run_launch_node(tmp_path, env):
+    return run_cmd([shutil.which("bash"), str(ROOT / "slurm" / "launch_node.sh"), str(ROOT / "accelerate_configs" /
+                    "ddp.yaml"), "recipes/llama3_fft.py"], cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+
+
+def test_launch_node_without_a_gpu_count_says_what_to_set(tmp_path):
+    """No GPUS_PER_NODE, no SLURM_GPUS_ON_NODE and no nvidia-smi (a CPU host, a login node): one line naming the
+    variable to set. Before, the failed `nvidia-smi | wc -l` under pipefail ended the script with 127 and nothing
+    said."""
+    only = tools(tmp_path / "only")  # PATH: grep and hostname, and no nvidia-smi
+    for name in ("grep", "hostname"):
+        (only / name).symlink_to(shutil.which(name))
+    result = run_launch_node(tmp_path, node_env(tmp_path, GPUS_PER_NODE=None, PATH=str(only)))
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: ") and "export GPUS_PER_NODE=" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [({"SLURM_NODEID": "2", "SLURM_NNODES": "2"}, "SLURM_NODEID=2"),  # counted from 1
+     ({"SLURM_NODEID": "-1", "SLURM_NNODES": "2"}, "SLURM_NODEID=-1"),
+     ({"SLURM_NODEID": "one", "SLURM_NNODES": "2"}, "SLURM_NODEID=one"),
+     ({"SLURM_NODEID": "0", "SLURM_NNODES": "0"}, "SLURM_NNODES=0"),
+     ({"SLURM_NODEID": "0", "SLURM_NNODES": "two"}, "SLURM_NNODES=two"),
+     ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE=0"),
+     ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE=eight")],
+)  # fmt: skip
+def test_launch_node_refuses_ids_and_counts_out_of_range(variables, named, tmp_path):
+    """A node id outside 0..SLURM_NNODES-1 (ids counted from 1, by hand), a node or GPU count that is not a positive
+    integer: one line naming the fix before anything starts. Before, SLURM_NODEID=N of N nodes was launched and
+    waited out the rendezvous (60 s) for a rank that no node has."""
+    result = run_launch_node(tmp_path, node_env(tmp_path, **variables))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: ") and named in result.stderr
+    if "SLURM_NODEID" in named:
+        assert "from 0 to 1" in result.stderr  # the ids of 2 nodes
+
+
+def test_launch_node_accepts_the_last_node_and_leading_zeros(tmp_path):
+    """Leading zeros are decimal (bash's arithmetic took 08 as a bad octal number)."""
+    result = run_launch_node(tmp_path, node_env(tmp_path, SLURM_NODEID="01", SLURM_NNODES="2", GPUS_PER_NODE="08"))
+    assert result.returncode == 0, result.stderr
+    assert "--num_processes 16 --machine_rank 1 " in result.stdout
+
+
+def test_arrays_expand_under_set_u_on_bash_before_4_4():
+    """bash before 4.4 (CentOS 7, Amazon Linux 2) takes an empty array's "${a[@]}" as unbound under set -u: every
+    first submission of finetune.sbatch (no --resume yet) died there. No bash that old is on this machine: this reads
+    the scripts for any array expansion not in the form safe since bash 4.2, ${a[@]+"${a[@]}"}."""
+    for script in sorted((ROOT / "slurm").iterdir()):
+        text = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
+        unguarded = re.sub(r'\$\{(\w+)\[@\]\+"\$\{\1\[@\]\}"\}', "", text)
+        assert not re.findall(r"\$\{\w+\[[@*]\]\}", unguarded), script
+
+
+@pytest.mark.parametrize("restarts", [None, "1"])
+def test_batch_script_passes_resume_only_on_a_requeue(restarts, tmp_path):
+    """The script under this machine's bash: the first submission passes the recipe flags alone, a requeued job
+    adds --resume auto."""
+    fake_bin = tools(tmp_path / "bin", scontrol="#!/bin/sh\necho node1\n", srun='#!/bin/sh\necho "$@"\n')
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_SUBMIT_DIR": str(ROOT),
+           "SLURM_RESTART_COUNT": restarts}  # fmt: skip
+    result = run_cmd(["bash", str(ROOT / "slurm" / "finetune.sbatch"), "accelerate_configs/ddp.yaml",
+                      "recipes/bert.py", "--max_steps", "5"], cwd=tmp_path, env=env, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    resume = " --resume auto" if restarts else ""
+    assert result.stdout.strip().endswith(f"recipes/bert.py --max_steps 5{resume}"), result.stdout
