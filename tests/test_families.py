@@ -271,7 +271,8 @@ def test_a_family_with_layers_that_differ_plans_and_trains(family, tmp_path, cap
     shape = Shape.of(model, config)
     expected_attention = {"mamba": 0, "jamba": 2, "gemma3n": 2, "qwen3_next": 1}[family]
     assert shape.attention_layers == expected_attention
-    parameters = shape.total - shape.lookups  # the 6N part; attention's own term only for attention layers
+    parameters = shape.active - shape.lookups  # the 6N part (routed experts: those a token passes through);
+    # attention's own term only for attention layers
     assert training_flops_per_token(shape, 64) == 6 * parameters + 12 * expected_attention * 64 * 64
     assert plan([str(folder), "--gpus", "1", "--gpu", "H100-80GB", "--task", "sft"]) == 0
     out = capsys.readouterr().out

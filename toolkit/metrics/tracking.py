@@ -8,7 +8,8 @@ Every rank computes the same figures; rank 0's are logged. Over each logging int
   samples_per_second  rows of this rank's micro-batches x processes (accelerate gives every rank equal batches)
   step_seconds        training seconds / optimizer steps
   mfu                 model FLOPs per token x tokens/s / (devices x dense peak FLOP/s of one device), where
-                      FLOPs per token = 6 N_trainable + 4 N_frozen + 12 L H T at T = tokens per row
+                      FLOPs per token = 6 N_trainable + 4 N_frozen + 12 L H T at T = tokens per row, N the
+                      parameters a token passes through (an MoE's shared and k of E routed experts)
                       (planner.training_flops_per_token; PaLM appendix B). Only with a known peak.
   data_wait_share     share of the training time spent waiting for the next batch
   peak_memory_gib     GPU: torch.cuda.max_memory_allocated; CPU: the process's peak resident set

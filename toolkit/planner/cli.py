@@ -139,6 +139,8 @@ def build_plan(args) -> dict:
             "total": shape.total,
             "trainable": shape.trainable,
             "frozen": shape.frozen,
+            "active_per_token": shape.active,  # a mixture of experts: less the routed experts a token skips
+            "routing": shape.routing,
             "largest_module": shape.largest_module,
             "largest_fsdp_unit": shape.largest_unit,
         },  # fmt: skip
@@ -167,7 +169,8 @@ def render(plan: dict) -> str:
         f"model       {plan['model']}"
         + (f"  (recipe {plan['recipe']})" if plan["recipe"] else f"  (task {plan['task']})"),
         f"parameters  {p['total']:,} total, {p['trainable']:,} trainable, {p['frozen']:,} frozen; "
-        f"largest module {p['largest_module']:,}",
+        + (f"{p['active_per_token'] / 1e9:.3g}B active per token ({p['routing']}); " if p.get("routing") else "")
+        + f"largest module {p['largest_module']:,}",
         f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
         f"{int(h['headroom'] * 100)}% headroom",
         f"workload    {w['precision']}{', fp32 master weights' if w['master_weights'] else ''}, {w['optimizer']}, "
@@ -181,7 +184,9 @@ def render(plan: dict) -> str:
         d = plan["data"]
         lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x "
                      f"{d['tokens_per_sample']:,.0f} tokens ({d['tokens_source']}); {plan['flops_per_token']:.3g} "
-                     "training FLOPs per token")  # fmt: skip
+                     "training FLOPs per token"
+                     + (f", of the {p['active_per_token'] / 1e9:.3g}B parameters active per token" if p.get("routing")
+                        else ""))  # fmt: skip
     lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"

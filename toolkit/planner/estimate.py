@@ -110,15 +110,18 @@ def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95)
 def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = False) -> float:
     """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
     to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
-    appendix B: 6N + 12LHQT). Embedding tables that are only looked up cost nothing (a tied output head's
-    weights count as the head's matmul), as in torchtitan's MFU. `reference`: DPO's forward of the reference
-    model too (2N + 4LHT)."""
+    appendix B: 6N + 12LHQT). N counts the parameters a token passes through: in a mixture of experts the shared
+    ones and the k of E routed experts it is sent to (Shape.inactive: the rest), as Switch Transformer / Mixtral
+    count FLOPs by active parameters; a frozen weight LoRA adapts in place (Shape.merged_frozen) has its gradient
+    computed (6), the factors of that update multiply once per forward pass, not per token (none counted). Embedding
+    tables that are only looked up cost nothing (a tied output head's weights count as the head's matmul), as in
+    torchtitan's MFU. `reference`: DPO's forward of the reference model too (2N + 4LHT)."""
     layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
     attention = 12 * layers * shape.hidden_size * seq_length
-    trainable = shape.trainable - shape.lookups_trainable
-    frozen = shape.frozen - (shape.lookups - shape.lookups_trainable)
-    flops = 6 * trainable + 4 * frozen + attention
-    return flops + (2 * (shape.total - shape.lookups) + attention / 3 if reference else 0)
+    trainable = shape.trainable - shape.lookups_trainable - shape.inactive_trainable - shape.merged_adapters
+    frozen = shape.frozen - (shape.lookups - shape.lookups_trainable) - (shape.inactive - shape.inactive_trainable)
+    flops = 6 * trainable + 4 * frozen + 2 * shape.merged_frozen + attention
+    return flops + (2 * (shape.active - shape.lookups) + attention / 3 if reference else 0)
 
 
 @dataclass(frozen=True)
@@ -181,12 +184,13 @@ def assumed_mfu(layout: Layout, micro_batches: int = 1) -> float:
 def sized_pipeline(layout: Layout, shape: Shape, work: Workload, gpus_per_node: int, nodes: int,
                    budget: float) -> Layout | None:  # fmt: skip
     """A pipeline config sized for the job, as a launch sizes it (settings/mesh.py's job_mesh; the stage count by
-    --parallelism_config_pp_size): the fewest stages that divide the layers and the devices and fit `budget`, else
+    --parallelism_config_pp_size): the fewest stages that divide the blocks and the devices and fit `budget`, else
     the most; replicas filling the rest. One pipeline (pp.yaml: no replicas) only where the stages are the devices,
     replicated ones (pp_ddp.yaml) only with two replicas or more. None where no stage count can."""
     world = gpus_per_node * nodes
     replicated = layout.ddp
-    counts = [n for n in range(2, shape.num_layers + 1) if shape.num_layers % n == 0 and world % n == 0
+    blocks = shape.blocks or shape.num_layers
+    counts = [n for n in range(2, blocks + 1) if blocks % n == 0 and world % n == 0
               and (world // n >= 2 if replicated else n == world)]  # fmt: skip
     sized = [Layout.pipeline(layout.name, n, layout.pipeline_schedule, world // n) for n in counts]
     for candidate in sized:

@@ -53,13 +53,29 @@ class Shape:
     # Where the parameters sit, for pipeline stages (stage): in the layer list, all layers together, and in the input
     # embeddings (the first stage's); the rest (final norm, head) is the last stage's.
     layers_params: int = 0
+    blocks: int = 0  # the layer list's length, which stages divide (LongCat-Flash: half its num_hidden_layers)
     layers_trainable: int = 0
     input_params: int = 0
     input_trainable: int = 0
+    # A mixture of experts: the routed experts' parameters a token is not sent to, (E - k) / E of them (all held in
+    # memory, none multiplied for that token), the trainable ones apart; and how it routes, for the plan's lines.
+    inactive: int = 0
+    inactive_trainable: int = 0
+    routing: str = ""
+    # LoRA on a parameter itself (peft's ParamWrapper: what "all-linear" does to fused experts): the frozen weight is
+    # multiplied as W + B A, whose gradient is computed, so its active part costs 6 FLOPs a token, not 4; the adapter
+    # factors multiply once per forward pass into B A (not per token): none per token.
+    merged_frozen: int = 0
+    merged_adapters: int = 0
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
+
+    @property
+    def active(self) -> int:
+        """Parameters a token passes through: all but the routed experts it is not sent to."""
+        return self.total - self.inactive
 
     def stage(self, stage: int, stages: int) -> Shape:
         """The part of the model pipeline stage `stage` of `stages` holds: an equal share of the layers, with the
@@ -74,7 +90,12 @@ class Shape:
             total=self.layers_params // stages + first * self.input_params + last * rest,
             trainable=self.layers_trainable // stages + first * self.input_trainable + last * rest_trainable,
             num_layers=self.num_layers // stages,
+            blocks=self.blocks // stages,
             attention_layers=None if self.attention_layers is None else self.attention_layers // stages,
+            inactive=self.inactive // stages,
+            inactive_trainable=self.inactive_trainable // stages,
+            merged_frozen=self.merged_frozen // stages,
+            merged_adapters=self.merged_adapters // stages,
             lookups=self.lookups if first else 0,
             lookups_trainable=self.lookups_trainable if first else 0,
             quantizable=self.quantizable // stages,
@@ -109,6 +130,12 @@ class Shape:
                   for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
         norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
         layer_list = max(blocks, key=len, default=[])
+        experts = routed_experts(model, text)
+        if any(k is None for _, _, k in experts):
+            notes.append("experts per token not found: FLOPs count every expert")
+        idle = {id(p): p.numel() * max(0, n - k) // n for params, n, k in experts if k is not None for p in params}
+        merged = [m for m in model.modules() if hasattr(m, "get_param") and hasattr(m, "lora_A")]  # peft's ParamWrapper
+        merged_frozen = {id(p): p for p in (m.get_param() for m in merged) if not p.requires_grad}.values()
         in_layers = {id(p): p for m in layer_list for p in m.parameters()}.values()
         inputs = model.get_input_embeddings().weight
         return cls(
@@ -147,10 +174,52 @@ class Shape:
             ),  # fmt: skip
             conservative="; ".join(notes),
             layers_params=sum(p.numel() for p in in_layers),
+            blocks=len(layer_list),
             layers_trainable=sum(p.numel() for p in in_layers if p.requires_grad),
             input_params=inputs.numel(),
             input_trainable=inputs.numel() if inputs.requires_grad else 0,
+            inactive=sum(idle.values()),
+            inactive_trainable=sum(idle[id(p)] for p in params if id(p) in idle and p.requires_grad),
+            merged_frozen=sum(p.numel() - idle.get(id(p), 0) for p in merged_frozen),
+            merged_adapters=sum(
+                p.numel() for m in merged for f in (m.lora_A, m.lora_B) for p in f.parameters() if p.requires_grad
+            ),
+            routing="; ".join(sorted({f"{k} of {n} routed experts" for _, n, k in experts if k and k < n})),
         )
+
+
+def routed_experts(model: torch.nn.Module, config) -> list[tuple[list[torch.nn.Parameter], int, int | None]]:
+    """Each set of routed experts on the model: (its parameters, experts, experts each token is routed to; None
+    where not found). Two layouts: transformers 5's fused experts, one module whose 3-D parameters stack the
+    experts (`num_experts` of them along the first axis, the attribute transformers' experts kernels read), and the
+    per-expert layout, a ModuleList (ModuleDict) named `experts`, one MLP each (LoRA adapters inside included).
+    Experts per token: the `top_k` its MoE block or that block's router routes with, else the config's
+    `num_experts_per_tok`. Shared experts and the router are no part of these: every token passes through them."""
+    found, seen, names = [], set(), dict(model.named_modules())
+    for name, module in names.items():
+        count = getattr(module, "num_experts", None)
+        fused = isinstance(count, int) and any(
+            p.ndim == 3 and p.shape[0] == count for p in module.parameters(recurse=False))  # fmt: skip
+        listed = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) and name.rsplit(".", 1)[-1] == "experts"
+        if not (fused or listed and len(module) > 1):
+            continue
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            outer = name.removesuffix(".base_layer.base_layer").removesuffix(".base_layer")  # past peft's wrappers
+            block = names[outer.rsplit(".", 1)[0]] if "." in outer else model
+            found.append((params, count if fused else len(module), experts_per_token(block, config)))
+    return found
+
+
+def experts_per_token(block: torch.nn.Module, config) -> int | None:
+    """The k of an MoE block's top-k routing: its own or its router's (a child's) `top_k`, else the config's."""
+    for module in (block, *block.children()):
+        for attribute in ("top_k", "num_experts_per_tok"):
+            if isinstance(value := getattr(module, attribute, None), int) and value > 0:
+                return value
+    value = getattr(config, "num_experts_per_tok", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def largest(value, name: str, notes: list[str]) -> int | None:
