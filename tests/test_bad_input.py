@@ -37,6 +37,8 @@ def chats(bad: list) -> str:
 
 FILES = {  # name -> text; written once per module into `files`
     "empty.jsonl": "",
+    "header_only.csv": "text,label\n",
+    "empty_list.json": "[]\n",
     "truncated.jsonl": jsonl([{"text": "a fine film", "label": 1}]) + '{"text": "a dull fi',
     "data.txt": "a fine film\n",
     "sentences.jsonl": jsonl([{"sentence": "a fine film", "label": 1}] * 4),
@@ -172,6 +174,11 @@ RUNS = [
     ("best-metric", "bert", ["--metric_for_best_model", "f1"], "--metric_for_best_model loss"),
     ("attention-name", "bert", ["--attn_implementation", "fast"], "--attn_implementation sdpa"),
     ("flash-attention-missing", "llama3_fft", ["--attn_implementation", "flash_attention_2"], "pip install flash-attn"),
+    ("flash-attention-3-missing", "llama3_fft", ["--attn_implementation", "flash_attention_3"], "vllm-flash-attn3"),
+    ("flash-attention-4-missing", "llama3_fft", ["--attn_implementation", "flash_attention_4"], "flash-attn-4"),
+    ("hub-kernel-missing", "llama3_fft", ["--attn_implementation", "kernels-community/flash-attn2"], "install kernels"),
+    ("compile-backend", "llama3_fft", ["--torch_compile_backend", "inductorr"], "--torch_compile_backend inductor"),
+    ("compile-mode", "llama3_fft", ["--torch_compile_mode", "fastest"], "pass --torch_compile_mode default"),
     (
         "sdpa-unsupported",
         "llama3_fft",
@@ -192,8 +199,11 @@ RUNS = [
     ("merge-without-lora", "bert", ["--merge_lora", "true"], "set use_lora true"),
     ("packing-classification", "bert", ["--packing", "true"], "drop it"),
     ("other-recipes-folder", "bert", ["--output_dir", "{trained:llama3_fft}"], "another --output_dir"),
+    ("resume-other-recipe", "llama3_lora", ["--resume", "{trained:llama3_fft}/checkpoint-4"], "recipe llama3_fft"),
     ("data-missing", "bert", ["--dataset_name", "{missing.jsonl}"], "pass an existing path with --dataset_name"),
     ("data-empty", "bert", ["--dataset_name", "{empty.jsonl}"], "point --dataset_name at a file with rows"),
+    ("data-header-only", "bert", ["--dataset_name", "{header_only.csv}"], "point --dataset_name at a file with rows"),
+    ("data-empty-list", "bert", ["--dataset_name", "{empty_list.json}"], "point --dataset_name at a file with rows"),
     ("data-truncated", "bert", ["--dataset_name", "{truncated.jsonl}"], "fix that row"),
     ("data-format", "bert", ["--dataset_name", "{data.txt}"], "use one of"),
     ("data-folder-without-files", "bert", ["--dataset_name", "{no_data_files}"], "folder of .csv, .json"),
@@ -222,8 +232,9 @@ RUNS = [
 def fill(flags: list[str], files: dict[str, str], trained: dict[str, Path]) -> list[str]:
     out = []
     for flag in flags:
-        if flag.startswith("{trained:"):
-            flag = str(trained[flag[9:-1]])
+        if flag.startswith("{trained:"):  # a trained folder, or a path inside it: {trained:bert}/checkpoint-4
+            name, _, inside = flag[9:].partition("}")
+            flag = str(trained[name]) + inside
         elif flag.startswith("{"):
             flag = files[flag[1:-1]]
         out.append(flag)
@@ -371,6 +382,76 @@ def test_liger_on_a_gpu_without_its_package_names_the_extra(monkeypatch, tmp_pat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else found(name))
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[liger\]'"):
         check_training(training)
+
+
+def test_a_hub_id_without_the_push_is_one_warning(capsys):
+    """--hub_model_id alone pushes nothing: said in one line, with the flag that would."""
+    from toolkit.settings.parser import parse
+
+    parse(BERT, "bert", ["--hub_model_id", "me/bert-sst2"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and "--push_to_hub true" in lines[0] and "me/bert-sst2" in lines[0], lines
+    parse(BERT, "bert", [])
+    assert "hub_model_id" not in capsys.readouterr().err
+
+
+def test_a_compile_backend_or_mode_turns_compile_on_and_off_is_off():
+    """transformers' rule: a backend or a mode asks for compile, which `auto` would have turned off on a CPU while
+    the Trainer still handed the backend to accelerate (the model compiled under a header saying "off")."""
+    from toolkit.settings.compile import set_compile
+    from toolkit.settings.parser import parse
+
+    assert parse(LLAMA3_FFT, "llama3_fft", ["--torch_compile_backend", "eager"]).torch_compile is True
+    assert parse(LLAMA3_FFT, "llama3_fft", ["--torch_compile_mode", "default"]).torch_compile is True
+    args = parse(LLAMA3_FFT, "llama3_fft", ["--torch_compile", "false", "--torch_compile_backend", "eager"])
+    assert args.torch_compile is False
+    set_compile(args.training, False)
+    assert args.training.torch_compile_backend is None and args.training.torch_compile_mode is None
+
+
+def test_flash_attention_comes_from_the_hub_on_a_gpu_with_kernels(monkeypatch):
+    """Without its package, transformers loads FlashAttention's kernel from the Hub through `kernels`: taken on a GPU,
+    refused without one (this machine has neither, so `kernels` is faked)."""
+    import transformers.utils
+
+    from toolkit.errors import ConfigError
+    from toolkit.models.attention import check_installed
+
+    monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda: True)
+    check_installed("flash_attention_3", on_gpu=True)
+    check_installed("kernels-community/flash-attn2", on_gpu=False)
+    with pytest.raises(ConfigError, match="needs FlashAttention 3 .* and a GPU"):
+        check_installed("flash_attention_3", on_gpu=False)
+
+
+def owned_checkpoint(folder: Path, owner: dict) -> Path:
+    folder.mkdir(parents=True)
+    record = {"engine": "replicated", "pipeline_stages": 1, "world_size": 1, "global_batch_size": 8}
+    (folder / "toolkit_run.json").write_text(json.dumps({**owner, **record}))
+    return folder
+
+
+def test_a_checkpoint_of_another_model_is_not_resumed(files, tmp_path):
+    """The checkpoint's recipe and model (toolkit_run.json), or without that record its config.json's architecture
+    against the model's: refused before any weight loads, where the optimizer's groups would fail to match."""
+    from transformers import LlamaConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import check_resumable
+
+    def resumable(checkpoint: Path, model: str) -> str:
+        return check_resumable(checkpoint, "replicated", 1, 8, 1, {"recipe": "llama3_fft", "model": model})
+
+    owned = owned_checkpoint(tmp_path / "owned" / "checkpoint-4", {"recipe": "llama3_fft", "model": "/models/a"})
+    assert resumable(owned, "/models/a") == ""
+    with pytest.raises(ConfigError, match="model /models/a.*pass --model_name_or_path /models/a"):
+        resumable(owned, "/models/b")
+    plain = tmp_path / "plain" / "checkpoint-4"  # a plain Trainer's: no toolkit_run.json, its config.json
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(plain)  # fmt: skip
+    with pytest.raises(ConfigError, match="model_type llama.*gemma2"):
+        resumable(plain, files["gemma2"])
+    assert resumable(plain, str(plain)) == ""  # the same architecture
 
 
 def test_dtype_aliases_people_type_are_accepted():

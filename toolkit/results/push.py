@@ -1,11 +1,13 @@
 """`python -m toolkit push RUN --repo_id ORG/NAME`: the run's export to the Hugging Face Hub, with its card.
 
 What goes: the weights (safetensors, sharded or whole; for LoRA the adapter, or with --merged the merged model), the
-config, the tokenizer and its chat template, the card (README.md, written now if the run has none), its loss curve
-and the evaluation (eval_results.json). Not the checkpoints, the run's logs, rank reports or staging folders. By
-`huggingface_hub`'s upload API: the repository made if need be (private unless --private false), one commit on
---revision (a branch, made if need be); large files go as LFS uploads the Hub deduplicates, so a push cut short
-uploads again only what had not arrived. The local folder is only read.
+config, the tokenizer and its chat template, the card with its loss curve, and the evaluation (eval_results.json).
+The card is the run's README.md as it is (edited by hand or not); a run without one, and the merged model (a full
+model, not the adapter the run's card describes), get one made in a temporary folder. Not the checkpoints, the
+run's logs, rank reports or staging folders. By `huggingface_hub`'s commit API: the repository made if need be
+(private unless --private false), one commit on --revision (a branch, made if need be); large files go as LFS
+uploads the Hub deduplicates, so a push cut short uploads again only what had not arrived. The run's folder is only
+read, whether the push succeeds or fails.
 
 Refused in one line, naming the fix: no token, a repository id the Hub would refuse, a Hub that cannot be reached,
 a namespace the token cannot write to. `--push_to_hub true --hub_model_id ORG/NAME` at the end of a run does the
@@ -15,14 +17,17 @@ same from rank 0 (the Trainer's own pushes during training are left off: one pus
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, command
+from ..metrics.samples import EVAL_FILE
+from .card import CARD, CURVE, write_card
+from .record import check_export
 
 MODEL_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                "adapter_config.json", "tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model",
                "chat_template.jinja", "added_tokens.json"]  # fmt: skip
-RUN_FILES = ["README.md", "loss_curve.png", "eval_results.json"]  # the run's own, from its output folder
 
 
 class PushError(ConfigError):
@@ -56,50 +61,52 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
-def files_to_push(folder: Path, merged: bool) -> tuple[Path, list[str]]:
-    """The folder whose model files go up (the run's, or its merged/ for --merged) and its patterns."""
-    if merged:
-        if not (folder / "merged" / "config.json").is_file():
-            raise PushError(f"{folder} has no merged model: train with --merge_lora true, or push the adapter (drop "
-                            "--merged).")  # fmt: skip
-        return folder / "merged", MODEL_FILES
-    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json",
-                                                       "adapter_model.safetensors")):  # fmt: skip
-        raise PushError(f"{folder} holds no exported weights (no model.safetensors, index or adapter): pass a finished "
-                        "run's --output_dir.")  # fmt: skip
-    return folder, MODEL_FILES + RUN_FILES
+def files_to_push(folder: Path, merged: bool, scratch: Path) -> dict[str, Path]:
+    """Each file to upload by its name in the repository: the model's (the run's, or its merged/ for --merged),
+    the evaluation, and the card with its curve: the run's own as they are, or, for a run without a card and for
+    the merged model, made in `scratch`."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    model_folder = folder / "merged" if merged else folder
+    if merged and not (model_folder / "config.json").is_file():
+        raise PushError(f"{folder} has no merged model: train with --merge_lora true, or push the adapter (drop "
+                        "--merged).")  # fmt: skip
+    check_export(model_folder)
+    files = {path.name: path for path in filter_repo_objects(sorted(model_folder.iterdir()), allow_patterns=MODEL_FILES,
+                                                             key=lambda path: path.name) if path.is_file()}  # fmt: skip
+    card_folder = folder if (folder / CARD).is_file() and not merged else scratch
+    if card_folder == scratch:
+        write_card(folder, into=scratch, merged=merged)
+    files.update({name: card_folder / name for name in (CARD, CURVE) if (card_folder / name).is_file()})
+    if (folder / EVAL_FILE).is_file():
+        files[EVAL_FILE] = folder / EVAL_FILE
+    return files
 
 
 def push(folder: str | Path, repo_id: str, private: bool = True, revision: str | None = None,
          merged: bool = False) -> str:  # fmt: skip
-    """Upload the run's model and card; returns the commit's URL. Raises PushError with the fix."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
-    from .card import CARD, write_card
-
+    """Upload the run's model and card in one commit; returns the commit's URL. Raises PushError with the fix."""
     folder = Path(folder)
     token = check_push(repo_id)
-    model_folder, patterns = files_to_push(folder, merged)
-    if not (folder / CARD).is_file() or merged:
-        write_card(folder)
+    with tempfile.TemporaryDirectory(prefix="toolkit-push-") as scratch:  # the cards the push makes: not the run's
+        return upload(folder, files_to_push(folder, merged, Path(scratch)), repo_id, token, private, revision)
+
+
+def upload(folder: Path, files: dict[str, Path], repo_id: str, token: str, private: bool,
+           revision: str | None) -> str:  # fmt: skip
+    """One commit of `files` (name in the repository: local path), its refusals one PushError each."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
     where = os.environ.get("HF_ENDPOINT") or "huggingface.co"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=model_folder,
-            allow_patterns=patterns,
-            ignore_patterns=["checkpoint-*/**", "merged/**", ".staging/**"],
-            revision=revision,
-            commit_message=f"Upload {folder.name} (finetune-recipes)",
-        )
-        if model_folder != folder:  # the merged model's card and the run's own files, from the run's folder
-            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=RUN_FILES,
-                                       revision=revision, commit_message="Model card and evaluation")  # fmt: skip
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+        commit = api.create_commit(repo_id, operations, revision=revision,
+                                   commit_message=f"Upload {folder.name} (finetune-recipes)")  # fmt: skip
     except HfHubHTTPError as error:
         status = getattr(error.response, "status_code", None)
         if status == 401:

@@ -8,7 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..metrics.samples import EVAL_FILE, SUMMARY
+from ..metrics.samples import EVAL_FILE
+from ..outputs import SUMMARY
+
+# A run's exported weights (an adapter, or every weight, whole or sharded), each with its config
+EXPORTS = {"adapter_model.safetensors": "adapter_config.json", "model.safetensors": "config.json",
+           "model.safetensors.index.json": "config.json"}  # fmt: skip
+
+
+def check_export(folder: Path) -> None:
+    """The model a run exported (a LoRA adapter, or every weight), with its config, before anything uses it."""
+    if not any((folder / weights).is_file() and (folder / config).is_file() for weights, config in EXPORTS.items()):
+        raise ConfigError(f"{folder} holds no exported model (model.safetensors or its index with config.json, or "
+                          "adapter_model.safetensors with adapter_config.json): pass the --output_dir of a run that "
+                          "finished (a stopped run exports once `--resume auto` finishes it), or restore its "
+                          "files.")  # fmt: skip
 
 
 @dataclass

@@ -15,15 +15,15 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn
 from ..project import recipe_writing
+from .compile import asks_for_compile, check_backend_and_mode
 from .mesh import data_parallel_replicas
 from .tasks import task
 
 # What people type for a dtype, and the name torch and transformers use.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 NULLS = ("none", "null", "")  # how a command line says "unset" for an optional setting
 # SFT row formats (data/formats.py reads each), in the order they are detected from a data set's columns.
 DATA_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -55,6 +55,18 @@ def at_least(name: str, value: float | None, low: float, fix: str = "") -> None:
         raise ConfigError(f"{name} must be at least {low:g}, got {value:g}{fix}.")
 
 
+def check_attention_name(name: str) -> None:
+    """--attn_implementation: `auto` (the toolkit's choice), or a name transformers takes: eager, one in its registry
+    of attention functions (AttentionInterface, custom ones registered included), or a Hub kernel (org/name)."""
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in known and not is_kernel(name):
+        raise ConfigError(f"attn_implementation '{name}' is not one of {', '.join(known)}, nor a Hub kernel "
+                          "(org/name): pass --attn_implementation sdpa, for example.")  # fmt: skip
+
+
 def looks_like_path(name: str) -> bool:
     """A local path, not a Hub id ("org/name"): it starts like one, or has more than one '/'."""
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).suffix in (".json",
@@ -68,8 +80,9 @@ class ModelArguments:
     attn_implementation: str | None = field(
         default="auto",
         metadata={
-            "help": "auto, eager, sdpa, flash_attention_2, flex_attention. auto: packed rows on a GPU get "
-            "flash-attn's varlen path where installed, else flex attention; other runs sdpa (docs/recipes.md)."
+            "help": "auto, eager, sdpa, flex_attention, flash_attention_2 (3, 4), a Hub kernel (org/name). auto: "
+            "packed rows on a GPU get flash-attn's varlen path where installed, else flex attention; other runs "
+            "sdpa (docs/recipes.md)."
         },
     )
     attention_note: str = field(default="", init=False, repr=False)  # why auto chose: the run's header
@@ -115,10 +128,8 @@ class ModelArguments:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)} (bf16, fp16 and fp32 work too): "
                               "pass --dtype bfloat16, for example.")  # fmt: skip
-        attention = self.attn_implementation
-        if attention is not None and attention not in ATTENTION and "/" not in attention:  # "/": a Hub kernel
-            raise ConfigError(f"attn_implementation '{attention}' is not one of {', '.join(ATTENTION)}: pass "
-                              "--attn_implementation sdpa, for example.")  # fmt: skip
+        if self.attn_implementation not in (None, "auto"):
+            check_attention_name(self.attn_implementation)
         at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")
@@ -403,6 +414,7 @@ def check_training(training: TrainingArguments) -> None:
     if str(training.save_strategy) in ("steps", "SaveStrategy.STEPS") and training.save_steps <= 0:
         raise ConfigError(f"save_strategy steps with save_steps {training.save_steps:g} never saves: pass "
                           "--save_steps N.")  # fmt: skip
+    check_backend_and_mode(training.torch_compile_backend, training.torch_compile_mode)
 
 
 def check_together(data: DataArguments, run: RunArguments, training: TrainingArguments) -> None:
@@ -420,6 +432,10 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
     if metric is not None and metric.removeprefix("eval_") not in known:
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
                           f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
+    if training.hub_model_id and not training.push_to_hub:
+        warn(f"hub_model_id {training.hub_model_id} without push_to_hub: the model will not be pushed. Add "
+             f"--push_to_hub true to push it at the end, or push the finished run with `python -m toolkit push "
+             f"{training.output_dir} --repo_id {training.hub_model_id}`.")  # fmt: skip
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, PreferenceArguments, RunArguments, TrainingArguments)
@@ -459,6 +475,10 @@ class Arguments:
     compile_note: str = ""  # why auto chose, for the header
     # --push_to_hub: (repo id, private, revision), pushed once at the end (the Trainer's own pushes left off)
     hub_push: tuple[str, bool, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.torch_compile = asks_for_compile(self.torch_compile, self.training.torch_compile_backend,
+                                              self.training.torch_compile_mode)  # fmt: skip
 
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""

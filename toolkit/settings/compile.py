@@ -37,8 +37,41 @@ def choose_compile(setting: bool | str, *, fp8: bool, on_gpu: bool, processes: i
     return False, "auto: not yet measured faster for this setting (make gpu-check measures it)"
 
 
+def asks_for_compile(setting: bool | str, backend: str | None, mode: str | None) -> bool | str:
+    """--torch_compile as asked: a backend or a mode given beside `auto` asks for compile (transformers' rule), which
+    auto would otherwise turn off on a CPU."""
+    return True if setting == AUTO and (backend is not None or mode is not None) else setting
+
+
+def check_backend_and_mode(backend: str | None, mode: str | None) -> None:
+    """--torch_compile_backend and --torch_compile_mode, which fail only once the Trainer builds accelerate's plugin or
+    compiles the model: the backend one that accelerate passes on (DynamoBackend) and torch registers here, the mode
+    one of inductor's."""
+    if backend is not None:
+        import torch._dynamo
+        from accelerate.utils import DynamoBackend
+
+        registered = set(torch._dynamo.list_backends(exclude_tags=None))
+        known = [b.value.lower() for b in DynamoBackend if b.value.lower() in registered]
+        if backend not in known:
+            raise ConfigError(f"torch_compile_backend '{backend}' is not one torch.compile has here through accelerate "
+                              f"({', '.join(known)}): pass --torch_compile_backend inductor, or leave it "
+                              "unset.")  # fmt: skip
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        if mode not in list_mode_options():
+            raise ConfigError(f"torch_compile_mode '{mode}' is not one of torch.compile's modes "
+                              f"({', '.join(list_mode_options())}): pass --torch_compile_mode default, or leave it "
+                              "unset.")  # fmt: skip
+
+
 def set_compile(training, on: bool) -> None:
-    """TrainingArguments' compile switch after its __post_init__: the backend it would have defaulted to."""
+    """TrainingArguments' compile switch after its __post_init__: the backend it would have defaulted to; off, no
+    backend or mode either (the Trainer hands a backend to accelerate, which compiles with it whatever torch_compile
+    says)."""
     training.torch_compile = on
     if on and training.torch_compile_backend is None:
         training.torch_compile_backend = "inductor"
+    if not on:
+        training.torch_compile_backend = training.torch_compile_mode = None
