@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import BIN, ROOT, assert_updates_agree, check, free_port, rank_reports, run_cmd
 from safetensors.torch import load_file
-from transformers import FalconConfig, GPTNeoXConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, FalconConfig, GPTNeoXConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from toolkit.errors import ConfigError
 from toolkit.models.pipeline import bubble, check_pipeline, micro_batches_in_flight
@@ -22,11 +22,16 @@ from toolkit.planner.memory import Workload, plan_memory, stage_memory
 from toolkit.planner.shape import Shape
 
 # 4 optimizer steps of 4 micro-batches (the schedule's) x 2 rows; an evaluation and greedy answers at steps 2 and 4;
-# checkpoints every 2 steps; the recipe's bf16 weights and compute with fp32 masters.
+# checkpoints every 2 steps; the recipe's bf16 weights and compute with fp32 masters, and its activation
+# checkpointing (tiny mode turns it off).
 FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "1", "--gradient_accumulation_steps",
          "4", "--eval_fraction", "0.1", "--eval_strategy", "steps", "--eval_steps", "2", "--generation_samples", "2",
          "--generation_max_new_tokens", "8", "--save_strategy", "steps", "--save_steps", "2", "--record_rank_reports",
-         "true", "--bf16", "true", "--dtype", "bfloat16"]  # fmt: skip
+         "true", "--bf16", "true", "--dtype", "bfloat16", "--activation_checkpointing", "true"]  # fmt: skip
+# One epoch of 18 rows, 8 a step: windows of 4, 4 and 1 micro-batch(es) (2 rows each in one process, 1 on each of
+# two replicas); the last, shorter than the 2 stages 1F1B needs, runs as GPipe. No clipping: the norm is logged.
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+EPOCH = ["--max_steps", "-1", "--num_train_epochs", "1", "--max_train_samples", "18", "--max_grad_norm", "0"]
 
 
 def toolkit_launch(config: str, recipe: str, *args: str, cwd: Path, processes: int):
@@ -36,9 +41,9 @@ def toolkit_launch(config: str, recipe: str, *args: str, cwd: Path, processes: i
                    cwd=cwd)  # fmt: skip
 
 
-def one_process_run(recipe: str, out: Path) -> Path:
+def one_process_run(recipe: str, out: Path, *flags: str) -> Path:
     check(run_cmd([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *FLAGS, "--per_device_train_batch_size", "2",
-                   "--output_dir", str(out)], cwd=out.parent))  # fmt: skip
+                   *flags, "--output_dir", str(out)], cwd=out.parent))  # fmt: skip
     return out
 
 
@@ -80,6 +85,7 @@ def test_two_stages_match_one_process(one_process, two_stages):
     out, stdout = two_stages
     assert "sharding      pipeline, 2 stages (1F1B)\n" in stdout
     assert "mesh          pp=2\n" in stdout
+    assert "schedule      1F1B, 4 micro-batch(es) a step over 2 stages: bubble 25%; a shorter window" in stdout
     assert "x 4 accumulation x 1 data-parallel replicas = 8 global" in stdout
 
     (reference,) = rank_reports(one_process)
@@ -87,7 +93,15 @@ def test_two_stages_match_one_process(one_process, two_stages):
     assert ranks[0]["rows"] == ranks[1]["rows"] == reference["rows"]
     for rank in ranks:
         assert rank["losses"] == pytest.approx(reference["losses"], rel=2e-3)
-    assert log(out, "grad_norm") == pytest.approx(log(one_process, "grad_norm"), rel=5e-3)
+    # Trained in training mode, with the recipe's activation checkpointing: backward recomputes each of a rank's
+    # own layers once a micro-batch, the 16 micro-batches through each (and the last stage's once more: torch's
+    # schedule infers the gradients' shapes once, with a backward of its own, as it is made)
+    assert reference["layers"] == 2 and [rank["layers"] for rank in ranks] == [1, 1]
+    for rank, inferred in ((reference, 0), (ranks[0], 0), (ranks[1], 1)):
+        expected = (16, rank["layers"] * 16 + inferred)
+        assert (rank["micro_batches"], rank["recomputed"]) == expected, rank["process_index"]
+    # each gradient through bf16 roundings in another order: within a couple of bf16 steps (eps 2^-8)
+    assert log(out, "grad_norm") == pytest.approx(log(one_process, "grad_norm"), rel=2 * BF16_EPS)
     assert log(out, "eval_loss") == pytest.approx(log(one_process, "eval_loss"), rel=2e-3)
     assert log(out, "eval_token_accuracy") == pytest.approx(log(one_process, "eval_token_accuracy"), abs=0.01)
     assert answers(out) == answers(one_process)
@@ -138,18 +152,22 @@ def test_two_stages_resume_bit_identical(two_stages, tmp_path):
 def test_replicated_stages_of_a_lora_run_match_one_process(tmp_path):
     """pp_ddp.yaml (2 stages x 2 replicas, 4 ranks) with llama3_lora against one process with the same global batch:
     a pipeline's two stages read the same rows, the two pipelines the reference's between them, with its losses and
-    evaluations (gathered over the replicas); the adapter, spread over the stages, is saved whole and equal."""
-    reference = one_process_run("llama3_lora", tmp_path / "one")
+    evaluations (gathered over the replicas), and the gradient norm it logs unclipped (over every stage); one epoch
+    whose last window of one micro-batch (fewer than the stages) runs as GPipe; the adapter, spread over the
+    stages, is saved whole and equal."""
+    reference = one_process_run("llama3_lora", tmp_path / "one", *EPOCH)
     out = tmp_path / "pp_ddp"
-    result = check(toolkit_launch("pp_ddp", "llama3_lora", *FLAGS, "--per_device_train_batch_size", "1",
+    result = check(toolkit_launch("pp_ddp", "llama3_lora", *FLAGS, *EPOCH, "--per_device_train_batch_size", "1",
                                   "--output_dir", str(out), cwd=tmp_path, processes=4))  # fmt: skip
     assert "sharding      pipeline, 2 stages (1F1B) x 2 replicas\n" in result.stdout
     (one,) = rank_reports(reference)
     ranks = rank_reports(out)  # ranks are (stage, replica), stages outermost
     assert ranks[0]["rows"] == ranks[2]["rows"] and ranks[1]["rows"] == ranks[3]["rows"]
     assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == sorted(one["rows"])
+    assert len(one["losses"]) == 3  # steps of 4, 4 and 1 micro-batch(es)
     for rank in ranks:
         assert rank["losses"] == pytest.approx(one["losses"], rel=2e-3)
+    assert log(out, "grad_norm") == pytest.approx(log(reference, "grad_norm"), rel=2 * BF16_EPS)
     assert log(out, "eval_loss") == pytest.approx(log(reference, "eval_loss"), rel=2e-3)
     adapter, expected = load_file(out / "adapter_model.safetensors"), load_file(reference / "adapter_model.safetensors")
     assert adapter.keys() == expected.keys()  # both layers' adapters, from both stages
@@ -159,11 +177,62 @@ def test_replicated_stages_of_a_lora_run_match_one_process(tmp_path):
         assert (adapter[name] - expected[name]).norm() <= 0.01 * expected[name].norm(), name
 
 
+@pytest.mark.launch
+def test_the_documented_tiny_commands_train_checkpoint_resume_and_export(tmp_path):
+    """The docs' CPU commands as a user types them: `make finetune CONFIG=pp MODEL=llama3_fft NUM_PROCESSES=2
+    ARGS=--tiny` (one micro-batch a step: GPipe, said in the header) into the folder of an earlier run, whose whole
+    model.safetensors the pipeline's sharded export replaces; then pp_ddp.yaml's example (4 processes: 2 stages x 2
+    replicas, the same global batch) resumes its step-10 checkpoint, each stage's optimizer file loaded by both of
+    its replicas, and trains steps 11-20 with the losses the first run had."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "pp"
+    out.mkdir()
+    earlier = {"model.safetensors": b"an earlier run's weights", "run_summary.json": b"{}"}
+    for name, data in earlier.items():
+        (out / name).write_bytes(data)
+    save = f"--output_dir {out} --save_strategy steps --save_steps 10"
+    result = check(run_cmd(["make", "-C", str(ROOT), "finetune", "CONFIG=pp", "MODEL=llama3_fft", "NUM_PROCESSES=2",
+                            f"ARGS=--tiny {save}"], cwd=tmp_path))  # fmt: skip
+    assert "schedule      GPipe, 1 micro-batch(es) a step over 2 stages: bubble 100% (1F1B needs 2" in result.stdout
+    assert "holds an earlier run's results" in result.stderr
+    assert not (out / "model.safetensors").exists() and (out / "checkpoint-10").is_dir()
+    shards = {k: v for shard in out.glob("model-*.safetensors") for k, v in load_file(shard).items()}
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in shards.items())
+
+    resumed = tmp_path / "pp_ddp"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-10", resumed / "checkpoint-10")
+    result = check(toolkit_launch("pp_ddp", "llama3_fft", "--tiny", "--per_device_train_batch_size", "4",
+                                  *save.replace(str(out), str(resumed)).split(), "--resume", "auto", cwd=tmp_path,
+                                  processes=4))  # fmt: skip
+    assert "resume auto: continuing from" in result.stdout and (resumed / "checkpoint-20").is_dir()
+    assert log(resumed, "loss") == pytest.approx(log(out, "loss")[10:], rel=1e-4)
+    assert AutoModelForCausalLM.from_pretrained(resumed).state_dict().keys() == exported.keys()
+
+
 # ------------------------------------------------------------------------------------------ before any weight
 
 
 def llama(**overrides) -> LlamaConfig:
     return LlamaConfig(**{"num_hidden_layers": 4, "tie_word_embeddings": False, **overrides})
+
+
+def deepseek_v4():
+    """DeepSeek-V4, whose first layers route tokens to experts by a hash of their ids, read in every layer."""
+    config = AutoConfig.for_model("deepseek_v4", tie_word_embeddings=False, num_hidden_layers=2)
+    config.mlp_layer_types = config.mlp_layer_types[:2]
+    return config
+
+
+def qwen3_5():
+    """A Qwen3.5 checkpoint's config: multimodal at the top (no pipeline plan there), its text model what SFT
+    trains (Qwen3_5ForCausalLM), the plan in its text_config; full attention layers (the linear ones' reference
+    kernels are slow on a CPU)."""
+    config = AutoConfig.for_model("qwen3_5")
+    config.text_config.num_hidden_layers, config.text_config.layer_types = 2, ["full_attention"] * 2
+    return config
 
 
 @pytest.mark.parametrize(
@@ -181,9 +250,13 @@ def llama(**overrides) -> LlamaConfig:
         (llama(), {"pp": 2, "tp": 2}, "sft", {"world_size": 4}, "combine with data-parallel replicas"),
         (llama(), {"pp": 2}, "sft", {"world_size": 4}, "covers 2 processes and the launch has 4"),
         (llama(), {"pp": 2}, "sft", {"world_size": 2, "schedule": "Interleaved1F1B"}, "runs 1F1B or GPipe"),
+        (llama(), {"pp": 2}, "sft", {"world_size": 2, "fp16": True}, "fp16 under pipeline stages"),
+        (AutoConfig.for_model("longcat_flash", num_layers=3, tie_word_embeddings=False), {"pp": 2}, "sft",
+         {"world_size": 2}, "does not divide the model's 3 layers"),  # its blocks, not its 6 num_hidden_layers
+        (deepseek_v4(), {"pp": 2}, "sft", {"world_size": 2}, "deepseek_v4's layers cannot run as pipeline stages"),
     ],
     ids=["layers", "tied", "no-plan", "forward-does-more", "encoder-task", "dpo", "qlora", "tp", "processes",
-         "schedule"],
+         "schedule", "fp16", "blocks", "hash-routed"],
 )  # fmt: skip
 def test_pipeline_refusals_name_the_fix(config, mesh, task, flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -193,13 +266,17 @@ def test_pipeline_refusals_name_the_fix(config, mesh, task, flags, message):
 @pytest.mark.parametrize(
     "config",
     [llama(num_key_value_heads=2), Qwen2Config(tie_word_embeddings=False, use_sliding_window=True, max_window_layers=1),
-     GPTNeoXConfig(tie_word_embeddings=False), MistralConfig(sliding_window=4)],
-    ids=["llama", "qwen2-sliding", "gpt-neox", "mistral"],
+     GPTNeoXConfig(tie_word_embeddings=False), MistralConfig(sliding_window=4),
+     AutoConfig.for_model("longcat_flash", num_layers=2, tie_word_embeddings=False), qwen3_5()],
+    ids=["llama", "qwen2-sliding", "gpt-neox", "mistral", "longcat-flash", "qwen3.5"],
 )  # fmt: skip
 def test_families_cut_into_stages_compute_the_whole_model(config):
     """Each family's stages, run in turn at toy size, give the whole model's logits (check_pipeline runs them):
-    GPT-NeoX's own module names, Qwen2's and Mistral's per-layer attention types (the mask each layer reads)."""
-    config.num_hidden_layers = 4
+    GPT-NeoX's own module names, Qwen2's and Mistral's per-layer attention types (the mask each layer reads),
+    LongCat-Flash's blocks of two sublayers (num_hidden_layers counts 4 in its 2 blocks), a multimodal
+    checkpoint's text model (Qwen3.5: the plan is its text config's)."""
+    if config.model_type in ("llama", "qwen2", "gpt_neox", "mistral"):
+        config.num_hidden_layers = 4
     check_pipeline(config, {"pp": 2}, "sft", world_size=2)
 
 

@@ -8,6 +8,7 @@ from transformers import AutoModel
 
 from toolkit.errors import ConfigError
 from toolkit.models import tiny
+from toolkit.project import load_recipe, recipe_names
 
 
 def meta_parameters(config) -> int:
@@ -55,3 +56,14 @@ def test_tiny_data_is_deterministic_and_unique():
 def test_tiny_mode_for_an_unknown_model_says_how_to_add_it():
     with pytest.raises(ConfigError, match=r"No stored config for 'acme/unknown-7b'.*meta-llama/Meta-Llama-3-8B"):
         tiny.stored_config("acme/unknown-7b")
+
+
+@pytest.mark.parametrize("recipe", [name for name in recipe_names() if name not in ("llama3_dpo", "llama3_dpo_lora")])
+def test_every_recipes_tiny_settings_are_accepted(recipe):
+    """`--tiny` runs any recipe: its settings, with tiny mode's layer over them, pass every check a run makes of
+    them (smollm2_chat's generation samples and minilm_bbc's evaluation after training need held-out rows, which
+    tiny mode holds none of: it turns them off too). The DPO recipes start from an SFT run's output folder."""
+    from toolkit.settings.parser import parse
+
+    args = parse(load_recipe(recipe), recipe, ["--tiny", "--report_to", "none"], tiny_defaults=tiny.tiny_layer)
+    assert args.run.tiny and args.training.max_steps == 20

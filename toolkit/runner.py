@@ -54,6 +54,7 @@ from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype,
 from .models.lora import save_merged
 from .models.parallel import accelerator_parallelism
 from .models.tiny import tiny_layer
+from .outputs import check_run_output
 from .planner.activations import measured_activations
 from .planner.estimate import workload_for
 from .planner.memory import Workload
@@ -65,6 +66,7 @@ from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, sp
 from .settings.parser import parse
 from .training import checkpoints
 from .training.evaluation import metrics_for
+from .training.run_plan import planned_steps
 from .training.stopping import Stopped
 from .training.trainer import RecipeTrainer
 
@@ -84,6 +86,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     model_plan = blueprint(args)
     resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args))
+    if resume:  # the steps it will train are known once the data is
+        checkpoints.check_steps_left(resume, planned_steps(args.training, len(data.train)))
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
@@ -110,6 +114,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     flex attention on a CPU, an output folder of another run, a process group that is not what was asked for, a
     checkpoint this launch cannot resume. Returns the checkpoint to resume from, and a line saying so."""
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
+    check_run_output(args.training.output_dir)  # where it writes, before it writes anything (outputs.py)
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     engine = Requested.from_env().engine
     check_pipeline_launch(args.training.world_size)
@@ -135,7 +140,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     if resume:
         engine, batch = Requested.from_env().engine, global_batch_size(training)
         changed = checkpoints.check_resumable(resume, engine, training.world_size, batch,
-                                              training.gradient_accumulation_steps)  # fmt: skip
+                                              training.gradient_accumulation_steps, owner)  # fmt: skip
         note = f"{note} ({changed})" if changed else note
     if training.push_to_hub:  # refused now, not after the training, where it cannot work
         from .results.push import check_push
@@ -144,6 +149,11 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
         private = True if training.hub_private_repo is None else bool(training.hub_private_repo)
         args.hub_push = (training.hub_model_id, private, training.hub_revision)
         training.push_to_hub = False  # one push, of the finished model: the Trainer's would push every save
+    if args.run.eval_after_training:  # likewise its tasks, as `toolkit eval` checks them
+        from .results.eval_checks import check_eval_tasks
+
+        check_eval_tasks(args.data.task, args.run.eval_tasks, args.data.eval_split is not None or
+                         args.data.eval_fraction > 0)  # fmt: skip
     set_seed(training.seed)
     return resume, note
 
@@ -216,12 +226,14 @@ def fit(trainer: RecipeTrainer, args: Arguments, data: PreparedData, resume: str
             metrics.update(evaluation)
             if trainer.is_world_process_zero() and "eval_accuracy" in evaluation:
                 print(f"eval accuracy {evaluation['eval_accuracy']:.4f} on {len(data.eval)} held-out examples")
-        trainer.save_model(training.output_dir)
+        merged = args.model.use_lora and args.model.merge_lora
+        with checkpoints.replacing_export(training.output_dir, trainer.is_world_process_zero(), merged):
+            trainer.save_model(training.output_dir)
         if trainer.is_world_process_zero():
             if data.prompts:
                 print(side_by_side(training.output_dir))
             print(f"saved to {training.output_dir}")
-            if args.model.use_lora and args.model.merge_lora:
+            if merged:
                 print(f"merged model saved to {save_merged(training.output_dir, args.data.task, args.model.dtype)}")
         trainer.end_of_run("completed", metrics)
         finish_run()

@@ -61,13 +61,15 @@ def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None
     else:
         check_hub_dataset(resolved)
         ds = load_dataset_or_say_why(resolved, name, args.dataset_config)
-    data_format = None
-    if args.task == "sft":
-        train_columns = ds[args.train_split].column_names if args.train_split in ds else []
-        data_format = args.data_format or detect(train_columns, args.messages_column, f"Data set '{name}'")
-    for split in {args.train_split, args.eval_split} - {None}:
+    splits = {args.train_split, args.eval_split} - {None}
+    for split in splits:  # before the columns are read: a misspelt split is named as such
         if split not in ds:
             raise DataError(f"Data set '{name}' has no split '{split}'; it has {sorted(ds)}.")
+    data_format = None
+    if args.task == "sft":
+        train_columns = ds[args.train_split].column_names
+        data_format = args.data_format or detect(train_columns, args.messages_column, f"Data set '{name}'")
+    for split in splits:
         ds[split] = checked_rows(ds[split], split, name, args, data_format)
     train = ds[args.train_split]
     evaluation = ds[args.eval_split] if args.eval_split else None
@@ -124,7 +126,9 @@ def mixed(parts: dict[str, DatasetDict], weights: dict[str, float]) -> DatasetDi
 
 
 def _load_file(path: Path) -> Dataset:
-    """A local json/jsonl/csv/parquet file; an empty or malformed one is one error naming the file and the row."""
+    """A local json/jsonl/csv/parquet file; an empty or malformed one is one error naming the file and the row, one
+    that holds no row (a csv header alone, a json `[]`) one naming the file."""
+    from datasets import load_dataset_builder
     from datasets.exceptions import DatasetGenerationError
 
     fmt = LOCAL_FORMATS.get(path.suffix)
@@ -143,6 +147,12 @@ def _load_file(path: Path) -> Dataset:
         detail = " ".join(str(cause).split()) or type(cause).__name__
         raise DataError(f"{path} cannot be read as {fmt} ({detail}): fix that row (rows count from 0), or remove "
                         "it.") from None  # fmt: skip
+    except ValueError:  # datasets read the file and wrote no row: it has none ("corresponds to no data")
+        written = (load_dataset_builder(fmt, data_files={"train": str(path)}).info.splits or {}).get("train")
+        if written is None or written.num_examples:
+            raise
+        raise DataError(f"{path} has no rows (a header or an empty list alone): point --dataset_name at a file with "
+                        "rows.") from None  # fmt: skip
 
 
 def _head(ds: Dataset, n: int | None) -> Dataset:

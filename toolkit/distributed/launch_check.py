@@ -192,7 +192,7 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     try:
         check_split_task(mesh, values.get("task", "sft"))
         check_pipeline_task(mesh, values.get("task", "sft"), load_in_4bit=bool(values.get("load_in_4bit")),
-                            schedule=schedule)  # fmt: skip
+                            schedule=schedule, fp16=bool(values.get("fp16")))  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
     try:
@@ -203,7 +203,8 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     check_sequence_heads(config, mesh.get("sp", 1))
     try:
         check_pipeline(config, mesh, values.get("task", "sft"), world_size=processes,
-                       load_in_4bit=bool(values.get("load_in_4bit")), schedule=schedule)  # fmt: skip
+                       load_in_4bit=bool(values.get("load_in_4bit")), schedule=schedule, fp16=bool(values.get("fp16")),
+                       micro_batches=values.get("gradient_accumulation_steps", 1))  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
 

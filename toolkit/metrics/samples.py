@@ -14,7 +14,6 @@ from typing import Any
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_LOG = "run_log.jsonl"  # every log line of a run, written by the trainer, read by `toolkit report`
-SUMMARY = "run_summary.json"  # a run's end: its summary and config
 EVAL_FILE = "eval_results.json"  # the fine-tuned model against its base (`toolkit eval`, results/evaluation.py)
 
 

@@ -4,6 +4,7 @@ tokenizer, packing, attention: seconds, no weights) and `load_for_training` (the
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from ..metrics.memory import HostMemoryPeak
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
-from .attention import ATTENTION_SUPPORT, choose_attention
+from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, support_flag
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
@@ -95,17 +96,13 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     """What the model cannot honour fails in transformers or peft only after the data is tokenized or the weights
     load: the attention implementation and LoRA's target modules, checked against the config and a meta-device
     instance first (seconds, no weights)."""
-    from transformers.utils import is_flash_attn_2_available
-
     check_task(config, task)
-    cls, attention = architecture(config, task), args.attn_implementation
-    if cls is not None and attention in ATTENTION_SUPPORT and not getattr(cls, ATTENTION_SUPPORT[attention], True):
-        has = ["eager"] + [name for name, flag in ATTENTION_SUPPORT.items() if getattr(cls, flag, False)]
+    cls, attention, flag = architecture(config, task), args.attn_implementation, support_flag(args.attn_implementation)
+    if cls is not None and flag is not None and not getattr(cls, flag, True):
+        has = ["eager"] + [name for name, declared in ATTENTION_SUPPORT.items() if getattr(cls, declared, False)]
         raise ConfigError(f"{cls.__name__} has no {attention} attention: pass --attn_implementation {has[0]} (it "
                           f"supports {', '.join(has)}).")  # fmt: skip
-    if attention == "flash_attention_2" and not is_flash_attn_2_available():
-        raise ConfigError("attn_implementation flash_attention_2 needs the flash-attn package and a GPU (`pip install "
-                          "flash-attn`): pass --attn_implementation sdpa instead.")  # fmt: skip
+    check_installed(attention, on_gpu=torch.cuda.is_available())
     lora = args.lora_settings()
     if cls is None or lora is None or lora["target_modules"] == "all-linear":
         return
@@ -137,6 +134,42 @@ def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None
             f"max_seq_length {max_seq_length} is above the model's {limit} positions (max_position_embeddings): "
             f"pass --max_seq_length {limit} or less."
         )
+
+
+# What a checkpoint's config.json and the model's agree on where its weights and optimizer states fit the model.
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size")  # fmt: skip
+
+
+def local_config(model: str) -> dict | None:
+    """A model's config.json without a Hub call: a folder's own, or the Hub cache's copy; None where neither is
+    there or readable."""
+    from huggingface_hub import try_to_load_from_cache
+
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a repository id
+            return None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        return json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+
+
+def architecture_difference(checkpoint: str | Path, model: str) -> str | None:
+    """How the model a checkpoint's config.json describes differs from `model` (type and sizes), in words; None
+    where they agree, or where either config is not at hand (a LoRA adapter's checkpoint has none)."""
+    theirs, mine = local_config(str(checkpoint)), local_config(model)
+    if theirs is None or mine is None:
+        return None
+    keys = [k for k in ARCHITECTURE_KEYS if k in theirs and k in mine and theirs[k] != mine[k]]
+    if not keys:
+        return None
+    said = lambda values: ", ".join(f"{k} {values[k]}" for k in keys)  # noqa: E731
+    return f"a model of {said(theirs)}, where {model} has {said(mine)}"
 
 
 def load_model(
@@ -224,7 +257,8 @@ def blueprint(args: Arguments) -> Blueprint:
     check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model)
     check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
     check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,
-                   load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule())  # fmt: skip
+                   load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule(),
+                   micro_batches=args.training.gradient_accumulation_steps, fp16=args.training.fp16)  # fmt: skip
     packing = use_packing(args.data.task, args.data.packing, config)
     m = args.model
     m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,

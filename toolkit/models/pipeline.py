@@ -52,25 +52,36 @@ def stage_layers(num_layers: int, stage: int, stages: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder's text model, whose config holds the pipeline plan (a multimodal checkpoint's language model;
+    Llama's LlamaModel)."""
+    return decoder_of(model).get_decoder()
+
+
 def plan_of(model: torch.nn.Module) -> tuple[list[str], str, list[str], list[str]]:
-    """The decoder's plan: the base model's modules before its layer list, the list's name, those after it, and
-    the head's (on the causal LM around the base model)."""
-    decoder = decoder_of(model)
-    base = getattr(decoder, decoder.base_model_prefix)
-    names = list(base.config.base_model_pp_plan)
+    """The decoder's plan: the text model's modules before its layer list, the list's name, those after it, and
+    the output head's name on the causal LM around it."""
+    decoder, base = decoder_of(model), text_model(model)
+    names = list(getattr(base.config, "base_model_pp_plan", None) or ())
     lists = [n for n in names if isinstance(getattr(base, n, None), torch.nn.ModuleList)]
     if len(lists) != 1:
-        raise ConfigError(f"{type(decoder).__name__}'s pipeline plan names no single list of layers to split.")
+        raise ConfigError(f"{type(decoder).__name__}'s pipeline plan names no single list of layers to split: train "
+                          "it with accelerate_configs/fsdp2.yaml.")  # fmt: skip
     at = names.index(lists[0])
-    head = [name for name in getattr(decoder, "_pp_plan", None) or {} if "." not in name]  # not the base's, merged in
+    head = [name for name, child in decoder.named_children() if child is decoder.get_output_embeddings()]
     return names[:at], lists[0], names[at + 1 :], head
+
+
+def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The blocks the stages divide: the plan's layer list, as the model builds it (LongCat-Flash's config counts
+    two attention sublayers a block in num_hidden_layers)."""
+    return getattr(text_model(model), plan_of(model)[1])
 
 
 def split_stage(model: torch.nn.Module, stage: int, stages: int) -> torch.nn.Module:
     """Keep this stage's modules of `model` (in place: the others' parameters are freed); returns `model`."""
     before, layers, after, head = plan_of(model)
-    decoder = decoder_of(model)
-    base = getattr(decoder, decoder.base_model_prefix)
+    decoder, base = decoder_of(model), text_model(model)
     blocks = getattr(base, layers)
     kept = stage_layers(len(blocks), stage, stages)
     for index in range(len(blocks)):
@@ -95,14 +106,13 @@ class StageModule(torch.nn.Module):
         inputs = {"input_ids" if self.first else "inputs_embeds": x, **kwargs, "use_cache": False}
         if self.last:
             return self.model(**inputs).logits
-        decoder = decoder_of(self.model)
-        return getattr(decoder, decoder.base_model_prefix)(**inputs).last_hidden_state
+        return text_model(self.model)(**inputs).last_hidden_state
 
 
 def check_pipeline_task(mesh: dict[str, int], task: str, *, load_in_4bit: bool = False,
-                        schedule: str = PIPELINE_SCHEDULES[0]) -> None:  # fmt: skip
+                        schedule: str = PIPELINE_SCHEDULES[0], fp16: bool = False) -> None:  # fmt: skip
     """What a pipeline launch needs of the recipe alone: SFT of a causal LM (the loss on the last stage), no QLoRA,
-    data-parallel replicas as the only other axis, a schedule torch has."""
+    no fp16, data-parallel replicas as the only other axis, a schedule torch has."""
     stages = mesh.get("pp", 1)
     if stages == 1:
         return
@@ -118,33 +128,49 @@ def check_pipeline_task(mesh: dict[str, int], task: str, *, load_in_4bit: bool =
     if load_in_4bit:
         raise ConfigError("QLoRA (--load_in_4bit) under pipeline stages: its 4-bit base is small enough to "
                           "replicate: train it with single_gpu.yaml or ddp.yaml.")  # fmt: skip
+    if fp16:  # the schedule runs backward itself, past accelerate's GradScaler, whose step would then unscale
+        raise ConfigError("fp16 under pipeline stages: the stages' backward does not go through fp16's loss scaling. "
+                          "Pass --bf16 true --fp16 false.")  # fmt: skip
 
 
 def check_pipeline(config: PretrainedConfig, mesh: dict[str, int], task: str, *, world_size: int = 1,
-                   load_in_4bit: bool = False, schedule: str = PIPELINE_SCHEDULES[0]) -> None:  # fmt: skip
+                   load_in_4bit: bool = False, schedule: str = PIPELINE_SCHEDULES[0], micro_batches: int | None = None,
+                   fp16: bool = False) -> None:  # fmt: skip
     """What a pipeline launch must allow, from the config before any weight loads: the recipe's part
-    (check_pipeline_task), a mesh that covers the processes, a family with a pipeline plan, layers the stages
-    divide, untied embeddings, and stages that compute what the whole model does (at toy size, checked_stages)."""
+    (check_pipeline_task), a mesh that covers the processes, a family with a pipeline plan, blocks the stages
+    divide, untied embeddings, and stages that compute what the whole model does (at toy size, checked_stages);
+    a warning where the accumulation's `micro_batches` are fewer than the stages (GPipe, a bubble of 100% or more)."""
     stages = mesh.get("pp", 1)
     if stages == 1:
         return
-    check_pipeline_task(mesh, task, load_in_4bit=load_in_4bit, schedule=schedule)
+    check_pipeline_task(mesh, task, load_in_4bit=load_in_4bit, schedule=schedule, fp16=fp16)
     check_mesh_size(mesh, world_size, f"set --num_processes {math.prod(mesh.values())}, or a "
                                       "parallelism_config_dp_replicate_size that fills the launch.")  # fmt: skip
-    if not getattr(config, "base_model_pp_plan", None):
+    text = config.get_text_config()  # the plan is the text model's (a multimodal checkpoint's language model)
+    if not getattr(text, "base_model_pp_plan", None):
         raise ConfigError(f"{config.model_type} has no pipeline plan in transformers (base_model_pp_plan) to cut it "
                           "into stages: train it with accelerate_configs/fsdp2.yaml (sharded data "
                           "parallelism).")  # fmt: skip
-    if getattr(config, "tie_word_embeddings", False):
+    from .meta import meta_model
+
+    model = meta_model(config, task)  # the blocks and the head as built: seconds, no weights
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embeddings.weight:
         raise ConfigError(f"{config.model_type} ties its output head to its input embeddings, which would sit on the "
                           "first and the last stage with one gradient between them: train it with "
                           "accelerate_configs/fsdp2.yaml.")  # fmt: skip
-    layers = config.num_hidden_layers
-    if layers % stages:
-        fits = [n for n in range(2, layers + 1) if layers % n == 0]
-        raise ConfigError(f"parallelism_config_pp_size {stages} does not divide the model's {layers} layers into "
+    blocks = len(layer_list(model))
+    if blocks % stages:
+        fits = [n for n in range(2, blocks + 1) if blocks % n == 0]
+        raise ConfigError(f"parallelism_config_pp_size {stages} does not divide the model's {blocks} layers into "
                           f"equal stages: use a pp_size of {', '.join(map(str, fits)) or '1'}.")  # fmt: skip
-    checked_stages(config, stages)
+    checked_stages(config, stages, sublayers=text.num_hidden_layers // blocks)
+    if micro_batches is not None and window_schedule(schedule, stages, micro_batches) != schedule:
+        from ..errors import warn
+
+        warn(f"{micro_batches} micro-batch(es) a step (--gradient_accumulation_steps) are fewer than the {stages} "
+             f"pipeline stages {schedule} needs: each step runs as GPipe, {bubble(stages, micro_batches):.0%} of its "
+             f"work idle (the bubble); --gradient_accumulation_steps {stages} or more runs {schedule}.")  # fmt: skip
 
 
 def check_schedule(schedule: str) -> None:
@@ -154,15 +180,17 @@ def check_schedule(schedule: str) -> None:
                           "per rank).")  # fmt: skip
 
 
-def checked_stages(config: PretrainedConfig, stages: int) -> None:
-    """Run the model's family at toy size (one layer a stage, random weights) whole and as `stages` stages in
-    turn: the same logits, or a refusal naming the family (its forward does more than its plan says)."""
+def checked_stages(config: PretrainedConfig, stages: int, sublayers: int = 1) -> None:
+    """Run the model's family at toy size (one block a stage, random weights) whole and as `stages` stages in
+    turn: the same logits, or a refusal naming the family (its forward does more than its plan says, or a stage
+    needs what only the first has: a hash-routed MoE's token ids). `sublayers`: the config's layers a block."""
     from transformers import AutoModelForCausalLM
 
     from .tiny import shrunk_config
 
-    tiny = shrunk_config(copy.deepcopy(config), vocab_size=128, layers=stages)
-    tiny.tie_word_embeddings = False
+    tiny = copy.deepcopy(config)
+    shrunk_config(tiny.get_text_config(), vocab_size=128, layers=stages * sublayers)  # in place, in `tiny`
+    tiny.get_text_config().tie_word_embeddings = tiny.tie_word_embeddings = False
     with torch.random.fork_rng():
         torch.manual_seed(0)
         whole = AutoModelForCausalLM.from_config(tiny, dtype=torch.float32, attn_implementation="eager").eval()
@@ -171,9 +199,15 @@ def checked_stages(config: PretrainedConfig, stages: int) -> None:
     with torch.no_grad():
         expected = whole(input_ids=ids, position_ids=positions, use_cache=False).logits
         x = ids
-        for stage in range(stages):
-            part = StageModule(split_stage(copy.deepcopy(whole), stage, stages), stage, stages)
-            x = part(x, position_ids=positions)
+        try:
+            for stage in range(stages):
+                part = StageModule(split_stage(copy.deepcopy(whole), stage, stages), stage, stages)
+                x = part(x, position_ids=positions)
+        except Exception as error:  # noqa: BLE001: whatever the family's forward raises without its inputs
+            raise ConfigError(f"{config.model_type}'s layers cannot run as pipeline stages (a stage's forward at toy "
+                              f"size raised {type(error).__name__}: {str(error).strip().splitlines()[0][:160]}; its "
+                              "later stages receive hidden states only): train it with "
+                              "accelerate_configs/fsdp2.yaml.") from None  # fmt: skip
     if x.shape != expected.shape or not torch.allclose(x, expected, atol=1e-4, rtol=1e-4):
         raise ConfigError(f"{config.model_type}'s forward does more between its modules than its pipeline plan says "
                           "(its stages do not compute the whole model's logits): train it with "
@@ -186,9 +220,29 @@ def bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / max(1, micro_batches)
 
 
+def window_schedule(schedule: str, stages: int, micro_batches: int) -> str:
+    """The schedule a window of `micro_batches` runs: the run's, or GPipe where 1F1B cannot run it (fewer
+    micro-batches than stages: tiny mode's single one, an epoch's last window). Nothing is lost: with m < stages,
+    1F1B's first stage would hold all m micro-batches' activations too, as GPipe's every stage does, and the
+    bubble is (stages - 1) / m either way (bubble)."""
+    return schedule if micro_batches >= stages else "GPipe"
+
+
+def schedule_note(schedule: str, stages: int, micro_batches: int) -> str:
+    """The run header's line on the pipeline's schedule: which runs a step, its bubble, and what an epoch's last,
+    shorter window runs."""
+    ran = window_schedule(schedule, stages, micro_batches)
+    note = f"{ran}, {micro_batches} micro-batch(es) a step over {stages} stages: bubble "
+    note += f"{bubble(stages, micro_batches):.0%}"
+    if ran != schedule:
+        return f"{note} ({schedule} needs {stages} micro-batches or more)"
+    shorter = f"; a shorter window (an epoch's last) of fewer than {stages} runs as GPipe"
+    return note + (shorter if ran != "GPipe" else "")
+
+
 def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) -> int:
     """Micro-batches whose activations a stage holds at once: all of them under GPipe (every forward before any
     backward); under 1F1B at most the stages from this one to the last (the first stage: `stages`)."""
-    if schedule == "GPipe":
+    if window_schedule(schedule, stages, micro_batches) == "GPipe":
         return micro_batches
     return min(micro_batches, stages - stage)

@@ -48,8 +48,10 @@ TINY_TRAINING = {
     "warmup_steps": 0,
     "logging_steps": 1,
     "max_seq_length": 64,
-    "eval_fraction": 0.0,
+    "eval_fraction": 0.0,  # nothing held out: so nothing of the recipe's that needs held-out rows either
     "eval_split": None,
+    "generation_samples": 0,
+    "eval_after_training": False,  # flags bring them back (--eval_fraction 0.1 --eval_after_training true)
     "max_train_samples": None,
     "activation_checkpointing": False,
     # fp32 on a CPU: tiny runs are compared number for number in tests; on a GPU the recipe's own precision, so a
@@ -108,9 +110,11 @@ def shrunk_config(config: PretrainedConfig, vocab_size: int, layers: int | None 
     if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
         kv_name = "num_key_value_heads" if hasattr(config, "num_key_value_heads") else "num_kv_heads"
         setattr(config, kv_name, max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads))
-    if getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
+    if getattr(config, "qk_rope_head_dim", None):  # multi-head latent attention: its rotary part is its head_dim
+        config.head_dim = config.qk_rope_head_dim
+    elif getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    for key in ("num_local_experts", "num_experts"):  # a MoE stays a MoE, with few experts
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):  # a MoE stays a MoE, with few experts
         if getattr(config, key, None):
             setattr(config, key, min(getattr(config, key), 4))
             config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))

@@ -10,9 +10,9 @@ the trainer part that writes them, and makes the final save one consolidated Hug
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -22,13 +22,11 @@ import torch
 
 from ..errors import ConfigError
 from ..metrics.memory import plain_tensor
+from ..outputs import CHECKPOINT, OWNER, STAGING, SUMMARY
 from ..settings.arguments import global_batch_size
 from ..settings.mesh import pipeline_stages
 
-STAGING = ".staging"
-OWNER = "toolkit_run.json"  # in every checkpoint: which recipe and model wrote it
 TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -234,13 +232,30 @@ def engine_of(distributed_type: str) -> str:
     return distributed_type if distributed_type in ("DEEPSPEED", "FSDP") else "replicated"
 
 
-def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int) -> str:
+def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int,
+                    owner: dict | None = None) -> str:  # fmt: skip
     """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
-    schedule; returns a note when the process count changes (supported: the Trainer's and FSDP's formats)."""
+    schedule, or one of another recipe or model (`owner`: this run's, as check_output_dir takes it), whose optimizer
+    groups would not match; returns a note when the process count changes (supported: the Trainer's and FSDP's
+    formats)."""
     path = Path(checkpoint) / OWNER
-    if json_damage(path):
-        return ""  # not written by the toolkit: nothing recorded to compare (a damaged one was refused before)
+    if json_damage(path):  # not written by the toolkit (a damaged record was refused before): its config.json
+        from ..models.loading import architecture_difference
+
+        if owner and (difference := architecture_difference(checkpoint, owner["model"])):
+            raise ConfigError(f"{checkpoint} holds {difference}: its weights and optimizer states do not fit. Pass the "
+                              "--model_name_or_path it was trained from, or resume from a checkpoint of this "
+                              "model.")  # fmt: skip
+        return ""
     then = json.loads(path.read_text())
+    other = [k for k in ("recipe", "model") if owner and k in then and then[k] != owner[k]]
+    if other:
+        fix = " and ".join({"recipe": f"run recipe {then['recipe']}",
+                            "model": f"pass --model_name_or_path {then['model']}"}[k] for k in other)  # fmt: skip
+        raise ConfigError(f"{checkpoint} is a checkpoint of recipe {then.get('recipe')} with model "
+                          f"{then.get('model')}, and this run is recipe {owner['recipe']} with model {owner['model']}: "
+                          f"its weights and optimizer states do not fit. To continue it, {fix}; or resume from a "
+                          "checkpoint of this run.")  # fmt: skip
     if "engine" not in then:
         return ""
     if then["engine"] != engine:
@@ -274,6 +289,16 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
     )
 
 
+def check_steps_left(checkpoint: str | Path, steps: int) -> None:
+    """A resume with nothing left to train (its checkpoint at or past the run's last step, e.g. --max_steps lowered
+    below it) is refused: the Trainer would train a step past it and rewrite the finished run's summary and log."""
+    step = json.loads((Path(checkpoint) / TRAINER_STATE).read_text()).get("global_step", 0)
+    if step >= steps:
+        raise ConfigError(f"{checkpoint} is at step {step}, and this run ends at step {steps}: there is nothing left "
+                          f"to train. Raise --max_steps (or --num_train_epochs) above {step} to continue it, or pass "
+                          "another --output_dir to train afresh.")  # fmt: skip
+
+
 def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> None:
     """Refuse, before any weights load, to train into a folder whose checkpoints a new run would mix with or
     rotate away: another recipe's or model's, or this one's when not resuming."""
@@ -296,22 +321,62 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
                           "continue, or another --output_dir to start over.")  # fmt: skip
 
 
+# An export's weights as from_pretrained and peft read them: whole, sharded with an index, or an adapter.
+EXPORT_FILES = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "adapter_config.json",
+)
+
+
+def export_files(output_dir: str | Path) -> list[Path]:
+    folder = Path(output_dir)
+    return sorted({p for pattern in EXPORT_FILES for p in folder.glob(pattern)})
+
+
 def replace_finished_run(output_dir: str | Path, resuming: bool) -> None:
-    """A run started afresh into a folder that holds an earlier run's results (its summary, model, log): said in one
-    warning line, and the earlier run's log and samples removed (rank 0), so that the new run's log is its own and
-    not appended to the old one; the model and summary are replaced at the end."""
-    from ..errors import is_main_process, warn
-    from ..metrics.samples import RUN_LOG, SAMPLES_FILE, SUMMARY
+    """A run started afresh into a folder that holds an earlier run's results (its summary, its exported model):
+    said in one warning line, before anything is written. They are replaced as the new run writes its own: its log
+    and samples at the first step (start_afresh), its model at the end (replacing_export)."""
+    from ..errors import warn
 
     folder = Path(output_dir)
-    if resuming or not (folder / SUMMARY).is_file():
+    if resuming or not ((folder / SUMMARY).is_file() or export_files(folder)):
         return
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime((folder / SUMMARY).stat().st_mtime))
-    warn(f"{folder} holds an earlier run's results (finished {when}): this run replaces its model, log and "
+    newest = max([folder / SUMMARY, *export_files(folder)], key=lambda p: p.stat().st_mtime if p.exists() else 0)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest.stat().st_mtime))
+    warn(f"{folder} holds an earlier run's results (written {when}): this run replaces its model, log and "
          "summary; pass another --output_dir to keep them.")  # fmt: skip
-    if is_main_process():
-        for name in (RUN_LOG, SAMPLES_FILE):
-            (folder / name).unlink(missing_ok=True)
+
+
+def start_afresh(output_dir: str | Path) -> None:
+    """A run starting from step 0 (not resumed), on rank 0 once every check has passed: an earlier run's log and
+    samples in its folder removed, so that the new run's are its own and not appended to the old ones."""
+    from ..metrics.samples import RUN_LOG, SAMPLES_FILE
+
+    for name in (RUN_LOG, SAMPLES_FILE):
+        (Path(output_dir) / name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def replacing_export(output_dir: str | Path, main: bool, merged: bool):
+    """Around the final save: an earlier export's weight files that the new one did not rewrite (a whole
+    model.safetensors beside a pipeline's shards, an adapter beside a full model, an earlier merged/ folder where
+    this run merges none) are removed once it is written (rank 0, `main`), so that from_pretrained, eval,
+    generate and push read this run's weights only. Nothing is removed if the save fails."""
+    folder = Path(output_dir)
+    before = {p: (s.st_ino, s.st_mtime_ns) for p in export_files(folder) if (s := p.stat())} if main else {}
+    yield
+    for path, stamp in before.items():
+        if path.is_file() and (path.stat().st_ino, path.stat().st_mtime_ns) == stamp:
+            path.unlink()  # not rewritten by this save: the earlier run's
+    if main and not merged and (folder / "merged").is_dir():
+        shutil.rmtree(folder / "merged")
 
 
 class StagedCheckpoints:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..metrics.memory import plain_tensor
-from ..models.pipeline import StageModule, decoder_of
+from ..models.pipeline import StageModule, decoder_of, text_model, window_schedule
 from ..settings.mesh import launch_mesh, pipeline_schedule
 from .checkpoints import stage_optimizer
 
@@ -131,7 +131,8 @@ class Pipeline:
         key = (micro_batches, shape, training)
         if key not in self.schedules:
             stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.pp_group)
-            kind = get_schedule_class(self.schedule_name) if training else get_schedule_class("GPipe")
+            name = window_schedule(self.schedule_name, self.stages, micro_batches) if training else "GPipe"
+            kind = get_schedule_class(name)
             self.schedules[key] = kind(stage, micro_batches, loss_fn=self.loss, scale_grads=False)
         return self.schedules[key]
 
@@ -155,7 +156,7 @@ class Pipeline:
             squares += grad.detach().float().pow(2).sum()
         dist.all_reduce(squares, group=self.pp_group)
         total = squares.sqrt()
-        if max_norm and max_norm > 0:
+        if 0 < max_norm < float("inf"):
             torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return total
 
@@ -194,7 +195,7 @@ class Pipeline:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         decoder, group = self.decoder, self.pp_group
-        base = getattr(decoder, decoder.base_model_prefix)
+        base = text_model(decoder)
         neighbours = [dist.get_global_rank(group, s) for s in range(self.stages)]
 
         def forward(input_ids=None, attention_mask=None, position_ids=None, **_):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..data.packing import SEQUENCES
 from ..metrics.memory import local_tensor, nbytes
@@ -69,6 +70,25 @@ class RankReports(TrainerCallback):
         self.saved_bytes: int | None = None
         self.saved_width: int | None = None  # the tokens per row of that first step's batch, on this rank
         self.measure_saved = sequence_split() > 1  # see saving()
+        self.micro_batches = 0
+        # How many decoder-layer forwards backward ran again (activation checkpointing's recomputation: each layer
+        # of this rank once a micro-batch when the recipe checkpoints and the model trains in training mode).
+        self.layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        self.recomputed = 0
+
+    def counting_recomputation(self, checkpoint):
+        """A layer's checkpoint function (transformers' `_gradient_checkpointing_func`) that counts the forwards it
+        runs inside backward: its recomputations."""
+
+        def counted_checkpoint(forward, *args, **kwargs):
+            def counted(*inner, **named):
+                if torch._C._current_autograd_node() is not None:
+                    self.recomputed += 1
+                return forward(*inner, **named)
+
+            return checkpoint(counted, *args, **kwargs)
+
+        return counted_checkpoint
 
     @contextlib.contextmanager
     def saving(self):
@@ -94,12 +114,16 @@ class RankReports(TrainerCallback):
         self.saved_bytes = sum(n for ptr, n in storages.items() if ptr not in parameters)
 
     def record(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.micro_batches += 1
         self.rows += [hashlib.sha1(json.dumps(row).encode()).hexdigest()
                       for row in sequences_of(inputs, SEQUENCES in inputs)]  # fmt: skip
         if self.saved_width is None and self.measure_saved:
             self.saved_width = inputs["input_ids"].shape[1]
 
     def on_train_begin(self, args, state, control, **kwargs):
+        for layer in self.layers:  # the Trainer has turned the recipe's activation checkpointing on by now
+            if layer.gradient_checkpointing:
+                layer._gradient_checkpointing_func = self.counting_recomputation(layer._gradient_checkpointing_func)
         # The Trainer has wrapped, placed and (FSDP, ZeRO-3) sharded the model; no optimizer state yet.
         if self.load.memory is not None:
             self.load_host = self.load.memory.stop()
@@ -122,6 +146,9 @@ class RankReports(TrainerCallback):
             "strategy": plan.strategy,
             "rows": self.rows,
             "weights_sha256": digest.hexdigest(),
+            "layers": len(self.layers),  # the decoder layers this rank holds (its stage's, under a pipeline)
+            "micro_batches": self.micro_batches,
+            "recomputed": self.recomputed,  # layer forwards run again in backward (activation checkpointing)
             "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules()),  # FP8 ran
             "tokens_seen": state.num_input_tokens_seen,
             **held_bytes(trainer.model_wrapped, trainer.optimizer),

@@ -20,13 +20,14 @@ from ..metrics.cost import Budget, CostModel, peak_tflops
 from ..metrics.memory import human_bytes
 from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
+from ..models.pipeline import schedule_note
 from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
 from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
 from ..planner.shape import Shape
 from ..settings.arguments import Arguments, global_batch_size
-from ..settings.mesh import data_parallel_replicas, launch_mesh
+from ..settings.mesh import data_parallel_replicas, launch_mesh, pipeline_schedule
 from ..settings.mesh import describe as describe_mesh
 
 
@@ -150,6 +151,8 @@ class RunPlan:
             planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
         mesh = launch_mesh()
         replicas = data_parallel_replicas(s["num_processes"])
+        stages, micro_batches = mesh.get("pp", 1), training.gradient_accumulation_steps
+        schedule = schedule_note(pipeline_schedule(), stages, micro_batches) if stages > 1 else ""
         lines = [
             f"recipe        {recipe.recipe_name}",
             f"model         {recipe.model.model_name_or_path}" + ("  [tiny, random init]" if recipe.run.tiny else ""),
@@ -159,6 +162,7 @@ class RunPlan:
             f"machine(s), {s['device']}, backend {s['backend']}",
             f"sharding      {s['sharding']}",
             *([f"mesh          {describe_mesh(mesh)}"] if mesh else []),
+            *([f"schedule      {schedule}"] if schedule else []),
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
             + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),

@@ -55,15 +55,16 @@ from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
-from ..metrics.samples import RUN_LOG, SUMMARY, Prompt
+from ..metrics.samples import RUN_LOG, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
 from ..metrics.wandb_run import finish_run, launch_environment, redacted_command, run_callback
 from ..models.counts import LoadRecord, ParameterCounts
+from ..outputs import SUMMARY
 from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
-from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir
+from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
@@ -132,6 +133,8 @@ class ToolkitTrainerMixin:
             warning = not_fitting_warning(self.plan.memory.device_total, available)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if self.args.should_save and not kwargs.get("resume_from_checkpoint"):
+            start_afresh(self.args.output_dir)  # every check has passed: an earlier run's log is replaced now
         self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
         self.tracker.start()
         return super().train(*args, **kwargs)
@@ -142,12 +145,22 @@ class ToolkitTrainerMixin:
             reports.record(inputs)
         self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
         if self.pipeline is not None:
-            loss = self.pipeline.train_step(model_inputs(inputs), window_ends=self.accelerator.sync_gradients)
+            loss = self.pipeline_step(model, model_inputs(inputs))
         else:
             with reports.saving() if reports is not None else contextlib.nullcontext():
                 loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
+
+    def pipeline_step(self, model, inputs):
+        """Under pipeline stages, what the Trainer's training_step does around its forward and backward (the model
+        and optimizer in training mode: transformers checkpoints activations and applies dropout only then; the
+        inputs on the device; its loss context), around the schedule's step."""
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        with self.compute_loss_context_manager():
+            return self.pipeline.train_step(self._prepare_inputs(inputs), window_ends=self.accelerator.sync_gradients)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -155,15 +168,23 @@ class ToolkitTrainerMixin:
             self.masters.attach(optimizer)
         return optimizer
 
-    def _clip_grad_norm(self, model):
+    def _clip_grad_norm(self, model, max_norm: float | None = None):
+        max_norm = self.args.max_grad_norm if max_norm is None else max_norm
         if self.masters is not None:
             self.masters.take_gradients()  # the norm of the fp32 gradients, and those clipped (precision.py)
         parameters = self.masters.masters if self.masters is not None else list(self.model.parameters())
         if self.pipeline is not None:  # the norm over every stage's gradients
-            return self.pipeline.clip(parameters, self.args.max_grad_norm)
+            return self.pipeline.clip(parameters, max_norm)
         if self.masters is None:
             return super()._clip_grad_norm(model)
-        return self.accelerator.clip_grad_norm_(parameters, self.args.max_grad_norm)
+        return self.accelerator.clip_grad_norm_(parameters, max_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The logged norm without clipping (--max_grad_norm 0) is the one clipping would use: over every pipeline
+        stage, of the fp32 master gradients."""
+        if grad_norm is None and (self.pipeline is not None or self.masters is not None):
+            grad_norm = self._clip_grad_norm(model, max_norm=float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
 
     def evaluate(self, *args, **kwargs):
         with self.tracker.paused():
@@ -171,7 +192,7 @@ class ToolkitTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.pipeline is not None:
-            return self.pipeline.eval_step(model_inputs(inputs), prediction_loss_only)
+            return self.pipeline.eval_step(self._prepare_inputs(model_inputs(inputs)), prediction_loss_only)
         return super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
 
     def get_train_dataloader(self):
