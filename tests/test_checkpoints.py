@@ -332,6 +332,6 @@ def test_a_run_again_into_a_finished_runs_folder_says_so_and_keeps_its_own_log(t
     train(BERT, flags, "bert")
     assert "holds an earlier run's results" not in capsys.readouterr().err
     train(BERT, flags, "bert")
-    assert f"warning: {out} holds an earlier run's results (finished " in capsys.readouterr().err
+    assert f"warning: {out} holds an earlier run's results (written " in capsys.readouterr().err
     lines = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3]  # one run's steps, not two

@@ -23,6 +23,7 @@ def test_master_weights_keep_the_updates_bf16_would_lose(tmp_path, capsys):
     flags = ["--use_lora", "false", "--dtype", "bfloat16", "--bf16", "true", "--learning_rate", "2e-5",
              "--warmup_steps", "0",
              "--max_steps", "1", "--eval_fraction", "0", "--eval_on_start", "false", "--generation_samples", "0",
+             "--eval_after_training", "false",
              "--report_to", "none", "--output_dir", str(tmp_path)]  # fmt: skip
     trainer = train(SMOLLM2_CHAT, flags, "smollm2_chat").trainer
     header = "precision     bf16, weights bfloat16, bf16 weights and compute, fp32 master weights in the optimizer step"

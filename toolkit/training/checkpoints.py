@@ -346,10 +346,10 @@ def replace_finished_run(output_dir: str | Path, resuming: bool) -> None:
     from ..errors import warn
 
     folder = Path(output_dir)
-    if resuming or not ((folder / SUMMARY).is_file() or export_files(folder)):
+    found = [p for p in (folder / SUMMARY, *export_files(folder)) if p.is_file()]
+    if resuming or not found:
         return
-    newest = max([folder / SUMMARY, *export_files(folder)], key=lambda p: p.stat().st_mtime if p.exists() else 0)
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest.stat().st_mtime))
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(max(p.stat().st_mtime for p in found)))
     warn(f"{folder} holds an earlier run's results (written {when}): this run replaces its model, log and "
          "summary; pass another --output_dir to keep them.")  # fmt: skip
 
@@ -370,13 +370,19 @@ def replacing_export(output_dir: str | Path, main: bool, merged: bool):
     this run merges none) are removed once it is written (rank 0, `main`), so that from_pretrained, eval,
     generate and push read this run's weights only. Nothing is removed if the save fails."""
     folder = Path(output_dir)
-    before = {p: (s.st_ino, s.st_mtime_ns) for p in export_files(folder) if (s := p.stat())} if main else {}
+    before = {path: written(path) for path in export_files(folder)} if main else {}
     yield
     for path, stamp in before.items():
-        if path.is_file() and (path.stat().st_ino, path.stat().st_mtime_ns) == stamp:
+        if path.is_file() and written(path) == stamp:
             path.unlink()  # not rewritten by this save: the earlier run's
     if main and not merged and (folder / "merged").is_dir():
         shutil.rmtree(folder / "merged")
+
+
+def written(path: Path) -> tuple[int, int]:
+    """Which write a file's content is from: a save that rewrites it replaces the file or its time."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns
 
 
 class StagedCheckpoints:
