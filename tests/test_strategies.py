@@ -30,6 +30,7 @@ from conftest import (
     launch,
     no_lock,
     rank_reports,
+    reference_run,
     run_cmd,
     slurm_stand_ins,
 )
@@ -143,9 +144,8 @@ def reference(tmp_path_factory):
         if recipe not in runs:
             out = tmp_path_factory.mktemp(f"reference-{recipe}")
             accumulation = str(RECIPES[recipe][1])
-            check(run_cmd([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *ONE_EPOCH, "--output_dir",
-                           str(out), "--per_device_train_batch_size", "16", "--gradient_accumulation_steps",
-                           accumulation], cwd=out))  # fmt: skip
+            reference_run(recipe, [*ONE_EPOCH, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps",
+                                 accumulation], out)  # fmt: skip
             runs[recipe] = (rank_reports(out)[0], exported_weights(out, recipe))
         return runs[recipe]
 
@@ -362,7 +362,7 @@ def test_packed_run_matches_one_process(tmp_path):
                  "--max_seq_length", "256", "--dataloader_drop_last", "true",
                  "--per_device_train_batch_size", str(16 // processes)]  # fmt: skip
         if processes == 1:
-            check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *flags], cwd=tmp_path))
+            reference_run("llama3_fft", flags, out)
         else:
             result = check(launch("ddp", "llama3_fft", *flags, cwd=tmp_path))
             # auto's kernel for packed rows on CPU, and why (docs/recipes.md: on a GPU, one that skips their blocks)

@@ -4,12 +4,11 @@ plan (and FSDP2) as it loads, accelerate hands a TP group's ranks the same rows;
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_updates_agree, check, launch, rank_reports, run_cmd
+from conftest import ROOT, assert_updates_agree, check, launch, rank_reports, reference_run, run_cmd
 from safetensors.torch import load_file
 from transformers import AutoConfig, BertConfig, LlamaConfig, TrainingArguments
 
@@ -44,11 +43,8 @@ def llama_two_kv_heads(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(llama_two_kv_heads, tmp_path_factory) -> Path:
-    one = tmp_path_factory.mktemp("tp-reference")
     model = ["--model_name_or_path", str(llama_two_kv_heads)]
-    check(run_cmd([sys.executable, str(ROOT / "recipes" / "llama3_fft.py"), *FLAGS, *model, "--save_only_model",
-                   "true", "--output_dir", str(one)], cwd=one))  # fmt: skip
-    return one
+    return reference_run("llama3_fft", [*FLAGS, *model, "--save_only_model", "true"], tmp_path_factory.mktemp("tp-ref"))
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,18 @@ logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().st
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
 
 
-def __getattr__(name: str):
-    # Lazy: `python -m toolkit plan` should not import the Trainer stack.
-    if name in __all__:
-        from . import runner
+def run(recipe: dict, argv: list[str] | None = None, name: str | None = None) -> None:
+    """A recipe script's entry point (runner.run). The Trainer stack is imported when a recipe runs, not when its
+    file is read: `toolkit plan`, `check` and `launch` read recipes (`from toolkit import run`) in a fraction of the
+    ~10 s that importing transformers' Trainer, peft and datasets takes."""
+    from .runner import run as run_recipe
 
-        return getattr(runner, name)
+    run_recipe(recipe, argv, name)
+
+
+def __getattr__(name: str):
+    if name == "train":  # lazy, as run: the Trainer stack
+        from .runner import train
+
+        return train
     raise AttributeError(f"module 'toolkit' has no attribute '{name}'")

@@ -66,3 +66,30 @@ def load_recipe(name: str) -> dict[str, Any]:
         raise ConfigError(f"{path} defines no RECIPE dict: a recipe is `RECIPE = dict(model_name_or_path=..., "
                           "task=..., ...)` and `run(RECIPE)` under `if __name__ == \"__main__\"`.")  # fmt: skip
     return recipe
+
+
+# ----------------------------------------------------------------------- paths a user names
+
+PACKAGE_PREFIX = "package:"  # a model or data set shipped inside an installed package (data/sources.py)
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path, not a Hub id ("org/name"): it starts like one, or has more than one '/'."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).suffix in (".json",
+           ".jsonl", ".csv", ".parquet")  # fmt: skip
+
+
+def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
+    """A setting that names a local path (not a Hub id, not a package: path) must exist, with `inside` in it."""
+    from .errors import ConfigError
+
+    if name.startswith(PACKAGE_PREFIX) or not looks_like_path(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        recipe = recipe_writing(path)
+        made_by = f"it is recipes/{recipe}.py's output (make finetune MODEL={recipe} makes it); or " if recipe else ""
+        raise ConfigError(f"The {what} path {name} does not exist: {made_by}pass an existing path with {flag}, or a "
+                          "Hub id (org/name).")  # fmt: skip
+    if inside and path.is_dir() and not (path / inside).is_file():
+        raise ConfigError(f"{name} has no {inside}: pass a folder written by save_pretrained with {flag}.")

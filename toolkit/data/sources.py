@@ -15,8 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, ToolkitError
-from ..project import recipe_names
-from ..settings.arguments import PACKAGE_PREFIX, check_local_path
+from ..project import PACKAGE_PREFIX, check_local_path, recipe_names
 
 HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
 

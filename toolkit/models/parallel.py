@@ -5,13 +5,16 @@ before any weight loads. Tensor parallelism splits each layer by transformers' o
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
-from ..settings.arguments import Arguments
 from ..settings.mesh import describe as describe_mesh
 from ..settings.mesh import sequence_attention
+
+if TYPE_CHECKING:  # the settings import transformers' TrainingArguments (and peft): not for `toolkit check`
+    from ..settings.arguments import Arguments
 
 CP_ON_CPU = (
     "context parallelism (parallelism_config_cp_size) needs CUDA GPUs: torch's ring attention shards only the GPU "

@@ -25,9 +25,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from ..data.sources import stored_config
 from ..errors import ConfigError
-from ..project import cache_root, recipe_writing
+from ..project import cache_root, looks_like_path, recipe_writing
 from ..settings import tasks as task_table
-from ..settings.arguments import looks_like_path
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 

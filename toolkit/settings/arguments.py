@@ -16,7 +16,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..errors import ConfigError, warn
-from ..project import recipe_writing
+from ..project import check_local_path
 from .compile import asks_for_compile, check_backend_and_mode
 from .mesh import data_parallel_replicas
 from .tasks import task
@@ -27,7 +27,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 NULLS = ("none", "null", "")  # how a command line says "unset" for an optional setting
 # SFT row formats (data/formats.py reads each), in the order they are detected from a data set's columns.
 DATA_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
-PACKAGE_PREFIX = "package:"  # a model or data set shipped inside an installed package (data/sources.py)
 
 
 def optional_fields_unset(settings) -> None:
@@ -65,12 +64,6 @@ def check_attention_name(name: str) -> None:
     if name not in known and not is_kernel(name):
         raise ConfigError(f"attn_implementation '{name}' is not one of {', '.join(known)}, nor a Hub kernel "
                           "(org/name): pass --attn_implementation sdpa, for example.")  # fmt: skip
-
-
-def looks_like_path(name: str) -> bool:
-    """A local path, not a Hub id ("org/name"): it starts like one, or has more than one '/'."""
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).suffix in (".json",
-           ".jsonl", ".csv", ".parquet")  # fmt: skip
 
 
 @dataclass
@@ -375,20 +368,6 @@ def check_liger() -> None:
                           "has none: drop the flag.")  # fmt: skip
     if importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("--use_liger_kernel needs liger-kernel: pip install -e '.[liger]', or drop the flag.")
-
-
-def check_local_path(name: str, what: str, flag: str, inside: str | None = None) -> None:
-    """A setting that names a local path (not a Hub id, not a package: path) must exist, with `inside` in it."""
-    if name.startswith(PACKAGE_PREFIX) or not looks_like_path(name):
-        return
-    path = Path(name).expanduser()
-    if not path.exists():
-        recipe = recipe_writing(path)
-        made_by = f"it is recipes/{recipe}.py's output (make finetune MODEL={recipe} makes it); or " if recipe else ""
-        raise ConfigError(f"The {what} path {name} does not exist: {made_by}pass an existing path with {flag}, or a "
-                          "Hub id (org/name).")  # fmt: skip
-    if inside and path.is_dir() and not (path / inside).is_file():
-        raise ConfigError(f"{name} has no {inside}: pass a folder written by save_pretrained with {flag}.")
 
 
 def check_training(training: TrainingArguments) -> None:
