@@ -117,6 +117,15 @@ def test_a_figure_some_runs_have(tmp_path, monkeypatch):
     assert all(label.get_text().endswith("%") for label in shown_tick_labels(ax, "y"))
 
 
+@pytest.mark.parametrize("mfu", [[0.0301, 0.0242, 0.012], [0.42, 0.38]], ids=["cpu-peak-given", "gpu"])
+def test_mfu_ticks_are_distinct(mfu, tmp_path, monkeypatch):
+    """The MFU axis of three CPU runs with --peak_tflops (3.01%, 2.42%, 1.20%) read 0%, 1%, 1%, 2%, 2%, 3%: ticks
+    every half percent written without decimals. Each tick now has its own label."""
+    ax = axes_titled(drawn(made_up_runs(2.5e-5, mfu), tmp_path, monkeypatch)["efficiency.png"], "mean MFU")
+    texts = [label.get_text() for label in shown_tick_labels(ax, "y")]
+    assert len(texts) >= 3 and len(set(texts)) == len(texts), texts
+
+
 def test_report_into_a_folder_it_cannot_write_is_one_line(two_runs, tmp_path, capsys, monkeypatch):
     """--output under a read-only folder (a read-only file system refuses root too, which os.access says; chmod does
     not stop root, so the test answers for the file system): one line before anything is drawn, not a traceback."""

@@ -12,7 +12,7 @@ from test_strategies import tokenized_rows
 from transformers import AutoConfig
 
 from toolkit import planner, train
-from toolkit.metrics.cost import device_spec
+from toolkit.metrics.cost import CostModel, device_spec
 from toolkit.metrics.wandb_run import read_offline_run, redact
 from toolkit.settings.arguments import scaled_learning_rate
 
@@ -277,6 +277,10 @@ def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
         return evaluate(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "evaluate", slow)
+    printed = []  # the seconds the cost line is printed for
+    cost_line = CostModel.summary
+    monkeypatch.setattr(CostModel, "summary", lambda self, seconds, *a: printed.append(seconds) or
+                        cost_line(self, seconds, *a))  # fmt: skip
     flags = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "2", "--eval_on_start", "true",
              "--eval_strategy", "steps", "--eval_steps", "1000", "--eval_fraction", "0.1",
              "--output_dir", str(tmp_path)]  # fmt: skip
@@ -285,3 +289,4 @@ def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
     assert first["step"] == 2 and first["step_seconds"] * 2 < 1.5  # 3 s of evaluation left out: tiny steps
     summary = json.loads((tmp_path / "run_summary.json").read_text())["summary"]
     assert summary["training_seconds"] < summary["wall_seconds"] - 3 * 2  # the start and final evaluations billed
+    assert printed == [summary["wall_seconds"]]  # the cost line's dollars are the summary's (a later clock read: not)

@@ -199,7 +199,7 @@ def efficiency_figure(runs: list[Run]):
         ax.set_xlim(-1, len(runs))  # one run's bar not the panel's whole width
         ax.margins(y=0.15)  # room for the values over the bars
         if key == "mean_mfu":
-            ax.yaxis.set_major_formatter(PercentFormatter(xmax=1, decimals=0))
+            ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))  # decimals from the tick spacing
         elif key == "cost_usd":
             dollar_axis(ax.yaxis)
         elif key == "tokens_per_second":

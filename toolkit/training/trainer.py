@@ -330,7 +330,7 @@ class ToolkitTrainerMixin:
             f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
             flush=True,
         )
-        print(cost.summary(self.tracker.elapsed, self.tracker.spent_before), flush=True)
+        print(cost.summary(summary["wall_seconds"], self.tracker.spent_before), flush=True)  # the summary's own
         path = Path(self.args.output_dir) / SUMMARY
         path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
         if wandb is not None and wandb.run is not None:
