@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,6 +67,14 @@ def offline_env(tmp_path_factory):
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
+    # DeepSpeed's ops, built by `make install` into the environment's folder: a copy per session (its build times
+    # kept: nothing is rebuilt). test_strategies plants a killed build's lock there, which every run's first process
+    # clears, and says so: another worker's runs must neither clear it first nor print that line.
+    built = Path(sys.prefix) / "torch_extensions"
+    extensions = cache / "torch_extensions"
+    if built.is_dir():
+        shutil.copytree(built, extensions, ignore=shutil.ignore_patterns("lock"))
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     if WORKERS > 1:
         # A thread per worker (and per launched process, as torchrun gives its ranks): two workers each running
         # torch on both cores of a 2-core machine spin against each other and run slower than one.
