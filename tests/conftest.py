@@ -84,6 +84,10 @@ def offline_env(tmp_path_factory):
         torch.set_num_threads(1)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # transformers prints "[INFO] Running in WANDB offline mode" when this module is first imported with
+    # WANDB_MODE=offline: imported here, once, so no test's captured output depends on which test imported it first.
+    import transformers.integrations.integration_utils  # noqa: F401
+
     # Away from the checkout: a user's own runs/ (the README's example writes runs/llama3_fft, which the DPO
     # recipes start from) must not change what the suite sees, nor the suite write into it.
     cwd = Path.cwd()

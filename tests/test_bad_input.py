@@ -612,3 +612,17 @@ def test_a_recipe_file_that_does_not_import_is_one_line(text, key, tmp_path, mon
         assert code == 2, command
         captured = capsys.readouterr()
         assert_one_clear_line(captured.out + captured.err, key)
+
+
+@pytest.mark.parametrize("command", ["eval", "push", "report", "check", "mesh", "plan"])
+def test_each_commands_help_says_what_it_does_in_whole_sentences(command, capsys):
+    """`toolkit eval --help` read "the fine-tuned model against the one": each command's description was its
+    docstring's first line, cut mid-sentence. Now its first paragraph, ending where a sentence ends."""
+    from toolkit.__main__ import entry
+
+    with pytest.raises(SystemExit) as exit_info:
+        entry(command)(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    description = " ".join(help_text.split("\n\n")[1].split())  # after the usage block
+    assert description.endswith((".", ")")), description

@@ -148,3 +148,12 @@ def test_make_finetune_checks_before_launching(tmp_path):
     assert result.returncode != 0
     assert "error: No recipe 'bertt' in recipes/. Known: bert, llama3_dpo" in result.stderr
     assert "No such file" not in result.stderr  # accelerate never started the missing script
+
+
+def test_a_recipe_is_named_as_the_launch_names_it():
+    """`toolkit check accelerate_configs/pp.yaml recipes/bert.py`, the launch's own spelling, answered "No recipe
+    'recipes/bert.py'": the path's recipe is checked (here refused, as the launch would refuse it)."""
+    config = ROOT / "accelerate_configs" / "ddp.yaml"
+    assert check(config, "recipes/bert.py") == check(config, "bert") == "ddp.yaml: MULTI_GPU, recipe bert: ok"
+    with pytest.raises(ConfigError, match="classification recipe is not supported"):
+        check(ROOT / "accelerate_configs" / "pp.yaml", "recipes/bert.py")

@@ -427,6 +427,7 @@ def test_verdicts_reproduce_the_decision_guide(llama):
     ("argv", "message"),
     [
         (["--gpu", "B300"], "Unknown GPU type 'B300'. Known: RTX-3090"),
+        (["--gpu", "T4"], "(or add it, with its memory_gb, peak_tflops and price, to toolkit/metrics/hardware.yaml)"),
         (["--gpus", "0"], "--gpus must be at least 1, got 0."),
         (["--nodes", "0"], "--nodes must be at least 1, got 0."),
         (["--seq_length", "-5"], "--seq_length must be at least 1"),
@@ -457,7 +458,10 @@ def test_plan_when_nothing_fits_says_what_would(capsys):
 
     assert main(["llama3_fft", "--gpu", "RTX-3090", "--gpus", "1", "--seq_length", "65536"]) == 0
     out = capsys.readouterr().out
-    assert "recommended: nothing fits; the least memory, " in out and "Add GPUs or nodes" in out
+    assert "recommended: nothing fits; the least memory, " in out and ": add GPUs or nodes, " in out
+    assert out.rstrip().endswith("or train LoRA adapters.")  # a full fine-tune: LoRA is one of the ways
+    assert main(["llama3_lora", "--gpu", "RTX-3090", "--gpus", "1", "--seq_length", "65536"]) == 0
+    assert "LoRA" not in capsys.readouterr().out.splitlines()[-1]  # adapters already: not offered again
 
 
 def test_host_ram_at_load(llama):
@@ -490,6 +494,32 @@ def test_plan_command_offline(capsys):
     flag = f"--per_device_train_batch_size {single['micro_batch']}"
     assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table
     assert "activations measured: the bytes autograd saves in instances at 1/32 and 1/16 of the width" in table
+
+
+@pytest.mark.parametrize(("argv", "refused"), [
+    (["smollm2_chat", "--gpu", "A100-40GB", "--gpus", "2", "--seq_length", "32768", "--micro_batch", "1"],
+     {"tp": "does not divide the model's 9 attention heads", "pp": "ties its output head to its input embeddings"}),
+    (["bert", "--gpu", "A100-40GB", "--gpus", "2"],
+     {"tp": "bert has no tensor-parallel plan", "pp": "a classification recipe is not supported"}),
+], ids=["tied-9-heads", "classifier"])  # fmt: skip
+def test_plan_never_recommends_what_the_launch_refuses(argv, refused, capsys):
+    """SmolLM2 (tied embeddings, 9 heads) at 32k tokens: the plan recommended pp.yaml, which `toolkit check` and the
+    launch refuse, and listed tp as fitting; BERT's pp and tp rows read "yes". Each is marked refused, with the
+    launch's own reason, and never recommended."""
+    import json
+
+    from toolkit.planner.cli import main
+
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {row["config"]: row for row in plan["configs"]}
+    for config, reason in refused.items():
+        assert reason in rows[config]["refused"]
+        assert f"{config}: refused for this model and recipe: " in table
+    assert not any(row["refused"] for config, row in rows.items() if config not in refused)
+    assert plan["recommended"] not in refused and f"recommended: accelerate_configs/{'pp'}.yaml" not in table
 
 
 def test_make_plan_prints_fit_time_and_cost_offline(capsys):

@@ -69,8 +69,8 @@ STRATEGIES = {
     # FP8: refused on CPU in one line, test_fp8.py
     "fsdp2_fp8": ("FSDP", "FSDP2 FULL_SHARD", True, True, 2),
     # pipeline stages, through the toolkit's launcher: test_pipeline.py
-    "pp": ("MULTI_CPU", "pipeline, 2 stages (1F1B)", True, True, 2),
-    "pp_ddp": ("MULTI_CPU", "pipeline, 2 stages (1F1B) x 2 replicas", True, True, 4),
+    "pp": ("MULTI_CPU", "pipeline, 2 stages", True, True, 2),
+    "pp_ddp": ("MULTI_CPU", "pipeline, 2 stages x 2 replicas", True, True, 4),
 }
 OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp")  # own tests
 CPU_WARNINGS = {

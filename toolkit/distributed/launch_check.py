@@ -212,6 +212,8 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
 def check(config_file: str | Path, recipe: str | None = None) -> str:
     """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
     path = Path(config_file)
+    if recipe is not None and recipe.endswith(".py"):
+        recipe = Path(recipe).stem  # recipes/bert.py, as the launch names it
     if recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     config = read_yaml(path)
@@ -272,7 +274,9 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m toolkit check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit check", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("config_file", help="an accelerate config, e.g. accelerate_configs/zero3.yaml")
     parser.add_argument("recipe", nargs="?", help="a recipe name: also checks the pair")
     args = parser.parse_args(argv)

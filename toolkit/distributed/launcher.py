@@ -183,7 +183,9 @@ def mesh_main(argv: list[str] | None = None) -> int:
 
     from ..settings.mesh import job_mesh, launch_flags
 
-    parser = argparse.ArgumentParser(prog="python -m toolkit mesh", description=mesh_main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit mesh", description=" ".join(mesh_main.__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("config_file")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus_per_node", type=int, required=True)

@@ -28,10 +28,11 @@ def price_table() -> dict[str, Any]:
     return yaml.safe_load(TABLE.read_text())
 
 
-def device_spec(name: str) -> dict[str, Any]:
+def device_spec(name: str, fix: str = "or pass --hourly_usd, its price per device-hour") -> dict[str, Any]:
+    """The table's entry for a device; `fix`: what the command that names it accepts instead."""
     devices = price_table()["devices"]
     if name not in devices:
-        raise UnknownHardware(f"Unknown GPU type '{name}'. Known: {', '.join(devices)} (or pass --hourly_usd).")
+        raise UnknownHardware(f"Unknown GPU type '{name}'. Known: {', '.join(devices)} ({fix}).")
     return devices[name]
 
 

@@ -285,7 +285,9 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit report", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("runs", nargs="+", help="run output folders or W&B offline run folders")
     parser.add_argument("--output", default="reports/latest", help="folder for the charts and pages")
     parser.add_argument("--wandb_project", help="also publish a W&B Report in this project (needs an account)")

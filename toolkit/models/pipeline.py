@@ -169,8 +169,9 @@ def check_pipeline(config: PretrainedConfig, mesh: dict[str, int], task: str, *,
         from ..errors import warn
 
         warn(f"{micro_batches} micro-batch(es) a step (--gradient_accumulation_steps) are fewer than the {stages} "
-             f"pipeline stages {schedule} needs: each step runs as GPipe, {bubble(stages, micro_batches):.0%} of its "
-             f"work idle (the bubble); --gradient_accumulation_steps {stages} or more runs {schedule}.")  # fmt: skip
+             f"pipeline stages {schedule} needs: each step runs as GPipe, idle {bubble(stages, micro_batches):.0%} "
+             f"of its compute time on top (the bubble); --gradient_accumulation_steps {stages} or more runs "
+             f"{schedule}.")  # fmt: skip
 
 
 def check_schedule(schedule: str) -> None:
@@ -203,7 +204,7 @@ def checked_stages(config: PretrainedConfig, stages: int, sublayers: int = 1) ->
             for stage in range(stages):
                 part = StageModule(split_stage(copy.deepcopy(whole), stage, stages), stage, stages)
                 x = part(x, position_ids=positions)
-        except Exception as error:  # noqa: BLE001: whatever the family's forward raises without its inputs
+        except Exception as error:  # noqa: BLE001 - whatever the family's forward raises without its inputs
             raise ConfigError(f"{config.model_type}'s layers cannot run as pipeline stages (a stage's forward at toy "
                               f"size raised {type(error).__name__}: {str(error).strip().splitlines()[0][:160]}; its "
                               "later stages receive hidden states only): train it with "

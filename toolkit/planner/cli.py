@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, fields, replace
@@ -14,8 +15,11 @@ from ..data.sources import model_config, stored_split_size
 from ..errors import ConfigError, command
 from ..metrics.cost import device_spec, price_table
 from ..models.meta import meta_model
+from ..models.parallel import check_sequence_heads, check_split_task, check_tensor_parallel
+from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
+from ..settings.mesh import PIPELINE_SCHEDULES
 from ..settings.tasks import TASKS, infer_task
 from .activations import measured_activations
 from .estimate import (
@@ -62,6 +66,10 @@ def measured_tokens(model: str, task: str, seq_length: int) -> tuple[int, int, s
         return f"the data cannot be read here ({str(error).split(':')[0]}); pass --tokens_per_sample"
 
 
+# A plan needs a device's memory and datasheet peak, which only the table has (a run takes --hourly_usd instead).
+PLAN_ANY_GPU = "or add it, with its memory_gb, peak_tflops and price, to toolkit/metrics/hardware.yaml"
+
+
 def build_plan(args) -> dict:
     values = recipe_values(args.model)
     config = model_config(values["model_name_or_path"])
@@ -94,7 +102,7 @@ def build_plan(args) -> dict:
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,
                                                  lora, bool(mixed))  # fmt: skip
     shape = replace(shape, activations=fit)
-    gpu = device_spec(args.gpu)
+    gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     samples = args.samples or stored_split_size(values)
     epochs = args.epochs or values.get("num_train_epochs", 1)
     tokens_per_sample, tokens_source = args.tokens_per_sample, "as given"
@@ -114,6 +122,7 @@ def build_plan(args) -> dict:
                       fp8):  # fmt: skip
         row = asdict(v)
         layout = layouts[v.config]
+        row["refused"] = refusal(replace(layout, pipeline_stages=v.pipeline_stages), config, task, values)
         if v.pipeline_stages > 1:
             layout = Layout.pipeline(v.config, v.pipeline_stages, layout.pipeline_schedule,
                                      args.gpus * args.nodes // v.pipeline_stages)  # fmt: skip
@@ -130,7 +139,7 @@ def build_plan(args) -> dict:
                        usd_spot=cost.usd_spot)  # fmt: skip
         results.append(row)
     results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
-    fitting = [r for r in results if r["micro_batch"]]  # fits with some micro-batch, in order of preference
+    fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
     return {
         "model": values["model_name_or_path"],
         "recipe": args.model if is_recipe(args.model) else None,
@@ -161,6 +170,28 @@ def build_plan(args) -> dict:
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
         "recommended_pipeline_stages": fitting[0]["pipeline_stages"] if fitting else 1,
     }
+
+
+def refusal(layout: Layout, config, task: str, values: dict) -> str | None:
+    """Why a launch of this layout would refuse this model and recipe (the checks `toolkit check` and the run make
+    before weights load: tensor-parallel heads, a pipeline's tied embeddings, a split of a classifier's rows), or
+    None: a plan recommends only what runs."""
+    sequence_axis = "sp" if layout.engine == "deepspeed" else "cp"
+    mesh = {axis: size for axis, size in (("tp", layout.tensor_parallel), ("pp", layout.pipeline_stages),
+                                          (sequence_axis, layout.sequence_split)) if size > 1}  # fmt: skip
+    if not mesh:
+        return None
+    world = math.prod(mesh.values())
+    try:
+        check_split_task(mesh, task)
+        check_tensor_parallel(config, mesh, world)
+        check_sequence_heads(config, mesh.get("sp", 1))
+        check_pipeline(config, mesh, task, world_size=world, load_in_4bit=bool(values.get("load_in_4bit")),
+                       schedule=layout.pipeline_schedule or PIPELINE_SCHEDULES[0],
+                       fp16=bool(values.get("fp16")))  # fmt: skip
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def render(plan: dict) -> str:
@@ -198,19 +229,22 @@ def render(plan: dict) -> str:
     lines.append(header)
     for r in plan["configs"]:
         line = (f"{r['config']:<20}{r['device_gib']:>9.1f}{r['host_gib_per_node']:>15.1f}"
-                f"{r['host_load_gib_per_node']:>9.1f}  {'yes' if r['fits'] else 'no':<8}"
-                f"{r['micro_batch'] or '-':>16}")  # fmt: skip
+                f"{r['host_load_gib_per_node']:>9.1f}  {'refused' if r['refused'] else 'yes' if r['fits'] else 'no':<8}"
+                f"{(not r['refused'] and r['micro_batch']) or '-':>16}")  # fmt: skip
         if costed:
             spot = f"{r['usd_spot']:>10,.{cents}f}" if r["usd_spot"] is not None else f"{'-':>10}"
             line += f"{r['mfu']:>6.2f}{r['device_hours']:>11,.{hour_digits}f}{r['usd']:>13,.{cents}f}{spot}"
         lines.append(line)
     lines.append("")
     for r in plan["configs"]:
-        if r.get("pipeline_stages", 1) > 1:
+        if r["refused"]:
+            lines.append(f"{r['config']}: refused for this model and recipe: {r['refused']}")
+    for r in plan["configs"]:
+        if r.get("pipeline_stages", 1) > 1 and not r["refused"]:
             lines.append(f"{r['config']}: {r['pipeline_stages']} stages (--parallelism_config_pp_size "
                          f"{r['pipeline_stages']}), {w['micro_batches']} micro-batch(es) a step: bubble "
-                         f"(stages - 1) / micro-batches = {r['bubble']:.0%} of the step's work idle, in the MFU; raise "
-                         "--gradient_accumulation_steps to shrink it")  # fmt: skip
+                         f"(stages - 1) / micro-batches = {r['bubble']:.0%} idle time on top of the step's compute, "
+                         "in the MFU; raise --gradient_accumulation_steps to shrink it")  # fmt: skip
     if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
         lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
                      "one H100 measured 1.26x with it, 0.46x without (docs/benchmarks.md)")  # fmt: skip
@@ -220,11 +254,13 @@ def render(plan: dict) -> str:
         lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml{flags} with "
                      f"--per_device_train_batch_size {plan['recommended_micro_batch']}")  # fmt: skip
     else:
-        least = min(plan["configs"], key=lambda r: r["device_gib"])
+        least = min([r for r in plan["configs"] if not r["refused"]] or plan["configs"], key=lambda r: r["device_gib"])
+        fixes = ["add GPUs or nodes", "shorten the sequence",
+                 *([] if w["activation_checkpointing"] else ["turn on activation checkpointing"]),
+                 *([] if p["frozen"] else ["train LoRA adapters"])]  # fmt: skip  # frozen weights: LoRA already
         lines.append(f"recommended: nothing fits; the least memory, {least['config']}, needs {least['device_gib']:.1f} "
-                     f"GiB per GPU at micro-batch {w['micro_batch']}. Add GPUs or nodes, shorten the sequence, "
-                     + ("" if w["activation_checkpointing"] else "turn on activation checkpointing, ")
-                     + "or train LoRA adapters.")  # fmt: skip
+                     f"GiB per GPU at micro-batch {w['micro_batch']}: {', '.join(fixes[:-1])} or "
+                     f"{fixes[-1]}.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -245,7 +281,7 @@ def check_flags(args) -> None:
                           f"{args.headroom:g}: 0.1, say.")  # fmt: skip
     if args.cuda_context_gib < 0:
         raise ConfigError(f"--cuda_context_gib cannot be negative, got {args.cuda_context_gib:g}.")
-    spec = device_spec(args.gpu)
+    spec = device_spec(args.gpu, PLAN_ANY_GPU)
     if not spec.get("memory_gb") or not spec.get("peak_tflops"):
         gpus = [name for name, d in price_table()["devices"].items() if d.get("memory_gb") and d.get("peak_tflops")]
         raise ConfigError(f"--gpu {args.gpu} has no device memory or datasheet peak to plan with (it is priced for "

@@ -81,8 +81,9 @@ class Layout:
     @classmethod
     def pipeline(cls, name: str, stages: int, schedule: str, replicas: int = 1) -> Layout:
         """Pipeline stages (torch's pipelining engine, training/pipeline.py): each rank holds its stage's weights,
-        gradients and optimizer states, whole; `replicas` pipelines sum their gradients (DDP's buckets)."""
-        sharding = f"pipeline, {stages} stages ({schedule})" + (f" x {replicas} replicas" if replicas > 1 else "")
+        gradients and optimizer states, whole; `replicas` pipelines sum their gradients (DDP's buckets). The schedule
+        is not in `sharding`: the one a step runs depends on its micro-batches (the run header's schedule line)."""
+        sharding = f"pipeline, {stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
         return cls(name, "torch", ddp=replicas > 1, pipeline_stages=stages, pipeline_schedule=schedule,
                    sharding=sharding)  # fmt: skip
 

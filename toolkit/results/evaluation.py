@@ -316,7 +316,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     it started from, on the same inputs; RUN/eval_results.json and the table."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m toolkit eval", description=eval_main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit eval", description=" ".join(eval_main.__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("run", help="a run's --output_dir")
     parser.add_argument("--tasks", help=f"comma-separated: {HELD_OUT}, {REPLY_CHOICE}, or lm-evaluation-harness tasks")
     parser.add_argument("--limit", type=int, help="at most this many examples of each harness task")
