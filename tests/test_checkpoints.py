@@ -335,3 +335,24 @@ def test_a_run_again_into_a_finished_runs_folder_says_so_and_keeps_its_own_log(t
     assert f"warning: {out} holds an earlier run's results (written " in capsys.readouterr().err
     lines = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3]  # one run's steps, not two
+
+
+def test_a_resume_on_another_length_says_the_schedule_changes(tmp_path, capsys):
+    """The refusal of a resume with nothing left said "raise --max_steps to continue it"; doing so, the Trainer
+    recomputes the schedule for the new length (a 10-step cosine resumed with --max_steps 20 logged 0.0 at step 11,
+    then jumped to 0.000843): said in one warning. A resume on the run's own length says nothing."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import check_steps_left
+
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 10, "max_steps": 10}))
+    with pytest.raises(ConfigError, match="on a learning-rate schedule for the new length"):
+        check_steps_left(checkpoint, 10)
+    check_steps_left(checkpoint, 20)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {checkpoint} was saved by a run of 10 steps and this one ends at step 20: ")
+    assert "--max_steps 10 continues the run as it was" in line
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 5, "max_steps": 10}))
+    check_steps_left(checkpoint, 10)
+    assert capsys.readouterr().err == ""

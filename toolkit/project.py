@@ -59,7 +59,7 @@ def load_recipe(name: str) -> dict[str, Any]:
             spec.loader.exec_module(module)
     except SyntaxError as error:
         raise ConfigError(f"{path} does not import: {error.msg} (line {error.lineno}): fix the recipe file.") from None
-    except Exception as error:  # noqa: BLE001: whatever a user's recipe file raises as it imports
+    except Exception as error:  # noqa: BLE001 - whatever a user's recipe file raises as it imports
         raise ConfigError(f"{path} does not import: {type(error).__name__}: {error}: fix the recipe file.") from None
     recipe = getattr(module, "RECIPE", None)
     if not isinstance(recipe, dict):

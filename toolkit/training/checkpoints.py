@@ -121,7 +121,7 @@ def dcp_damage(folder: Path) -> str | None:
         from torch.distributed.checkpoint import FileSystemReader
 
         storage = FileSystemReader(str(folder)).read_metadata().storage_data
-    except Exception:  # noqa: BLE001: a missing or unpicklable .metadata, whatever the error
+    except Exception:  # noqa: BLE001 - a missing or unpicklable .metadata, whatever the error
         return f"{folder.name}/.metadata is missing or unreadable"
     for info in storage.values():
         path = folder / info.relative_path
@@ -292,11 +292,21 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
 def check_steps_left(checkpoint: str | Path, steps: int) -> None:
     """A resume with nothing left to train (its checkpoint at or past the run's last step, e.g. --max_steps lowered
     below it) is refused: the Trainer would train a step past it and rewrite the finished run's summary and log."""
-    step = json.loads((Path(checkpoint) / TRAINER_STATE).read_text()).get("global_step", 0)
+    state = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
+    step, planned = state.get("global_step", 0), state.get("max_steps")
     if step >= steps:
         raise ConfigError(f"{checkpoint} is at step {step}, and this run ends at step {steps}: there is nothing left "
-                          f"to train. Raise --max_steps (or --num_train_epochs) above {step} to continue it, or pass "
-                          "another --output_dir to train afresh.")  # fmt: skip
+                          f"to train. Raise --max_steps (or --num_train_epochs) above {step} to train on from it (on "
+                          "a learning-rate schedule for the new length), or pass another --output_dir to train "
+                          "afresh.")  # fmt: skip
+    if planned and planned != steps:
+        from ..errors import warn
+
+        # The Trainer builds the scheduler for this run's length and loads the checkpoint's step into it: the first
+        # step keeps the rate the checkpoint ended on, the next jumps to the new schedule's.
+        warn(f"{checkpoint} was saved by a run of {planned} steps and this one ends at step {steps}: from step "
+             f"{step + 1} the learning rate follows a {steps}-step schedule, not the one it was on (it jumps there); "
+             f"--max_steps {planned} continues the run as it was.")  # fmt: skip
 
 
 def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> None:
