@@ -126,6 +126,22 @@ def test_mfu_ticks_are_distinct(mfu, tmp_path, monkeypatch):
     assert len(texts) >= 3 and len(set(texts)) == len(texts), texts
 
 
+@pytest.mark.parametrize("costs", [[1.326e-4, 1.273e-4, 1.007e-4, 9.074e-5, 1.7e-4, 6.1e-5], [12.5, 130.0, 7.25]],
+                         ids=["six-cpu-runs", "gpu-runs"])  # fmt: skip
+def test_cost_bars_read_in_one_notation_without_touching(costs, tmp_path, monkeypatch):
+    """Six CPU runs' cost bars read 0.0001326 touching 0.0001273 and 0.0001007 running into 9.074e-05: two notations
+    over an axis marked x10^-4. The bars now carry the axis's multiples, short enough not to touch."""
+    runs = made_up_runs(1.0, [None] * len(costs))
+    for run, cost in zip(runs, costs, strict=True):
+        run.summary["cost_usd"] = cost
+    ax = axes_titled(drawn(runs, tmp_path, monkeypatch)["efficiency.png"], "cost (USD)")
+    labels = [text for text in ax.texts if text.get_text()]
+    boxes = [label.get_window_extent() for label in labels]
+    texts = [label.get_text() for label in labels]
+    assert len(labels) == len(costs) and not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:], strict=False)), texts
+    assert not any("e-" in text for text in texts) and max(map(len, texts)) <= 5, texts
+
+
 def test_report_into_a_folder_it_cannot_write_is_one_line(two_runs, tmp_path, capsys, monkeypatch):
     """--output under a read-only folder (a read-only file system refuses root too, which os.access says; chmod does
     not stop root, so the test answers for the file system): one line before anything is drawn, not a traceback."""

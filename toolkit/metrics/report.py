@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,15 +164,22 @@ def loss_figure(runs: list[Run]):
     return fig
 
 
-def dollar_axis(axis) -> None:
+def dollar_axis(axis, power: int | None = None) -> None:
     """At most six ticks, and amounts under a cent (a CPU's) as multiples of one power of ten written once at the
-    axis's end (x10^-4), not as labels eight digits wide that run into one another."""
+    axis's end (x10^-4), not as labels eight digits wide that run into one another; `power`: that power, fixed
+    (the bars' labels are written in it)."""
     from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     formatter = ScalarFormatter(useMathText=True)
-    formatter.set_powerlimits((-2, 6))
+    formatter.set_powerlimits((power, power) if power else (-2, 6))
     axis.set_major_locator(MaxNLocator(nbins=5))
     axis.set_major_formatter(formatter)
+
+
+def cents_power(values: list[float]) -> int | None:
+    """The power of ten that amounts under a cent are written in (the largest one's), None for larger amounts."""
+    largest = max(values, default=0.0)
+    return math.floor(math.log10(largest)) if 0 < largest < 1e-2 else None
 
 
 def efficiency_figure(runs: list[Run]):
@@ -192,7 +200,9 @@ def efficiency_figure(runs: list[Run]):
                     va="center", transform=ax.transAxes, fontsize=9)  # fmt: skip
             continue
         bars = ax.bar(known, [values[i] for i in known], color=[f"C{i}" for i in known])
-        ax.bar_label(bars, labels=[COLUMNS[key][1].format(values[i]) for i in known], fontsize=8)
+        power = cents_power([values[i] for i in known]) if key == "cost_usd" else None
+        labels = [f"{values[i] / 10**power:.3g}" if power else COLUMNS[key][1].format(values[i]) for i in known]
+        ax.bar_label(bars, labels=labels, fontsize=8)  # fractions of a cent: in the axis's x10^power
         for i in set(range(len(runs))) - set(known):
             ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=9)
         ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
@@ -201,7 +211,7 @@ def efficiency_figure(runs: list[Run]):
         if key == "mean_mfu":
             ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))  # decimals from the tick spacing
         elif key == "cost_usd":
-            dollar_axis(ax.yaxis)
+            dollar_axis(ax.yaxis, power)
         elif key == "tokens_per_second":
             ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
     return fig
