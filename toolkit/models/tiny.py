@@ -118,6 +118,9 @@ def shrunk_config(config: PretrainedConfig, vocab_size: int, layers: int | None 
             setattr(config, key, min(getattr(config, key), 4))
             config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))
     config.vocab_size = vocab_size
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids of the full vocabulary (Phi-3's pad 32000)
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab_size:
+            setattr(config, name, None)  # nn.Embedding refuses a padding index past the table
     return config
 
 
