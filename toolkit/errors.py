@@ -74,6 +74,11 @@ def report(error: Exception, label: str = "error") -> int:
     return error.exit_code
 
 
+def description(doc: str) -> str:
+    """A command's --help description: its docstring's first paragraph, on one line (a first line ends mid-way)."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """A `python -m toolkit <command>` entry point whose user errors end as one line and SystemExit(2), as
     argparse ends its own."""

@@ -18,7 +18,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
 from ..data.sources import model_config
-from ..errors import ConfigError, command
+from ..errors import ConfigError, command, description
 from ..models.meta import meta_model
 from ..models.parallel import (
     accelerator_parallelism,
@@ -274,9 +274,7 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit check", description=" ".join(__doc__.split("\n\n")[0].split())
-    )
+    parser = argparse.ArgumentParser(prog="python -m toolkit check", description=description(__doc__))
     parser.add_argument("config_file", help="an accelerate config, e.g. accelerate_configs/zero3.yaml")
     parser.add_argument("recipe", nargs="?", help="a recipe name: also checks the pair")
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import PREEMPTED, PREEMPTION_SIGNALS, ConfigError, command, debugging
+from ..errors import PREEMPTED, PREEMPTION_SIGNALS, ConfigError, command, debugging, description
 from ..project import is_recipe, recipe_names
 
 TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's --signals_to_handle default
@@ -183,9 +183,7 @@ def mesh_main(argv: list[str] | None = None) -> int:
 
     from ..settings.mesh import job_mesh, launch_flags
 
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit mesh", description=" ".join(mesh_main.__doc__.split("\n\n")[0].split())
-    )
+    parser = argparse.ArgumentParser(prog="python -m toolkit mesh", description=description(mesh_main.__doc__))
     parser.add_argument("config_file")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus_per_node", type=int, required=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ToolkitError, command
+from ..errors import ToolkitError, command, description
 from ..errors import report as report_error
 from ..outputs import SUMMARY, writable
 from .samples import EVAL_FILE, RUN_LOG, SAMPLES_FILE
@@ -295,9 +295,7 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit report", description=" ".join(__doc__.split("\n\n")[0].split())
-    )
+    parser = argparse.ArgumentParser(prog="python -m toolkit report", description=description(__doc__))
     parser.add_argument("runs", nargs="+", help="run output folders or W&B offline run folders")
     parser.add_argument("--output", default="reports/latest", help="folder for the charts and pages")
     parser.add_argument("--wandb_project", help="also publish a W&B Report in this project (needs an account)")

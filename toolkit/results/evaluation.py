@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, command
+from ..errors import ConfigError, command, description
 from ..metrics.samples import EVAL_FILE
 from .eval_checks import EVAL_FOLDER, HELD_OUT, REPLY_CHOICE, check_run_folder, checked_tasks, task_manager
 from .record import RunRecord
@@ -316,9 +316,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     it started from, on the same inputs; RUN/eval_results.json and the table."""
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit eval", description=" ".join(eval_main.__doc__.split("\n\n")[0].split())
-    )
+    parser = argparse.ArgumentParser(prog="python -m toolkit eval", description=description(eval_main.__doc__))
     parser.add_argument("run", help="a run's --output_dir")
     parser.add_argument("--tasks", help=f"comma-separated: {HELD_OUT}, {REPLY_CHOICE}, or lm-evaluation-harness tasks")
     parser.add_argument("--limit", type=int, help="at most this many examples of each harness task")

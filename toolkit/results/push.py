@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..errors import ConfigError, command
+from ..errors import ConfigError, command, description
 from ..metrics.samples import EVAL_FILE
 from .card import CARD, CURVE, write_card
 from .record import check_export
@@ -140,9 +140,7 @@ def push_main(argv: list[str] | None = None) -> int:
     """`python -m toolkit push RUN --repo_id ORG/NAME [--private false] [--revision BRANCH] [--merged]`."""
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit push", description=" ".join(push_main.__doc__.split("\n\n")[0].split())
-    )
+    parser = argparse.ArgumentParser(prog="python -m toolkit push", description=description(push_main.__doc__))
     parser.add_argument("run", help="a run's --output_dir")
     parser.add_argument("--repo_id", required=True, help="your-name/model-name")
     parser.add_argument("--private", default="true", choices=["true", "false"], help="a private repository (default)")
