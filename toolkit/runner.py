@@ -5,6 +5,7 @@
     model      blueprint        config, tokenizer, packing, attention: no weights yet         models/
     data       prepare_data     read, checked, tokenized, packed (cached)                     data/
     plan       plan_workload    the workload; the activations measured before weights load    planner/
+    rewards    reward_parts     grpo's rewards, each called once on the first prompts         training/rl.py
     model      load_for_training  the weights, LoRA                                           models/
     trainer    build_trainer    RecipeTrainer (or DPO's) with the toolkit's parts             training/
     run        fit              train, evaluate, save the consolidated (and merged) model     training/
@@ -52,7 +53,7 @@ from .metrics.wandb_run import finish_run, redact_argv
 from .models.attention import FLEX_ON_CPU, pad_multiple
 from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
 from .models.lora import save_merged
-from .models.parallel import accelerator_parallelism
+from .models.parallel import accelerator_parallelism, check_split_task
 from .models.tiny import tiny_layer
 from .outputs import check_run_output
 from .planner.activations import measured_activations
@@ -64,6 +65,7 @@ from .settings.arguments import Arguments, global_batch_size
 from .settings.compile import choose_compile, set_compile
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, split_multiple
 from .settings.parser import parse
+from .settings.tasks import task
 from .training import checkpoints
 from .training.evaluation import metrics_for
 from .training.run_plan import planned_steps
@@ -89,10 +91,11 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     if resume:  # the steps it will train are known once the data is
         checkpoints.check_steps_left(resume, planned_steps(args.training, len(data.train)))
     work = plan_workload(args, model_plan)
+    rewards = reward_parts(args, data)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
                                upcast_placeholders=weights_arrive_upcast(mixed))  # fmt: skip
-    trainer = build_trainer(args, loaded, data, work)
+    trainer = build_trainer(args, loaded, data, work, rewards)
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)
     return RunResult(trainer, fit(trainer, args, data, resume))
@@ -119,6 +122,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     engine = Requested.from_env().engine
     check_pipeline_launch(args.training.world_size)
     check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
+    check_split_task(launch_mesh(), args.data.task)  # the axes a task cannot be split on
     if args.model.load_in_4bit:
         check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # the config's; the recipe's bf16 would override it
@@ -191,9 +195,19 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
     return work
 
 
-def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload) -> RecipeTrainer:
-    """The task's trainer with the toolkit's parts: RecipeTrainer, or for dpo TRL's DPOTrainer (its own collator
-    and metrics, and a frozen reference model)."""
+def reward_parts(args: Arguments, data: PreparedData) -> dict[str, Any]:
+    """grpo's rewards, each called once on the first prompts before any weights load (training/rl.py)."""
+    if args.data.task != "grpo":
+        return {}
+    from .training.rl import grpo_parts
+
+    return grpo_parts(args, data.train)
+
+
+def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload,
+                  rewards: dict[str, Any]) -> RecipeTrainer:  # fmt: skip
+    """The task's trainer with the toolkit's parts: RecipeTrainer, or TRL's DPOTrainer (its own collator and
+    metrics, and a frozen reference model) or GRPOTrainer (the rewards; it samples its own batches)."""
     if (parallelism := accelerator_parallelism(launch_mesh())) is not None:
         args.training.parallelism_config = parallelism
     if args.data.task == "dpo":
@@ -202,6 +216,10 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
         trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
         if multiple := pad_multiple(args.model.attn_implementation):  # TRL's collator pads to it
             args.training.pad_to_multiple_of = multiple
+    elif args.data.task == "grpo":
+        from .training.rl import RecipeGRPOTrainer
+
+        trainer_class, task_parts = RecipeGRPOTrainer, rewards
     else:
         compute_metrics, preprocess_logits = metrics_for(args.data.task)
         trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,
@@ -221,7 +239,7 @@ def fit(trainer: RecipeTrainer, args: Arguments, data: PreparedData, resume: str
         trainer.raise_if_stopped()
         training = args.training
         metrics = dict(result.metrics)
-        if data.eval is not None:
+        if data.eval is not None and task(args.data.task).evaluates_at_end:
             evaluation = trainer.evaluate()
             metrics.update(evaluation)
             if trainer.is_world_process_zero() and "eval_accuracy" in evaluation:

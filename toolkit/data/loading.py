@@ -13,6 +13,7 @@ from ..errors import DataError, warn
 from ..settings.arguments import DataArguments
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
+from .prompts import as_prompts, prompt_problem
 from .sources import check_hub_dataset, resolve
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -208,6 +209,12 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
                             f"binarized's layout); the {name} split of {source} has {split.column_names}: rename its "
                             "columns, or point --dataset_name at preference data.")  # fmt: skip
         columns, problem_of, keep = PAIR_COLUMNS, pair_problem, kept_columns(split)
+    elif args.task == "grpo":
+        if args.prompt_column not in split.column_names:
+            raise DataError(f"task grpo samples completions to prompts (text, or a conversation ending on the user's "
+                            f"turn); the {name} split of {source} has no column '{args.prompt_column}', it has "
+                            f"{split.column_names}: name the prompts' column with --prompt_column.")  # fmt: skip
+        columns, problem_of, keep = [args.prompt_column], prompt_problem, split.column_names  # rewards read them
     elif data_format is not None:
         columns = columns_of(data_format, args.messages_column)
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
@@ -249,6 +256,8 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         split = split.select([i for i in range(len(split)) if i not in dropped])
     if data_format in ("sharegpt", "alpaca"):
         return to_messages(split, data_format, args.messages_column)
+    if args.task == "grpo":
+        return as_prompts(split, args.prompt_column)
     return split.select_columns(keep)
 
 

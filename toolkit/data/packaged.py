@@ -14,10 +14,14 @@ ranks of a job convert it once:
   llama_models/llama3/tokenizer.model
                           Meta's Llama 3 tokenizer (tiktoken BPE, in `llama-models`) as a fast Hugging Face
                           tokenizer: 128,256 tokens, the special tokens and split pattern of Meta's own code
+A `reasoning_gym:<task>?<setting>=<value>&...` source (sources.resolve) is made the same way: reasoning-gym's
+problems generated once, offline (seeded: `size` and `seed` beside the task's own settings), as prompts for GRPO
+with their answers and what its checker needs to score one (rewards.py's accuracy).
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import inspect
 import json
@@ -25,6 +29,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 from ..project import cache_root
@@ -114,8 +119,13 @@ def converted(module: str, path: Path) -> Path:
     convert, name = found
     stat = path.stat()  # the file as installed, and the code that converts it
     source = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{inspect.getsource(convert)}"
-    key = hashlib.sha256(source.encode()).hexdigest()[:10]
-    target = cache_root() / "packaged" / f"{name}-{key}"
+    return made(name, source, lambda target: convert(path, target),
+                f"converting {path.name} from the package {module} once")  # fmt: skip
+
+
+def made(name: str, source: str, make: Callable[[Path], None], saying: str) -> Path:
+    """The cache's folder for `name` made from `source` (its key), made by `make` on first use, under a lock."""
+    target = cache_root() / "packaged" / f"{name}-{hashlib.sha256(source.encode()).hexdigest()[:10]}"
     if target.exists():
         return target
     from filelock import FileLock
@@ -124,9 +134,73 @@ def converted(module: str, path: Path) -> Path:
     with FileLock(str(target) + ".lock"):  # the other ranks wait, then find it done
         if not target.exists():
             if os.environ.get("RANK", "0") == "0":
-                print(f"converting {path.name} from the package {module} once, into {target}", file=sys.stderr)
+                print(f"{saying}, into {target}", file=sys.stderr)
             partial = target.with_name(target.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            convert(path, partial)
+            make(partial)
             partial.replace(target)
     return target
+
+
+def reasoning_gym_problems(spec: str) -> Path:
+    """`<task>?<setting>=<value>&...` -> a folder whose train.jsonl holds reasoning-gym's problems: a `prompt`
+    conversation (the question as the user's turn), the `answer`, and `reasoning_gym` (the task and the entry its
+    checker scores an answer against)."""
+    from ..errors import ConfigError
+
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise ConfigError(f"reasoning_gym:{spec} needs the reasoning-gym package: `make install` (or pip install "
+                          "-e '.[rl]') brings it.") from None  # fmt: skip
+    task, _, query = spec.partition("?")
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        raise ConfigError(
+            f"reasoning-gym has no task '{task}'"
+            + (
+                f": did you mean {', '.join(close)}?"
+                if close
+                else f"; it has {len(DATASETS)}, e.g. basic_arithmetic, gsm_symbolic, chain_sum."
+            )
+        )
+    settings = {"size": 1000, "seed": 42} | dict(setting(part) for part in query.split("&") if part)
+
+    def write(target: Path) -> None:
+        try:
+            problems = reasoning_gym.create_dataset(task, **settings)
+        except (TypeError, ValueError, AssertionError) as error:
+            raise ConfigError(f"reasoning_gym:{spec}: {error} (the task's settings are its config's fields: "
+                              f"{', '.join(f.name for f in fields(DATASETS[task][1]))}).") from None  # fmt: skip
+        target.mkdir(parents=True)
+        with open(target / "train.jsonl", "w") as f:
+            for entry in problems:
+                row = {"prompt": [{"role": "user", "content": entry["question"]}], "answer": str(entry["answer"]),
+                       "reasoning_gym": json.dumps({"task": task, "entry": entry}, default=str)}  # fmt: skip
+                f.write(json.dumps(row) + "\n")
+
+    source = f"{task}:{sorted(settings.items())}:{reasoning_gym.__version__}:{inspect.getsource(write)}"
+    return made(f"reasoning-gym-{task}", source, write, f"generating reasoning-gym's {task} problems once")
+
+
+def setting(part: str) -> tuple[str, object]:
+    """`name=value` as written (no URL decoding: `operators=+,-`): a comma makes a list, true/false a flag."""
+    from ..errors import ConfigError
+
+    name, equals, value = part.partition("=")
+    if not equals or not name:
+        raise ConfigError(f"'{part}' in a reasoning_gym: source is not name=value: write task?size=500&seed=1.")
+    values = [scalar(v) for v in value.split(",")]
+    return name, values if "," in value else values[0]
+
+
+def scalar(value: str) -> int | float | bool | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value

@@ -189,9 +189,9 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     if len(ds["train"]) == 0:
         names = "', '".join(args.sources())
         raise DataError(f"The training split of '{names}' is empty.")
-    if args.task == "dpo":  # TRL's DPOTrainer takes the prompt off the pairs and tokenizes them
-        apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(ds["train"][0]["chosen"],
-                                                                                           str))  # fmt: skip
+    if args.task in ("dpo", "grpo"):  # TRL's trainers apply the chat template and tokenize themselves
+        first = ds["train"][0]["chosen" if args.task == "dpo" else "prompt"]
+        apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(first, str))
         return PreparedData(ds["train"], ds.get("eval"), None, None)
     set_template(ds, tokenizer, args)
     folder = prepared_folder(ds, tokenizer, args, packing)

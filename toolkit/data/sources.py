@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, ToolkitError
-from ..project import PACKAGE_PREFIX, check_local_path, recipe_names
+from ..project import PACKAGE_PREFIX, REASONING_GYM_PREFIX, check_local_path, recipe_names
 
 HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
 
@@ -26,7 +26,12 @@ class SourceUnavailable(ToolkitError, RuntimeError):
 
 def resolve(name: str) -> str:
     """`package:<module>/<path>` -> the path inside the installed package (or, for a file that needs converting,
-    its converted form in the cache: packaged.py); anything else unchanged."""
+    its converted form in the cache: packaged.py); `reasoning_gym:<task>?<settings>` -> its problems, generated
+    once into the cache; anything else unchanged."""
+    if name.startswith(REASONING_GYM_PREFIX):
+        from .packaged import reasoning_gym_problems
+
+        return str(reasoning_gym_problems(name[len(REASONING_GYM_PREFIX) :]))
     if not name.startswith(PACKAGE_PREFIX):
         return name
     module, _, rest = name[len(PACKAGE_PREFIX) :].partition("/")

@@ -69,7 +69,16 @@ def check_sequence_heads(config: PretrainedConfig, sp: int) -> None:
 
 
 def check_split_task(mesh: dict[str, int], task: str) -> None:
-    """A split cuts the rows of a causal language model: sft recipes only (the run's and `toolkit check`'s)."""
+    """A split cuts the rows of a causal language model: sft recipes only (the run's and `toolkit check`'s). GRPO
+    takes no model-parallel axis at all: TRL samples with the whole model on each rank and builds the rows it trains
+    on after generation, inside its trainer."""
+    split = [f"parallelism_config_{axis}_size {mesh[axis]}" for axis in ("tp", "cp", "sp", "pp")
+             if mesh.get(axis, 1) > 1]  # fmt: skip
+    if task == "grpo" and split:
+        raise ConfigError(f"{', '.join(split)} under grpo: TRL's GRPOTrainer samples completions with the whole "
+                          "model on every rank and builds the rows it trains on after generation, which tensor, "
+                          "context, sequence and pipeline parallelism cannot split: use ddp.yaml, fsdp2.yaml, "
+                          "zero2.yaml or zero3.yaml.")  # fmt: skip
     axis = next((axis for axis in ("cp", "sp") if mesh.get(axis, 1) > 1), None)
     if axis and task != "sft":
         raise ConfigError(f"parallelism_config_{axis}_size {mesh[axis]} splits the rows of a causal language model "

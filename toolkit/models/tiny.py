@@ -154,6 +154,11 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
         values.update(text_columns="text", label_column="label")
     elif task == "dpo":  # a pair's sequence is its whole conversation: up to 3 turns, ~100 tokens
         values.update(chat_template="llama3", max_seq_length=128)
+    elif task == "grpo":  # 2 prompts x 4 completions a step, short ones: the sum, and a digit in the answer (a
+        # random model's completions differ in that from the first step, so its advantages are not all 0)
+        values.update(chat_template="llama3", reward_funcs="accuracy,format", reward_weights=None,
+                      format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
+                      per_device_train_batch_size=8)  # fmt: skip
     else:
         values.update(messages_column="messages", chat_template="llama3")
     return values
@@ -216,15 +221,27 @@ def preference_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def prompt_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+    """Prompts for GRPO: the arithmetic conversations' first question, with its answer for the accuracy reward."""
+    rows = []
+    for row in chat_rows(n, seed):
+        question = next(m for m in row["messages"] if m["role"] == "user")
+        a, b = (int(word) for word in question["content"].removesuffix("?").split() if word.isdigit())
+        rows.append({"prompt": [question], "answer": str(a + b)})
+    return rows
+
+
 def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
     """The tiny data's text, to train its tokenizer on."""
     if task == "classification":
         return [r["text"] for r in rows]
+    if task == "grpo":
+        return [m["content"] for r in rows for m in r["prompt"]] + [f"{r['answer']}." for r in rows]
     return [m["content"] for r in rows for c in ([r["messages"]] if task == "sft" else [r["chosen"], r["rejected"]])
             for m in c]  # fmt: skip
 
 
-TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows}
+TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows}
 
 
 def write_tiny_dataset(task: str) -> Path:

@@ -21,6 +21,7 @@ from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
 from ..settings.mesh import PIPELINE_SCHEDULES
 from ..settings.tasks import TASKS, infer_task
+from ..settings.tasks import task as task_table
 from .activations import measured_activations
 from .estimate import (
     ASSUMED_MFU,
@@ -103,10 +104,11 @@ def build_plan(args) -> dict:
                                                  lora, bool(mixed))  # fmt: skip
     shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
-    samples = args.samples or stored_split_size(values)
+    # GRPO's steps are mostly sampling, which the planner does not time yet: its memory only, no time or dollars
+    samples = args.samples or stored_split_size(values) if task_table(task).timed_by_flops else 0
     epochs = args.epochs or values.get("num_train_epochs", 1)
     tokens_per_sample, tokens_source = args.tokens_per_sample, "as given"
-    if tokens_per_sample is None:
+    if tokens_per_sample is None and samples:
         measured = measured_tokens(args.model, task, work.seq_length)
         if isinstance(measured, str):
             tokens_per_sample, tokens_source = work.seq_length, f"full rows: {measured}"
@@ -218,6 +220,9 @@ def render(plan: dict) -> str:
                      "training FLOPs per token"
                      + (f", of the {p['active_per_token'] / 1e9:.3g}B parameters active per token" if p.get("routing")
                         else ""))  # fmt: skip
+    if not task_table(plan["task"]).timed_by_flops:
+        lines.append("grpo        memory of the training step at max_seq_length (prompt and completion); generation's "
+                     "KV cache, and GRPO's time and dollars (mostly sampling), are not planned yet")  # fmt: skip
     lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"

@@ -3,7 +3,8 @@
 `python -m toolkit eval RUN [--tasks a,b] [--limit N]` (and `--eval_after_training true` at the end of a run):
   held-out       the recipe's own held-out split, through the run's own collator and metrics (perplexity and
                  token accuracy for SFT, accuracy for classification: per token and per example, so they do not
-                 move with how rows are batched), the Trainer's evaluate
+                 move with how rows are batched), the Trainer's evaluate; for GRPO each model's greedy answers to
+                 the held-out prompts scored by the run's rewards (held_out_rewards.py)
   reply_choice   an lm-evaluation-harness task made from the held-out conversations (the harness's YAML format
                  over a JSON file in RUN/eval/): each prompt, as the run's chat template writes it, with its real
                  answer and three answers to other prompts; acc picks by log-likelihood, acc_norm per character.
@@ -241,7 +242,12 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         print(f"eval: the {which} model ({record.base_model if which == 'base' else record.folder})", file=sys.stderr,
               flush=True)  # fmt: skip
         model, _ = load(record, which)
-        if HELD_OUT in tasks:
+        if HELD_OUT in tasks and record.task == "grpo":  # greedy answers to held-out prompts, the run's rewards
+            from .held_out_rewards import held_out_rewards, prompts_fingerprint
+
+            scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
+            inputs[which][HELD_OUT] = prompts_fingerprint(prepared.eval)
+        elif HELD_OUT in tasks:
             scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
             rows = [list(ids) for ids in prepared.eval["input_ids"]]
             inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()

@@ -1,6 +1,6 @@
 """A run's settings: the toolkit's argument dataclasses beside transformers' TrainingArguments, each setting
 with a domain checked where it is declared (`__post_init__`), before anything loads; and what is derived from
-them (the global batch, the scaled learning rate, TRL's DPOConfig). parser.py fills them from a recipe and its
+them (the global batch, the scaled learning rate; TRL's configs: policy.py). parser.py fills them from a recipe and its
 overrides. The values settings are checked against (tasks, data formats, the `package:` prefix) are declared
 here, in the settings' own folder: the data and model code that gives them meaning imports them from here.
 """
@@ -19,6 +19,8 @@ from ..errors import ConfigError, warn
 from ..project import check_local_path
 from .compile import asks_for_compile, check_backend_and_mode
 from .mesh import data_parallel_replicas
+from .policy import DEFAULTS as POLICY_TASKS
+from .policy import PolicyArguments
 from .tasks import task
 
 # What people type for a dtype, and the name torch and transformers use.
@@ -158,7 +160,7 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    task: str = field(metadata={"help": "classification or sft."})
+    task: str = field(metadata={"help": "classification, sft, dpo or grpo."})
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},
@@ -184,8 +186,18 @@ class DataArguments:
     text_columns: str = field(default="text", metadata={"help": "classification: one column, or two comma-separated."})
     label_column: str = "label"
     messages_column: str = field(default="messages", metadata={"help": "sft: list of {role, content} messages."})
+    prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "grpo: the prompts: text (the user's turn) or a conversation ending on the user's turn."},
+    )
     chat_template: str | None = field(default=None, metadata={"help": "sft: a named template (llama3) or Jinja."})
-    max_seq_length: int = 512
+    max_seq_length: int = field(
+        default=512,
+        metadata={
+            "help": "Tokens a row may take (sft, classification, dpo); grpo: the longest prompt and completion, which "
+            "the memory plan sizes the training step at."
+        },
+    )
     packing: bool | None = field(
         default=None,
         metadata={
@@ -239,38 +251,6 @@ class DataArguments:
                               "fractions of their rows: 'org/chat=0.5,local.jsonl=1' (or a dict in the "
                               "recipe).")  # fmt: skip
         return weights
-
-
-# TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
-
-
-@dataclass
-class PreferenceArguments:
-    """task dpo: TRL's DPOConfig settings a recipe names (the rest of DPOConfig is TrainingArguments')."""
-
-    beta: float = field(default=0.1, metadata={"help": "dpo: how far the policy may move from the reference."})
-    loss_type: str = field(default="sigmoid", metadata={"help": f"dpo: {', '.join(DPO_LOSSES)}; comma-separated."})
-
-    def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ConfigError(f"beta must be positive, got {self.beta:g}: 0.1 is TRL's default, 0.01 Zephyr's.")
-        unknown = [name for name in self.losses() if name not in DPO_LOSSES]
-        if unknown or not self.losses():
-            raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's DPO losses ({', '.join(DPO_LOSSES)}): "
-                              "pass --loss_type sigmoid for DPO itself.")  # fmt: skip
-
-    def losses(self) -> list[str]:
-        return [name.strip() for name in self.loss_type.split(",") if name.strip()]
-
-    def dpo_config(self, training: TrainingArguments, max_length: int, trust_remote_code: bool):
-        """TRL's DPOConfig from the run's TrainingArguments (every field as resolved) and these settings."""
-        from trl import DPOConfig
-
-        values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
-        return DPOConfig(**values, beta=self.beta, loss_type=self.losses(), max_length=max_length,
-                         trust_remote_code=trust_remote_code)  # fmt: skip
 
 
 @dataclass
@@ -407,7 +387,7 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
                           "(--eval_split <split> or --eval_fraction 0.1), or drop it.")  # fmt: skip
     metric = training.metric_for_best_model
     known = {"loss"} | {"classification": {"accuracy"}, "sft": {"perplexity", "token_accuracy"},
-                        "dpo": {"rewards/accuracies", "rewards/margins"}}[data.task]  # fmt: skip
+                        "dpo": {"rewards/accuracies", "rewards/margins"}, "grpo": {"reward"}}[data.task]  # fmt: skip
     if metric is not None and metric.removeprefix("eval_") not in known:
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
                           f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
@@ -417,7 +397,7 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
              f"{training.output_dir} --repo_id {training.hub_model_id}`.")  # fmt: skip
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, PreferenceArguments, RunArguments, TrainingArguments)
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, PolicyArguments, RunArguments, TrainingArguments)
 
 
 def global_batch_size(training: TrainingArguments) -> int:
@@ -447,9 +427,9 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     run: RunArguments
-    training: TrainingArguments  # TRL's DPOConfig for task dpo
+    training: TrainingArguments  # TRL's DPOConfig or GRPOConfig for task dpo or grpo
     recipe_name: str
-    preference: PreferenceArguments = field(default_factory=PreferenceArguments)
+    policy: PolicyArguments = field(default_factory=PolicyArguments)
     torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)
     compile_note: str = ""  # why auto chose, for the header
     # --push_to_hub: (repo id, private, revision), pushed once at the end (the Trainer's own pushes left off)
@@ -462,7 +442,7 @@ class Arguments:
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""
         out = {"recipe": self.recipe_name}
-        parts = (self.model, self.data, self.run) + ((self.preference,) if self.data.task == "dpo" else ())
+        parts = (self.model, self.data, self.run) + ((self.policy,) if self.data.task in POLICY_TASKS else ())
         for part in parts:
             out.update(vars(part))
         out.update(self.training.to_dict())

@@ -30,13 +30,13 @@ from .arguments import (
     Arguments,
     DataArguments,
     ModelArguments,
-    PreferenceArguments,
     RunArguments,
     check_together,
     check_training,
 )
 from .compile import AUTO
 from .mesh import launch_mesh
+from .policy import PolicyArguments
 
 AUTO_SETTINGS = ("torch_compile",)  # flags that take `auto` beside their type's values
 
@@ -115,7 +115,7 @@ def known_fields() -> set[str]:
 def optional_settings() -> set[str]:
     """The toolkit's settings whose type admits None. (TrainingArguments' are transformers': there "none" can be a
     value of its own, as in --report_to none.)"""
-    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, PreferenceArguments,
+    hints = [typing.get_type_hints(cls).items() for cls in (ModelArguments, DataArguments, PolicyArguments,
                                                             RunArguments)]  # fmt: skip
     return {name for items in hints for name, hint in items
             if isinstance(hint, types.UnionType) and type(None) in hint.__args__}  # fmt: skip
@@ -257,7 +257,7 @@ def parse(
         compile_setting = AUTO
         values["torch_compile"] = False  # until the runner resolves it (settings/compile.py)
     try:
-        model, data, preference, run, training = parser.parse_dict(values)
+        model, data, policy, run, training = parser.parse_dict(values)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -268,6 +268,7 @@ def parse(
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
-    if data.task == "dpo":  # TRL's DPOTrainer takes its DPOConfig: these settings and the preference ones
-        training = preference.dpo_config(training, data.max_seq_length, model.trust_remote_code)
-    return Arguments(model, data, run, training, recipe_name, preference, torch_compile=compile_setting)
+    policy.resolve(data.task)
+    # TRL's DPOTrainer and GRPOTrainer take their own configs: the TrainingArguments and these settings
+    training = policy.trl_config(data.task, training, data.max_seq_length, model.trust_remote_code)
+    return Arguments(model, data, run, training, recipe_name, policy, torch_compile=compile_setting)

@@ -26,6 +26,11 @@ class Task:
     # without the full logits: "always" (DPOTrainer's own), "gpu" (by default where TRL's Triton kernels run;
     # --fused_loss decides) or "never" (no vocabulary-wide head). The planner and the activation fit follow it.
     fused_head: str = "never"
+    # Whether the run ends with the Trainer's evaluate on the held-out split: GRPO's would sample completions for a
+    # loss that means nothing there; its held-out figure is the rewards of greedy answers (`toolkit eval`).
+    evaluates_at_end: bool = True
+    # Whether the planner times the run from its training FLOPs: GRPO's steps are mostly sampling, not timed yet.
+    timed_by_flops: bool = True
 
 
 TASKS = {
@@ -46,9 +51,19 @@ TASKS = {
         token_normalised_loss=False,
         fused_head="always",
     ),
+    # Online RL (GRPO) on TRL's GRPOTrainer: completions sampled, scored by rewards, their advantages trained on
+    # (training/rl.py); its loss is TRL's own normalisation (DAPO's by default), not the Trainer's token count.
+    "grpo": Task(
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=False,
+        evaluates_at_end=False,
+        timed_by_flops=False,
+    ),
 }
 
-GENERATIVE = ("sft", "dpo")  # tasks that train a decoder's next-token head
+GENERATIVE = ("sft", "dpo", "grpo")  # tasks that train a decoder's next-token head
 
 
 def task(name: str) -> Task:

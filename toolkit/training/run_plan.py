@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ..data.length_grouping import sample_lengths
 from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, peak_tflops
@@ -29,6 +28,7 @@ from ..planner.shape import Shape
 from ..settings.arguments import Arguments, global_batch_size
 from ..settings.mesh import data_parallel_replicas, launch_mesh, pipeline_schedule
 from ..settings.mesh import describe as describe_mesh
+from ..settings.tasks import task
 
 
 class OverBudget(ToolkitError, ValueError):
@@ -89,7 +89,7 @@ class RunPlan:
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
-        plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
+        plan.cost_plan = plan.plan_cost(trainer.args, trainer.sample_lengths())
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative) if c]
@@ -101,7 +101,7 @@ class RunPlan:
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the
         strategy's assumed MFU x devices x peak). None without a datasheet peak (CPU: pass --peak_tflops)."""
-        if not self.peak_flops or self.cost.usd_per_unit_hour is None:
+        if not self.peak_flops or self.cost.usd_per_unit_hour is None or not task(self.recipe.data.task).timed_by_flops:
             return None
         mean_length = sum(lengths) / len(lengths)
         steps = planned_steps(training, len(lengths))
@@ -133,7 +133,8 @@ class RunPlan:
             )
         return Budget(run.budget_usd)
 
-    def header(self, training, counts, base_learning_rate: float, data_note: str = "", master_weights: str = "") -> str:
+    def header(self, training, counts, base_learning_rate: float, data_note: str = "", master_weights: str = "",
+               task_lines: tuple[str, ...] = ()) -> str:  # fmt: skip
         """The lines printed before the first step: what is really in effect, and the plan."""
         s, recipe, cost, plan = self.strategy, self.recipe, self.cost, self.cost_plan
         lr = f"{training.learning_rate:.3g}"
@@ -147,6 +148,8 @@ class RunPlan:
         if plan:
             planned = (f"${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h at an assumed "
                        f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
+        elif not task(recipe.data.task).timed_by_flops:
+            planned = f"not planned for {recipe.data.task} (its steps are mostly sampling); the live cost is tracked"
         else:
             planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
         mesh = launch_mesh()
@@ -171,6 +174,7 @@ class RunPlan:
             f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
             f"accumulation x {replicas} {'processes' if replicas == s['num_processes'] else 'data-parallel replicas'}"
             f" = {global_batch_size(training)} global",
+            *task_lines,
             f"learning rate {lr}",
             *([f"data          {data_note}"] if data_note else []),
             f"memory plan   {human_bytes(self.memory.device_total)} per device predicted: "

@@ -1,7 +1,7 @@
 """`RecipeTrainer`: the `transformers.Trainer` every recipe runs on, and the one place the toolkit changes it.
 
-`ToolkitTrainerMixin` goes in front of any Trainer subclass (transformers.Trainer; TRL's DPOTrainer and
-SFTTrainer, which override the same methods with `super()` calls). It creates every part in `__init__`, each with
+`ToolkitTrainerMixin` goes in front of any Trainer subclass (transformers.Trainer; TRL's DPOTrainer, GRPOTrainer
+and SFTTrainer, which override the same methods with `super()` calls). It creates every part in `__init__`, each with
 its own state, and it alone overrides the Trainer's methods, each override handing over to the parts in a fixed
 order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Trainer calls itself.
 
@@ -51,6 +51,7 @@ import torch
 from transformers import Trainer
 from transformers.integrations import WandbCallback
 
+from ..data.length_grouping import sample_lengths
 from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..metrics.health import Health
@@ -128,7 +129,7 @@ class ToolkitTrainerMixin:
     def train(self, *args, **kwargs):
         if self.is_world_process_zero():
             print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note,
-                                   self.master_weights), flush=True)  # fmt: skip
+                                   self.master_weights, self.task_lines()), flush=True)  # fmt: skip
             available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
             warning = not_fitting_warning(self.plan.memory.device_total, available)
             if warning:
@@ -141,9 +142,10 @@ class ToolkitTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         reports = self.rank_reports
-        if reports is not None:
-            reports.record(inputs)
-        self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
+        if isinstance(inputs, dict):  # GRPO's is a generation batch of prompts: it counts once sampled (rl.py)
+            if reports is not None:
+                reports.record(inputs)
+            self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
         if self.pipeline is not None:
             loss = self.pipeline_step(model, model_inputs(inputs))
         else:
@@ -275,6 +277,14 @@ class ToolkitTrainerMixin:
         if warning:
             self.health.warn("budget", warning)
         return stop
+
+    def task_lines(self) -> tuple[str, ...]:
+        """The header's lines of the task's own (GRPO's sampling), after the batch line."""
+        return ()
+
+    def sample_lengths(self) -> list[int]:
+        """Tokens in each training sample, for the cost plan."""
+        return sample_lengths(self.train_dataset)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""

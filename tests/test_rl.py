@@ -1,0 +1,230 @@
+"""Online RL (task grpo) on TRL's GRPOTrainer with the toolkit's parts: a tiny run samples, scores each reward,
+counts the tokens it trains on and exports; `toolkit eval` compares base and tuned on the same held-out prompts;
+a preempted run resumes bit-identically (the sampling included); 2 processes under DDP and ZeRO-3 split the
+prompts; and every mistake (a reward that fails, settings GRPO cannot take, configs it cannot run on) is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, check, launch, rank_reports
+from smollm2_grpo import RECIPE as GRPO
+
+from toolkit import run, train
+from toolkit.errors import ConfigError, ToolkitError
+from toolkit.results.evaluation import evaluate_run
+
+NAME = "smollm2_grpo"
+
+
+def grpo_flags(out: Path, steps: int = 4, *extra: str) -> list[str]:
+    return ["--tiny", "--max_steps", str(steps), "--record_rank_reports", "true", "--report_to", "none",
+            "--output_dir", str(out), *extra]  # fmt: skip
+
+
+def logged(out: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo") / "one"
+    train(GRPO, grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2"), NAME)
+    return out
+
+
+def test_a_tiny_grpo_run_samples_scores_trains_and_exports(one_process, capsys):
+    """Each step: 2 prompts x 4 completions sampled, both rewards logged (their mean and spread) with the weighted
+    sum, the tokens trained on (prompts and completions) counted, the adapter moved; the adapter exported, and the
+    header states the batch arithmetic."""
+    steps = logged(one_process, "loss")
+    assert len(steps) == 4
+    for key in ("rewards/accuracy/mean", "rewards/format/std", "reward", "completions/mean_length"):
+        assert len(logged(one_process, key)) == 4, key
+    assert any(v > 0 for v in logged(one_process, "rewards/format/mean"))  # the reward varies: advantages do too
+    assert any(norm > 0 for norm in logged(one_process, "grad_norm"))
+    tokens = logged(one_process, "num_input_tokens_seen")
+    assert tokens[0] > 8 * 8 and tokens == sorted(tokens)  # 8 completions of up to 8 tokens, and their prompts
+    report = rank_reports(one_process)[0]
+    assert report["micro_batches"] == 4 and len(report["rows"]) == 4 * 8
+    summary = json.loads((one_process / "run_summary.json").read_text())["summary"]
+    assert summary["status"] == "completed" and summary["tokens"] == tokens[-1]
+    assert (one_process / "adapter_model.safetensors").is_file() and not (one_process / "README.md").read_text(
+    ).startswith("---\nbase_model")  # the toolkit's card, not TRL's draft  # fmt: skip
+
+
+def test_eval_compares_base_and_tuned_on_the_same_held_out_prompts(one_process):
+    """`toolkit eval` on a grpo run: both models answer the held-out prompts greedily, scored by the run's own
+    rewards: each reward's mean, the weighted sum and the share that finished; the same prompts for both."""
+    result = evaluate_run(one_process)
+    assert result["tasks"] == ["held-out"]
+    metrics = {row["metric"]: row for row in result["results"]}
+    assert set(metrics) == {"accuracy", "format", "reward", "finished"}
+    for row in metrics.values():
+        assert 0 <= row["base"] <= 2 and 0 <= row["tuned"] <= 2
+    assert metrics["reward"]["base"] == pytest.approx(metrics["accuracy"]["base"] + metrics["format"]["base"])
+    assert result["inputs"]["base"] == result["inputs"]["tuned"]
+
+
+def test_preempted_grpo_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
+    """SIGTERM at step 2: checkpoint-2, exit 75; resumed, the same losses and bit-identical weights as the
+    uninterrupted run: the prompts' order and the sampling's random state come back with the checkpoint."""
+    from toolkit.training.stopping import PREEMPTED, SafeStop
+
+    class KilledAtStep2(SafeStop):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    out = tmp_path / "run"
+    flags = grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        run(GRPO, flags, NAME)
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    train(GRPO, [*flags, "--resume", "auto"], NAME)
+    full, resumed = rank_reports(one_process)[0], rank_reports(out)[0]
+    assert resumed["losses"] == full["losses"] and resumed["weights_sha256"] == full["weights_sha256"]
+    assert logged(out, "reward")[-2:] == logged(one_process, "reward")[-2:]
+
+
+REWARDS = """
+def raises(prompts, completions, **kwargs):
+    raise KeyError("score")
+
+def too_few(prompts, completions, **kwargs):
+    return [1.0]
+
+def text(prompts, completions, **kwargs):
+    return ["high"] * len(completions)
+
+def later(prompts, completions, trainer_state=None, **kwargs):
+    if trainer_state is not None and trainer_state.global_step >= 1:
+        raise ZeroDivisionError("division by zero")
+    return [0.5] * len(completions)
+"""
+
+
+@pytest.mark.parametrize(
+    "function, key",
+    [
+        ("raises", r"reward .*:raises raised KeyError: 'score' \(called on the first 2 prompts before training\)"),
+        ("too_few", r"reward .*:too_few returned 1 values for 2 completions"),
+        ("text", r"reward .*:text returned 'high' \(str\): each reward must be a number"),
+    ],
+)
+def test_a_reward_that_fails_before_training_is_one_line(function, key, tmp_path, capsys):
+    """Each reward is called on the first prompts before any weights load: what it does wrong, one line naming it."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(GRPO, grpo_flags(out, 2, "--reward_funcs", f"{tmp_path / 'rewards.py'}:{function}"), NAME)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and __import__("re").search(key, errors[0]), errors
+    assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))
+
+
+def test_a_reward_that_fails_during_training_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys):
+    """A reward that raises at step 2: one line naming it and what it raised; checkpoint-1 stays as it was."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(GRPO, grpo_flags(out, 3, "--reward_funcs", f"{tmp_path / 'rewards.py'}:later", "--save_steps", "1"), NAME)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: reward {tmp_path / 'rewards.py'}:later raised ZeroDivisionError: division by zero"]
+    assert "Traceback" not in err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    "flags, key",
+    [
+        (["--num_generations", "1"], "num_generations must be at least 2"),
+        (["--loss_type", "sigmoid"], r"loss_type 'sigmoid' is not among TRL's GRPO losses \(grpo, dr_grpo, dapo"),
+        (["--beta", "-0.1"], "beta must be 0 or more"),
+        (["--reward_funcs", "acuracy"], "reward 'acuracy' is neither a built-in one"),
+        (["--reward_funcs", "format", "--format_pattern", "None"], "the format reward matches each completion"),
+        (["--reward_weights", "1,2,3"], "gives 3 weights for 2 rewards"),
+        (["--format_pattern", "(unclosed"], "is not a regular expression"),
+        (
+            ["--per_device_train_batch_size", "6"],
+            r"grpo: generation_batch_size \(6\) must be divisible by "
+            r"num_generations \(4\)",
+        ),  # fmt: skip
+        (["--prompt_column", "question"], "has no column 'question'"),
+        (["--reward_funcs", "nowhere_module:f"], "importing nowhere_module failed"),
+    ],
+)
+def test_settings_grpo_cannot_take_are_one_line(flags, key, tmp_path):
+    with pytest.raises(ToolkitError, match=key):
+        train(GRPO, grpo_flags(tmp_path / "run", 2, *flags), NAME)
+
+
+def test_reasoning_gym_problems_are_generated_once_with_their_checker(tmp_path):
+    """The demo's source: reasoning-gym's problems as prompts, with the answer and its checker's entry; the
+    accuracy reward scores a right and a wrong answer by that checker; a misspelt task names the close one."""
+    from datasets import load_dataset
+
+    from toolkit.data.sources import resolve
+    from toolkit.settings.policy import PolicyArguments
+    from toolkit.training.rewards import reward_functions
+
+    folder = resolve("reasoning_gym:basic_arithmetic?size=8&seed=3&min_digits=1&max_digits=1")
+    assert resolve("reasoning_gym:basic_arithmetic?size=8&seed=3&min_digits=1&max_digits=1") == folder
+    rows = load_dataset(folder)["train"]
+    assert len(rows) == 8 and rows[0]["prompt"][0]["role"] == "user"
+    policy = PolicyArguments(reward_funcs="accuracy")
+    policy.resolve("grpo")
+    (accuracy,) = reward_functions(policy)
+    right = [[{"role": "assistant", "content": f"The answer is {row['answer']}."}] for row in rows]
+    wrong = [[{"role": "assistant", "content": f"It is {int(row['answer']) + 1}"}] for row in rows]
+    columns = {"answer": rows["answer"], "reasoning_gym": rows["reasoning_gym"]}
+    assert accuracy(rows["prompt"], right, [[0]] * 8, **columns) == [1.0] * 8
+    assert accuracy(rows["prompt"], wrong, [[0]] * 8, **columns) == [0.0] * 8
+    with pytest.raises(ConfigError, match="did you mean basic_arithmetic"):
+        resolve("reasoning_gym:basic_arithmatic")
+
+
+def test_accuracy_without_reasoning_gym_asks_math_verify():
+    """A plain `answer` column (GSM8K's last number): math-verify judges equal values written differently."""
+    from toolkit.training.rewards import accuracy_reward
+
+    accuracy = accuracy_reward(r"-?\d[\d,]*(?:\.\d+)?")
+    answers = ["1234", "0.5", "7"]
+    said = ["so 1,234 apples", "half: 0.50", "eight: 8"]
+    assert accuracy([""] * 3, said, [[0]] * 3, answer=answers) == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["ddp", "zero3"])
+def test_grpo_splits_the_prompts_over_two_processes(config, tmp_path):
+    """2 processes: each rank samples and trains on its own prompts' completions (a group stays on one rank), the
+    rewards gathered, the ranks' weights kept equal (DDP) or sharded (ZeRO-3), the adapter exported."""
+    out = tmp_path / "run"
+    check(launch(config, NAME, *grpo_flags(out, 2, "--per_device_train_batch_size", "4"), cwd=tmp_path))
+    reports = rank_reports(out)
+    assert len(reports) == 2 and all(r["micro_batches"] == 2 and len(r["rows"]) == 2 * 4 for r in reports)
+    assert not set(reports[0]["rows"]) & set(reports[1]["rows"])  # different completions (of different prompts)
+    if config == "ddp":
+        assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
+    assert len(logged(out, "reward")) == 2 and (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("config", ["tp", "pp", "zero3_sp"])
+def test_configs_grpo_cannot_run_on_are_one_line(config, capsys):
+    from toolkit.distributed.launch_check import main
+
+    assert main([str(ROOT / "accelerate_configs" / f"{config}.yaml"), str(ROOT / "recipes" / f"{NAME}.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "under grpo: TRL's GRPOTrainer samples completions" in err

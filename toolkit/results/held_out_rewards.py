@@ -1,0 +1,63 @@
+"""A grpo run's held-out evaluation: each model answers the held-out prompts greedily (the same completions for
+the same weights, whatever the seed), at the run's --max_completion_length, and the run's own rewards score the
+answers: each reward's mean, their weighted sum (`reward`, what the run maximised) and the share of completions
+that ended within the length (`finished`). A reward model among the rewards is left out here (named in the table's
+absence), as loading a second model for the comparison is not yet done."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from typing import Any
+
+from ..settings.policy import PolicyArguments
+from ..training.rewards import Checked, reward_functions
+from .record import RunRecord
+
+
+def prompts_fingerprint(rows) -> str:
+    return hashlib.sha256(json.dumps(rows["prompt"], default=str).encode()).hexdigest()
+
+
+def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int = 16) -> dict[str, float]:
+    """The rewards of the model's greedy completions to the held-out prompts, averaged."""
+    import torch
+
+    policy = record.arguments(PolicyArguments)
+    policy.resolve("grpo")
+    functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
+                 if isinstance(f, Checked)]  # fmt: skip
+    columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
+    texts, finished, ids_out = [], [], []
+    try:
+        for start in range(0, len(rows), batch_size):
+            prompts = rows["prompt"][start : start + batch_size]
+            rendered = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+            batch = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            with torch.no_grad():
+                out = model.generate(**batch, do_sample=False, max_new_tokens=policy.max_completion_length,
+                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+                      else [model.generation_config.eos_token_id])  # fmt: skip
+            for row in out[:, batch["input_ids"].shape[1] :].tolist():
+                ends = next((k for k, t in enumerate(row) if t in eos), None)
+                ids_out.append(row[: ends if ends is not None else len(row)])
+                finished.append(float(ends is not None))
+                texts.append(tokenizer.decode(ids_out[-1], skip_special_tokens=True))
+            print(f"  {len(texts)}/{len(rows)} held-out prompts answered", file=sys.stderr, flush=True)
+    finally:
+        tokenizer.padding_side = side
+    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                   for t, p in zip(texts, rows["prompt"], strict=True)]  # fmt: skip
+    scores: dict[str, Any] = {}
+    total = [0.0] * len(texts)
+    for function, weight in functions:
+        values = function(rows["prompt"], completions, ids_out, **columns)
+        kept = [v for v in values if v is not None]
+        scores[function.__name__] = sum(kept) / len(kept) if kept else float("nan")
+        total = [t + weight * (v or 0.0) for t, v in zip(total, values, strict=True)]
+    scores["reward"] = sum(total) / len(total)
+    scores["finished"] = sum(finished) / len(finished)
+    return scores

@@ -1,0 +1,160 @@
+"""The settings of the tasks that train a policy on TRL's trainers: dpo (DPOTrainer) and grpo (GRPOTrainer).
+
+Both name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
+defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, grpo beta 0 (no reference model) and DAPO's
+token-level loss. What GRPO adds (rewards, completions per prompt, sampling) is grpo's alone. `trl_config` turns
+them and the run's TrainingArguments into TRL's config for the trainer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from functools import cache
+
+from transformers import TrainingArguments
+
+from ..errors import ConfigError
+
+# TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
+DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
+VLLM_MODES = ("colocate", "server")
+
+
+@cache
+def grpo_losses() -> tuple[str, ...]:
+    """GRPOConfig.loss_type's values, as TRL's own help for the field lists them (it keeps no constant)."""
+    from trl import GRPOConfig
+
+    help_text = next(f for f in fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
+    return tuple(re.findall(r"'(\w+)'", help_text.partition("Supported values are")[2].partition(".")[0]))
+
+
+@dataclass
+class PolicyArguments:
+    """task dpo and grpo: TRL's settings a recipe names (the rest of their configs is TrainingArguments')."""
+
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "dpo, grpo: how far the policy may move from the reference (dpo 0.1; grpo 0: no reference)."},
+    )
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": f"dpo: {', '.join(DPO_LOSSES)} (comma-separated; sigmoid); grpo: TRL's GRPO losses (dapo)."},
+    )
+    reward_funcs: str | None = field(
+        default=None,
+        metadata={
+            "help": "grpo: comma-separated rewards: built-in names (accuracy, format, length), module:function, "
+            "path/file.py:function, or a reward model's folder (docs/rl.md)."
+        },
+    )
+    reward_weights: str | None = field(
+        default=None, metadata={"help": "grpo: a weight per reward, comma-separated (default 1 each)."}
+    )
+    num_generations: int = field(default=8, metadata={"help": "grpo: completions sampled per prompt (a group)."})
+    max_completion_length: int = field(default=256, metadata={"help": "grpo: tokens a completion may take."})
+    temperature: float = field(default=1.0, metadata={"help": "grpo: sampling temperature of the completions."})
+    answer_pattern: str = field(
+        default=r"-?\d[\d,]*(?:\.\d+)?",
+        metadata={
+            "help": "grpo: the regular expression the accuracy reward reads a completion's answer with (its last "
+            "match; a group, if it has one)."
+        },
+    )
+    format_pattern: str | None = field(
+        default=None,
+        metadata={"help": "grpo: the regular expression the format reward asks a whole completion to match."},
+    )
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "grpo: generate with vLLM (GPU, `pip install -e '.[vllm]'`) instead of transformers' generate."
+        },
+    )
+    vllm_mode: str = field(default="colocate", metadata={"help": f"grpo with vLLM: {', '.join(VLLM_MODES)}."})
+
+    def resolve(self, task: str) -> None:
+        """The task's defaults for what the recipe left unset, and each value checked against TRL's domain."""
+        for name, value in DEFAULTS.get(task, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if task == "dpo":
+            if self.beta <= 0:
+                raise ConfigError(f"beta must be positive, got {self.beta:g}: 0.1 is TRL's default, 0.01 Zephyr's.")
+            unknown = [name for name in self.losses() if name not in DPO_LOSSES]
+            if unknown or not self.losses():
+                raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's DPO losses ("
+                                  f"{', '.join(DPO_LOSSES)}): pass --loss_type sigmoid for DPO itself.")  # fmt: skip
+        if task == "grpo":
+            self.check_grpo()
+
+    def check_grpo(self) -> None:
+        if self.beta < 0:
+            raise ConfigError(f"beta must be 0 or more, got {self.beta:g}: 0 trains without a reference model, "
+                              "0.04 is DeepSeekMath's GRPO.")  # fmt: skip
+        if self.loss_type not in grpo_losses():
+            raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's GRPO losses ("
+                              f"{', '.join(grpo_losses())}): pass --loss_type dapo (TRL's default).")  # fmt: skip
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations must be at least 2, got {self.num_generations}: GRPO's "
+                              "advantage compares one prompt's completions with each other (8 is TRL's "
+                              "default).")  # fmt: skip
+        if self.max_completion_length < 1 or self.temperature <= 0:
+            raise ConfigError(f"max_completion_length ({self.max_completion_length}) and temperature "
+                              f"({self.temperature:g}) must be positive.")  # fmt: skip
+        if self.vllm_mode not in VLLM_MODES:
+            raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {self.vllm_mode!r}.")
+        if not self.rewards():
+            raise ConfigError("a grpo recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
+                              "(docs/rl.md lists the built-in ones).")  # fmt: skip
+        weights = self.weights()
+        if len(weights) != len(self.rewards()):
+            raise ConfigError(f"reward_weights {self.reward_weights!r} gives {len(weights)} weights for "
+                              f"{len(self.rewards())} rewards ({', '.join(self.rewards())}): one each, "
+                              "comma-separated.")  # fmt: skip
+        for pattern in (self.answer_pattern, self.format_pattern):
+            try:
+                re.compile(pattern or "")
+            except re.error as error:
+                raise ConfigError(f"the pattern {pattern!r} is not a regular expression ({error}).") from None
+
+    def losses(self) -> list[str]:
+        return [name.strip() for name in (self.loss_type or "").split(",") if name.strip()]
+
+    def rewards(self) -> list[str]:
+        return [name.strip() for name in (self.reward_funcs or "").split(",") if name.strip()]
+
+    def weights(self) -> list[float]:
+        if not self.reward_weights:
+            return [1.0] * len(self.rewards())
+        weights = self.reward_weights  # a recorded run's: GRPOConfig's list, under the same name
+        try:
+            return [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+        except ValueError:
+            raise ConfigError(f"reward_weights {self.reward_weights!r} must be numbers, comma-separated.") from None
+
+    def trl_config(self, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool):
+        """TRL's DPOConfig or GRPOConfig from the run's TrainingArguments (every field as resolved) and these
+        settings; other tasks keep their TrainingArguments."""
+        values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
+        values.pop("remove_unused_columns")  # TRL's own default: GRPO's rewards read the data set's columns
+        if task == "dpo":
+            from trl import DPOConfig
+
+            return DPOConfig(**values, beta=self.beta, loss_type=self.losses(), max_length=max_length,
+                             trust_remote_code=trust_remote_code)  # fmt: skip
+        if task == "grpo":
+            from trl import GRPOConfig
+
+            try:
+                return GRPOConfig(**values, beta=self.beta, loss_type=self.loss_type, reward_weights=self.weights(),
+                                  num_generations=self.num_generations, temperature=self.temperature,
+                                  max_completion_length=self.max_completion_length, use_vllm=self.use_vllm,
+                                  vllm_mode=self.vllm_mode, trust_remote_code=trust_remote_code,
+                                  log_completions=False, remove_unused_columns=False)  # fmt: skip
+            except ValueError as error:  # its batch arithmetic: say it with the settings' own names
+                raise ConfigError(f"grpo: {' '.join(str(error).split())}") from None
+        return training

@@ -1,0 +1,198 @@
+"""GRPO's rewards (task grpo): the built-in ones by name, a user's own as `module:function` or
+`path/file.py:function`, or a reward model's folder; each function checked on every call.
+
+A reward is TRL's: `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, one value per
+completion (None: no opinion, left out of that completion's sum), the data set's other columns passed by name.
+The built-in ones:
+  accuracy  1 if the completion's answer is right: its last match of --answer_pattern, scored by reasoning-gym's
+            own checker for its problems (a `reasoning_gym` column), else by math-verify against the `answer`
+            column (numbers, fractions, LaTeX); 0 otherwise
+  format    1 if the whole completion matches --format_pattern, else 0
+  length    1 - tokens / --max_completion_length: the shorter, the better (a brevity bonus beside accuracy)
+A function that raises, returns the wrong count or a non-number ends the run with one line naming it (its last
+checkpoint kept); `check_rewards` calls each once on the first prompts before any weights load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import re
+from collections.abc import Callable
+from functools import cache
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, ToolkitError
+from ..settings.policy import PolicyArguments
+
+
+class RewardError(ToolkitError, RuntimeError):
+    """A reward function that failed during training: its name and what it did."""
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: TRL passes text, or for conversational prompts a list of the answer's messages."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def last_match(pattern: str, text: str) -> str | None:
+    """The last match of `pattern` in `text` (its first group, if it has one)."""
+    found = list(re.finditer(pattern, text))
+    if not found:
+        return None
+    match = found[-1]
+    return (match.group(1) if match.re.groups else match.group(0)).strip()
+
+
+@cache
+def reasoning_gym_checker(task: str) -> Callable:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def accuracy_reward(pattern: str) -> Callable:
+    def accuracy(prompts, completions, completion_ids=None, answer=None, reasoning_gym=None, **_) -> list[float]:
+        if answer is None and reasoning_gym is None:
+            raise ValueError("it scores against the data set's `answer` column (the gold answer), which this data "
+                             "set lacks: add one, or use a reward of your own")  # fmt: skip
+        out = []
+        for k, completion in enumerate(completions):
+            given = last_match(pattern, text_of(completion))
+            if given is None:
+                out.append(0.0)
+            elif reasoning_gym is not None:
+                problem = json.loads(reasoning_gym[k])
+                out.append(float(reasoning_gym_checker(problem["task"])(given.replace(",", ""), problem["entry"])))
+            else:  # the gold answer's own last match: GSM8K's "... #### 72"
+                out.append(verified(last_match(pattern, str(answer[k])) or str(answer[k]), given))
+        return out
+
+    return accuracy
+
+
+def verified(gold: str, given: str) -> float:
+    """math-verify's judgement of an answer against the gold one (numbers, fractions, LaTeX), or the two texts
+    equal where it is not installed."""
+    if importlib.util.find_spec("math_verify") is None:
+        return float(gold.strip() == given.strip())
+    from math_verify import parse, verify
+
+    return float(verify(parse(gold), parse(given)))
+
+
+def format_reward(pattern: str) -> Callable:
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format(prompts, completions, **_) -> list[float]:  # noqa: A001 - the reward's name in the logs
+        return [float(compiled.fullmatch(text_of(c).strip()) is not None) for c in completions]
+
+    return format
+
+
+def length_reward(max_tokens: int) -> Callable:
+    def length(prompts, completions, completion_ids, **_) -> list[float]:
+        return [1.0 - len(ids) / max_tokens for ids in completion_ids]
+
+    return length
+
+
+def built_in(name: str, policy: PolicyArguments) -> Callable | None:
+    if name == "accuracy":
+        return accuracy_reward(policy.answer_pattern)
+    if name == "format":
+        if not policy.format_pattern:
+            raise ConfigError("the format reward matches each completion against --format_pattern: set it, e.g. "
+                              "--format_pattern '<think>.*</think>\\s*<answer>.*</answer>'.")  # fmt: skip
+        return format_reward(policy.format_pattern)
+    if name == "length":
+        return length_reward(policy.max_completion_length)
+    return None
+
+
+def user_function(spec: str) -> Callable:
+    """`module:function` (importable) or `path/file.py:function`."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"reward {spec}: {where} does not exist.")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as error:  # the user's module: any error in it is theirs to see, in one line
+        raise ConfigError(f"reward {spec}: importing {where} failed: {type(error).__name__}: {error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ConfigError(f"reward {spec}: {where} has no function '{name}'.")
+    return function
+
+
+def reward_functions(policy: PolicyArguments) -> list[Callable | str]:
+    """The recipe's rewards, in order: checked callables, or a reward model's folder (TRL loads it as a
+    one-label sequence classifier, e.g. a model the classification task trained)."""
+    out: list[Callable | str] = []
+    for spec in policy.rewards():
+        function = built_in(spec, policy)
+        if function is None and ":" in spec:
+            function = user_function(spec)
+        if function is None:
+            if (Path(spec).expanduser() / "config.json").is_file():
+                out.append(str(Path(spec).expanduser()))
+                continue
+            raise ConfigError(f"reward '{spec}' is neither a built-in one (accuracy, format, length), a "
+                              "module:function, a path/file.py:function nor a reward model's folder.")  # fmt: skip
+        out.append(Checked(function, spec))
+    return out
+
+
+class Checked:
+    """A reward function whose every answer is checked: a list of one number (or None) per completion."""
+
+    def __init__(self, function: Callable, spec: str) -> None:
+        self.function, self.spec = function, spec
+        self.__name__ = spec.rpartition(":")[2] or spec  # TRL's name for it in the logs: rewards/<name>/mean
+
+    def __call__(self, prompts, completions, completion_ids, **columns) -> list[float | None]:
+        try:
+            values = self.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as error:  # the user's code: one line naming it, not a traceback from inside TRL
+            raise RewardError(f"reward {self.spec} raised {type(error).__name__}: {error}") from None
+        return self.checked(values, len(prompts))
+
+    def checked(self, values: Any, expected: int) -> list[float | None]:
+        if not isinstance(values, (list, tuple)) or len(values) != expected:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward {self.spec} returned {got} for {expected} completions: return a list of one "
+                              "number (or None) per completion.")  # fmt: skip
+        for value in values:
+            if value is not None and (not isinstance(value, Real) or math.isnan(value)):
+                raise RewardError(f"reward {self.spec} returned {value!r} ({type(value).__name__}): each reward "
+                                  "must be a number (or None for no opinion).")  # fmt: skip
+        return [None if v is None else float(v) for v in values]
+
+
+def check_rewards(functions: list[Callable | str], rows: list[dict[str, Any]]) -> None:
+    """Each reward called once on the first prompts, each answered with its own `answer` (or nothing), before any
+    weights load: a function that cannot run on these columns fails now, in one line, not after the first step."""
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    prompts = [row["prompt"] for row in rows]
+    completions = [[{"role": "assistant", "content": str(row.get("answer", ""))}] if isinstance(row["prompt"], list)
+                   else str(row.get("answer", "")) for row in rows]  # fmt: skip
+    for function in functions:
+        if isinstance(function, Checked):
+            try:
+                function(prompts, completions, [[0] for _ in rows], **columns)
+            except RewardError as error:
+                raise ConfigError(f"{error} (called on the first {len(rows)} prompts before training)") from None

@@ -1,0 +1,82 @@
+"""Online RL (task grpo): TRL's GRPOTrainer with the toolkit's parts in front, as for SFT and DPO.
+
+Each step TRL samples --num_generations completions for each prompt of the generation batch (transformers'
+generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage
+over its group's mean. `per_device_train_batch_size` counts completions: a step's prompts are the global batch
+divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune, the base
+with the adapter off under LoRA. Imported only by grpo runs: TRL takes a second to import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from trl import GRPOTrainer
+
+from ..errors import ConfigError
+from ..settings.arguments import Arguments
+from .rewards import check_rewards, reward_functions
+from .trainer import ToolkitTrainerMixin
+
+
+def grpo_parts(args: Arguments, train_rows) -> dict:
+    """What RecipeGRPOTrainer takes beside the toolkit's parts: the rewards, each called once on the first
+    prompts (a broken one fails now, in one line, before any step is paid for)."""
+    if args.policy.use_vllm:
+        if not torch.cuda.is_available():
+            raise ConfigError("--use_vllm true generates with vLLM, which runs on CUDA GPUs only: drop it here "
+                              "(transformers' generate samples on any device).")  # fmt: skip
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--use_vllm true needs vLLM: pip install -e '.[vllm]' (on a GPU machine), or drop "
+                              "it for transformers' generate.")  # fmt: skip
+    functions = reward_functions(args.policy)
+    check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
+    return {"reward_funcs": functions}
+
+
+class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
+    """The toolkit's parts on TRL's `GRPOTrainer`."""
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's: the generation batch's completions sampled and scored (once per generation), this micro-batch's
+        slice returned; the tracker counts the tokens trained on (prompt and completion), known only now."""
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training:
+            sequences = {
+                "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            }
+            if self.rank_reports is not None:
+                self.rank_reports.record(sequences)
+            self.tracker.count_batch(len(sequences["input_ids"]), sequences["attention_mask"].sum())
+        return inputs
+
+    def task_lines(self) -> tuple[str, ...]:
+        """The batch arithmetic (completions are the batch's samples: prompts x completions each) and the engine."""
+        args, policy = self.args, self.recipe.policy
+        completions, steps = args.generation_batch_size, args.steps_per_generation
+        engine = f"vLLM ({policy.vllm_mode})" if policy.use_vllm else "transformers' generate"
+        return (f"generation    {completions // policy.num_generations} prompts x {policy.num_generations} "
+                f"completions = {completions} completions every {steps} micro-batch(es), at most "
+                f"{policy.max_completion_length} tokens each, temperature {policy.temperature:g}, {engine}",
+                "rewards       " + ", ".join(f"{name} x {weight:g}" for name, weight in
+                                             zip(policy.rewards(), policy.weights(), strict=True))
+                + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
+                f"loss          {policy.loss_type} (TRL's GRPO)",
+                f"              (the memory plan below sizes the training step at max_seq_length "
+                f"{self.recipe.data.max_seq_length}, prompt and completion; generation's KV cache is not in it "
+                "yet)")  # fmt: skip
+
+    def sample_lengths(self) -> list[int]:
+        """A sample is a prompt and its completion: the prompt's tokens as TRL renders it (the first 256 prompts,
+        a fair sample of a shuffled set), and the completion at its longest (the plan's upper bound)."""
+        rows = self.train_dataset.select(range(min(256, len(self.train_dataset))))
+        longest = self.args.max_completion_length
+        return [len(self.processing_class.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) + longest
+                if isinstance(p, list) else len(self.processing_class(p)["input_ids"]) + longest
+                for p in rows["prompt"]]  # fmt: skip
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """TRL writes a draft card into the output folder at each checkpoint; the toolkit writes the run's own at
+        the end (results/card.py), and a checkpoint never touches the run's files."""
