@@ -68,6 +68,13 @@ class PolicyArguments:
         default=None,
         metadata={"help": "grpo: the regular expression the format reward asks a whole completion to match."},
     )
+    rollout_func: str | None = field(
+        default=None,
+        metadata={
+            "help": "grpo: module:function or path/file.py:function that produces the completions in place of "
+            "sampling (TRL's rollout_func: agents, environments, an engine of your own)."
+        },
+    )
     use_vllm: bool = field(
         default=False,
         metadata={

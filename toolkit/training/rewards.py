@@ -116,14 +116,14 @@ def built_in(name: str, policy: PolicyArguments) -> Callable | None:
     return None
 
 
-def user_function(spec: str) -> Callable:
-    """`module:function` (importable) or `path/file.py:function`."""
+def user_function(spec: str, what: str = "reward") -> Callable:
+    """`module:function` (importable) or `path/file.py:function`; `what` names it in the errors."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
             if not path.is_file():
-                raise ConfigError(f"reward {spec}: {where} does not exist.")
+                raise ConfigError(f"{what} {spec}: {where} does not exist.")
             loader = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
@@ -132,10 +132,11 @@ def user_function(spec: str) -> Callable:
     except ConfigError:
         raise
     except Exception as error:  # the user's module: any error in it is theirs to see, in one line
-        raise ConfigError(f"reward {spec}: importing {where} failed: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"{what} {spec}: importing {where} failed: {type(error).__name__}: {error}") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise ConfigError(f"reward {spec}: {where} has no function '{name}'.")
+        raise ConfigError(f"{what} {spec}: {where or 'it'} has no function '{name}' (write module:function or "
+                          "path/file.py:function).")  # fmt: skip
     return function
 
 

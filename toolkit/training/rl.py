@@ -16,7 +16,7 @@ from trl import GRPOTrainer
 
 from ..errors import ConfigError
 from ..settings.arguments import Arguments
-from .rewards import check_rewards, reward_functions
+from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
 
 
@@ -32,7 +32,8 @@ def grpo_parts(args: Arguments, train_rows) -> dict:
                               "it for transformers' generate.")  # fmt: skip
     functions = reward_functions(args.policy)
     check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
-    return {"reward_funcs": functions}
+    rollout = user_function(args.policy.rollout_func, "rollout_func") if args.policy.rollout_func else None
+    return {"reward_funcs": functions, "rollout_func": rollout}
 
 
 class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
