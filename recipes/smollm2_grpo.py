@@ -15,13 +15,14 @@ RECIPE = dict(
     dtype="float32",  # the same numbers on every CPU: bf16 sampling would differ between AVX512 and AVX2 machines
     attn_implementation="sdpa",
     task="grpo",
-    # 2,000 problems like "Calculate 5 - -3.", 64 of them held out and never trained on
+    # every one-digit sum and difference ("Calculate 4 - 9."): 2,000 draws give the 242 distinct ones, 61 held out
     dataset_name="reasoning_gym:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=1&operators=+,-"
     "&allow_negation=false&allow_parentheses=false&size=2000&seed=1",
-    eval_fraction=0.032,
+    eval_fraction=0.25,
     reward_funcs="accuracy",  # reasoning-gym's checker on the answer's last number
     num_generations=8,
     max_completion_length=32,
+    max_seq_length=80,  # the longest prompt (the template's system turn and the question, ~45) and completion
     temperature=0.8,
     use_lora=True,
     lora_r=16,

@@ -56,8 +56,20 @@ def test_a_tiny_grpo_run_samples_scores_trains_and_exports(one_process, capsys):
     assert report["micro_batches"] == 4 and len(report["rows"]) == 4 * 8
     summary = json.loads((one_process / "run_summary.json").read_text())["summary"]
     assert summary["status"] == "completed" and summary["tokens"] == tokens[-1]
+    # sampling timed apart from the step's training part, whose tokens/s is then the higher
+    shares = logged(one_process, "sampling_share")
+    assert len(shares) == 4 and all(0 < share < 1 for share in shares)
+    assert summary["training_tokens_per_second"] > summary["tokens_per_second"] > 0
     assert (one_process / "adapter_model.safetensors").is_file() and not (one_process / "README.md").read_text(
     ).startswith("---\nbase_model")  # the toolkit's card, not TRL's draft  # fmt: skip
+
+
+def test_report_draws_the_reward_against_steps_and_dollars(one_process, tmp_path):
+    from toolkit.metrics.report import main
+
+    assert main([str(one_process), "--output", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "reward.png").is_file()
+    assert "sampling" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_eval_compares_base_and_tuned_on_the_same_held_out_prompts(one_process):
@@ -175,28 +187,37 @@ def test_settings_grpo_cannot_take_are_one_line(flags, key, tmp_path):
 
 
 def test_reasoning_gym_problems_are_generated_once_with_their_checker(tmp_path):
-    """The demo's source: reasoning-gym's problems as prompts, with the answer and its checker's entry; the
-    accuracy reward scores a right and a wrong answer by that checker; a misspelt task names the close one."""
+    """The demo's source: reasoning-gym's problems as prompts, each question once, with the answer and its
+    checker's entry; the accuracy reward scores a right and a wrong answer by that checker; a misspelt task names
+    the close one. And the demo's own split: not one held-out problem is among the training ones."""
     from datasets import load_dataset
 
+    from toolkit.data.loading import load_data
     from toolkit.data.sources import resolve
+    from toolkit.settings.parser import parse
     from toolkit.settings.policy import PolicyArguments
     from toolkit.training.rewards import reward_functions
 
     folder = resolve("reasoning_gym:basic_arithmetic?size=8&seed=3&min_digits=1&max_digits=1")
     assert resolve("reasoning_gym:basic_arithmetic?size=8&seed=3&min_digits=1&max_digits=1") == folder
     rows = load_dataset(folder)["train"]
-    assert len(rows) == 8 and rows[0]["prompt"][0]["role"] == "user"
+    questions = [prompt[0]["content"] for prompt in rows["prompt"]]
+    assert 0 < len(rows) <= 8 and len(set(questions)) == len(rows)  # each question once
+    assert rows[0]["prompt"][0]["role"] == "user"
     policy = PolicyArguments(reward_funcs="accuracy")
     policy.resolve("grpo")
     (accuracy,) = reward_functions(policy)
     right = [[{"role": "assistant", "content": f"The answer is {row['answer']}."}] for row in rows]
     wrong = [[{"role": "assistant", "content": f"It is {int(row['answer']) + 1}"}] for row in rows]
     columns = {"answer": rows["answer"], "reasoning_gym": rows["reasoning_gym"]}
-    assert accuracy(rows["prompt"], right, [[0]] * 8, **columns) == [1.0] * 8
-    assert accuracy(rows["prompt"], wrong, [[0]] * 8, **columns) == [0.0] * 8
+    n = len(rows)
+    assert accuracy(rows["prompt"], right, [[0]] * n, **columns) == [1.0] * n
+    assert accuracy(rows["prompt"], wrong, [[0]] * n, **columns) == [0.0] * n
     with pytest.raises(ConfigError, match="did you mean basic_arithmetic"):
         resolve("reasoning_gym:basic_arithmatic")
+    split, _ = load_data(parse(GRPO, NAME, []).data)  # the demo's data, as its run reads and splits it
+    seen = {prompt[0]["content"] for prompt in split["train"]["prompt"]}
+    assert len(split["eval"]) == 61 and not seen & {prompt[0]["content"] for prompt in split["eval"]["prompt"]}
 
 
 def test_accuracy_without_reasoning_gym_asks_math_verify():

@@ -143,9 +143,10 @@ def made(name: str, source: str, make: Callable[[Path], None], saying: str) -> P
 
 
 def reasoning_gym_problems(spec: str) -> Path:
-    """`<task>?<setting>=<value>&...` -> a folder whose train.jsonl holds reasoning-gym's problems: a `prompt`
-    conversation (the question as the user's turn), the `answer`, and `reasoning_gym` (the task and the entry its
-    checker scores an answer against)."""
+    """`<task>?<setting>=<value>&...` -> a folder whose train.jsonl holds reasoning-gym's problems, each question
+    once (`size` draws; a small space, such as one-digit sums, repeats itself, and a held-out problem must be one
+    the run never saw): a `prompt` conversation (the question as the user's turn), the `answer`, and
+    `reasoning_gym` (the task and the entry its checker scores an answer against)."""
     from ..errors import ConfigError
 
     try:
@@ -174,8 +175,12 @@ def reasoning_gym_problems(spec: str) -> Path:
             raise ConfigError(f"reasoning_gym:{spec}: {error} (the task's settings are its config's fields: "
                               f"{', '.join(f.name for f in fields(DATASETS[task][1]))}).") from None  # fmt: skip
         target.mkdir(parents=True)
+        seen = set()
         with open(target / "train.jsonl", "w") as f:
             for entry in problems:
+                if entry["question"] in seen:  # a small space repeats: a held-out problem must be a new one
+                    continue
+                seen.add(entry["question"])
                 row = {"prompt": [{"role": "user", "content": entry["question"]}], "answer": str(entry["answer"]),
                        "reasoning_gym": json.dumps({"task": task, "entry": entry}, default=str)}  # fmt: skip
                 f.write(json.dumps(row) + "\n")

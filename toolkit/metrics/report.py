@@ -31,6 +31,7 @@ COLUMNS = {  # summary key -> (table heading, format)
     "training_seconds": ("training s", "{:.1f}"),
     "tokens_per_second": ("tokens/s", "{:,.0f}"),
     "mean_mfu": ("MFU", "{:.2%}"),
+    "sampling_share": ("sampling", "{:.0%}"),  # GRPO: the share of the training time spent sampling
     "peak_memory_gib": ("peak memory GiB", "{:.2f}"),
     "unit_hours": ("device-hours", "{:.4g}"),
     "cost_usd": ("cost $", "{:.4g}"),
@@ -136,16 +137,22 @@ NONE_HAS = {"mean_mfu": "no datasheet peak for the device\n(pass --peak_tflops)"
 
 
 def charts(runs: list[Run], folder: Path) -> list[Path]:
-    """loss.png and efficiency.png in `folder`."""
+    """loss.png and efficiency.png in `folder`; reward.png too where a run logged GRPO's reward."""
+    figures = [("loss.png", series_figure(runs, "loss", "training loss", "Loss")),
+               ("efficiency.png", efficiency_figure(runs))]  # fmt: skip
+    if any("reward" in line for run in runs for line in run.history):
+        figures.append(("reward.png", series_figure(runs, "reward", "mean reward of the step's completions",
+                                                    "Reward")))  # fmt: skip
     paths = []
-    for name, figure in (("loss.png", loss_figure(runs)), ("efficiency.png", efficiency_figure(runs))):
+    for name, figure in figures:
         paths.append(folder / name)
         figure.savefig(paths[-1], dpi=110)
     return paths
 
 
-def loss_figure(runs: list[Run]):
-    """Training loss against the optimizer step and against the dollars spent so far, one line per run."""
+def series_figure(runs: list[Run], key: str, label: str, title: str):
+    """A logged series (the training loss, GRPO's reward) against the optimizer step and against the dollars
+    spent so far, one line per run that logged it."""
     from matplotlib.figure import Figure  # no pyplot: nothing global, nothing to close
     from matplotlib.ticker import MaxNLocator
 
@@ -153,12 +160,13 @@ def loss_figure(runs: list[Run]):
     by_step, by_cost = fig.subplots(1, 2)
     for i, run in enumerate(runs):
         style = {"label": run.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}  # equal curves stay visible
-        by_step.plot([line["step"] for line in run.history], [line["loss"] for line in run.history], **style)
-        priced = [line for line in run.history if "cost_usd" in line]
-        by_cost.plot([line["cost_usd"] for line in priced], [line["loss"] for line in priced], **style)
-    by_step.set(xlabel="optimizer step", ylabel="training loss", title="Loss vs step")
+        logged = [line for line in run.history if line.get(key) is not None]
+        by_step.plot([line["step"] for line in logged], [line[key] for line in logged], **style)
+        priced = [line for line in logged if "cost_usd" in line]
+        by_cost.plot([line["cost_usd"] for line in priced], [line[key] for line in priced], **style)
+    by_step.set(xlabel="optimizer step", ylabel=label, title=f"{title} vs step")
     by_step.xaxis.set_major_locator(MaxNLocator(integer=True))
-    by_cost.set(xlabel="cost so far (USD)", ylabel="training loss", title="Loss vs dollars")
+    by_cost.set(xlabel="cost so far (USD)", ylabel=label, title=f"{title} vs dollars")
     dollar_axis(by_cost.xaxis)
     by_step.legend(fontsize=8)
     return fig

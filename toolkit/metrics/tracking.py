@@ -62,6 +62,7 @@ class RunTracker(TrainerCallback):
         self.samples = 0  # rows trained on in this segment, all ranks
         self.data_seconds = 0.0
         self.paused_seconds = 0.0  # evaluations during training
+        self.sampling_seconds = 0.0  # GRPO's sampling of completions: part of the step, not of its training
         self._unread_tokens: torch.Tensor | None = None  # this rank's since the last reduction, on its device
         self._tokens = 0  # every rank's in this segment, as of the last reduction
         self._mark: dict[str, float] = {}
@@ -124,9 +125,20 @@ class RunTracker(TrainerCallback):
         finally:
             self.paused_seconds += time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def sampling(self):
+        """Completions sampled during a step (GRPO): counted apart, so tokens/s and MFU of the training part can
+        be told from the whole step's."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sampling_seconds += time.perf_counter() - start
+
     def _now(self, state: TrainerState) -> dict[str, float]:
         return {"time": time.perf_counter(), "tokens": state.num_input_tokens_seen, "samples": self.samples,
-                "step": state.global_step, "data": self.data_seconds, "paused": self.paused_seconds}  # fmt: skip
+                "step": state.global_step, "data": self.data_seconds, "paused": self.paused_seconds,
+                "sampling": self.sampling_seconds}  # fmt: skip
 
     # ------------------------------------------------------------------ cost
     @property
@@ -170,21 +182,28 @@ class RunTracker(TrainerCallback):
         seconds = now["time"] - last["time"] - (now["paused"] - last["paused"])
         if training and seconds > 0 and now["step"] > last["step"]:
             tokens, samples = now["tokens"] - last["tokens"], now["samples"] - last["samples"]
-            out.update(self.throughput(tokens, samples, seconds, now["step"] - last["step"]))
+            out.update(self.throughput(tokens, samples, seconds, now["step"] - last["step"],
+                                       now["sampling"] - last["sampling"]))  # fmt: skip
             out["data_wait_share"] = (now["data"] - last["data"]) / seconds
             out["peak_memory_gib"] = peak_memory_bytes() / GIB
             self._mark = now
         return out
 
-    def throughput(self, tokens: int, samples: int, seconds: float, steps: int) -> dict[str, float]:
+    def throughput(self, tokens: int, samples: int, seconds: float, steps: int,
+                   sampling: float = 0.0) -> dict[str, float]:  # fmt: skip
+        """Rates over `seconds` of steps; with `sampling` seconds of them spent sampling completions (GRPO), its
+        share, and the training part's own tokens/s and MFU (the FLOPs counted are training's)."""
         out = {
             "tokens_per_second": tokens / seconds,
             "tokens_per_second_per_device": tokens / seconds / self.num_processes,
             "samples_per_second": samples / seconds,
             "step_seconds": seconds / steps,
         }
-        if self.peak_flops and samples:
-            out["mfu"] = mfu(self.flops_per_token(tokens / samples), tokens / seconds, self.num_processes,
+        training = seconds - sampling
+        if sampling > 0 and training > 0:
+            out.update(sampling_share=sampling / seconds, training_tokens_per_second=tokens / training)
+        if self.peak_flops and samples and training > 0:
+            out["mfu"] = mfu(self.flops_per_token(tokens / samples), tokens / training, self.num_processes,
                              self.peak_flops)  # fmt: skip
         return out
 
@@ -207,9 +226,12 @@ class RunTracker(TrainerCallback):
             "peak_memory_gib": peak_memory_bytes() / GIB,
         }
         if seconds > 0 and steps > 0:
-            rates = self.throughput(tokens, self.samples, seconds, steps)
+            rates = self.throughput(tokens, self.samples, seconds, steps, self.sampling_seconds)
             out["tokens_per_second"] = rates["tokens_per_second"]
             out["mean_mfu"] = rates.get("mfu")
+            if self.sampling_seconds:
+                out.update(sampling_seconds=self.sampling_seconds, sampling_share=rates.get("sampling_share"),
+                           training_tokens_per_second=rates.get("training_tokens_per_second"))  # fmt: skip
         return out
 
 

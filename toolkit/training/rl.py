@@ -53,6 +53,12 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
             self.tracker.count_batch(len(sequences["input_ids"]), sequences["attention_mask"].sum())
         return inputs
 
+    def _generate(self, prompts):
+        """TRL's sampling (or the recipe's rollout_func), timed apart: the step's sampling share, and tokens/s and
+        MFU of its training part, in every log line (metrics/tracking.py)."""
+        with self.tracker.sampling():
+            return super()._generate(prompts)
+
     def task_lines(self) -> tuple[str, ...]:
         """The batch arithmetic (completions are the batch's samples: prompts x completions each) and the engine."""
         args, policy = self.args, self.recipe.policy

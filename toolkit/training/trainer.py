@@ -337,7 +337,13 @@ class ToolkitTrainerMixin:
         print(
             f"run summary   {status} after {time.strftime('%H:%M:%S', time.gmtime(summary['wall_seconds']))}, "
             f"{summary['steps']} steps, {summary['tokens']:,} tokens ({summary.get('tokens_per_second', 0):,.0f}/s), "
-            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB" + (f", {losses}" if losses else ""),
+            f"MFU {mfu}, peak memory {summary['peak_memory_gib']:.2f} GiB"
+            + (f", {losses}" if losses else "")
+            + (
+                f"; sampling {100 * share:.0f}% of the training time"
+                if (share := summary.get("sampling_share"))
+                else ""
+            ),
             flush=True,
         )
         print(cost.summary(summary["wall_seconds"], self.tracker.spent_before), flush=True)  # the summary's own
