@@ -152,7 +152,8 @@ def test_a_reward_that_fails_during_training_is_one_line_and_keeps_the_checkpoin
     (tmp_path / "rewards.py").write_text(REWARDS)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        run(GRPO, grpo_flags(out, 3, "--reward_funcs", f"{tmp_path / 'rewards.py'}:later", "--save_steps", "1"), NAME)
+        run(GRPO, grpo_flags(out, 3, "--reward_funcs", f"{tmp_path / 'rewards.py'}:later", "--save_strategy", "steps",
+                             "--save_steps", "1"), NAME)  # fmt: skip
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -267,6 +268,8 @@ def test_two_processes_train_as_one_on_the_same_completions(config, replayed, tm
 def test_configs_grpo_cannot_run_on_are_one_line(config, capsys):
     from toolkit.distributed.launch_check import main
 
-    assert main([str(ROOT / "accelerate_configs" / f"{config}.yaml"), str(ROOT / "recipes" / f"{NAME}.py")]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ROOT / "accelerate_configs" / f"{config}.yaml"), str(ROOT / "recipes" / f"{NAME}.py")])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "under grpo: TRL's GRPOTrainer samples completions" in err

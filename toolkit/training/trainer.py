@@ -50,10 +50,12 @@ from typing import Any
 import torch
 from transformers import Trainer
 from transformers.integrations import WandbCallback
+from transformers.trainer_callback import ProgressCallback
 
 from ..data.length_grouping import sample_lengths
 from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
+from ..errors import ToolkitError
 from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
 from ..metrics.samples import RUN_LOG, Prompt
@@ -138,7 +140,13 @@ class ToolkitTrainerMixin:
             start_afresh(self.args.output_dir)  # every check has passed: an earlier run's log is replaced now
         self.tracker.resume_from(kwargs.get("resume_from_checkpoint"))
         self.tracker.start()
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        except ToolkitError:  # a user's mistake met mid-run (a reward that raised): its line under the bar, not on it
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                    callback.training_bar.close()
+            raise
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         reports = self.rank_reports
