@@ -196,6 +196,12 @@ def exported_weights(folder, recipe: str) -> dict:
     return model.state_dict()
 
 
+def logged(out: Path, key: str) -> list[float]:
+    """A key's values over a run's log lines (OUTPUT/run_log.jsonl), in order, where it was logged."""
+    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
+
+
 def rank_reports(output_dir: Path) -> list[dict]:
     files = sorted((output_dir / "rank_reports").glob("rank*.json"))
     return [json.loads(f.read_text()) for f in files]

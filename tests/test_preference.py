@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, launch, rank_reports
+from conftest import check, launch, logged, rank_reports
 from llama3_dpo import RECIPE as DPO
 from llama3_dpo_lora import RECIPE as DPO_LORA
 from llama3_fft import RECIPE as SFT
@@ -27,11 +27,6 @@ def dpo_flags(out: Path, per_device_batch: int, steps: int = 6) -> list[str]:
     return ["--tiny", "--model_name_or_path", str(model), "--max_steps", str(steps), "--per_device_train_batch_size",
             str(per_device_batch), "--record_rank_reports", "true", "--report_to", "none", "--output_dir",
             str(out)]  # fmt: skip
-
-
-def logged(out: Path, key: str) -> list[float]:
-    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
-    return [row[key] for row in rows if key in row]
 
 
 @pytest.fixture(scope="module")

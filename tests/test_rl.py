@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, rank_reports, reference_run
+from conftest import ROOT, check, launch, logged, rank_reports, reference_run
 from safetensors.torch import load_file
 from smollm2_grpo import RECIPE as GRPO
 
@@ -26,11 +26,6 @@ NAME = "smollm2_grpo"
 def grpo_flags(out: Path, steps: int = 4, *extra: str) -> list[str]:
     return ["--tiny", "--max_steps", str(steps), "--record_rank_reports", "true", "--report_to", "none",
             "--output_dir", str(out), *extra]  # fmt: skip
-
-
-def logged(out: Path, key: str) -> list[float]:
-    rows = [json.loads(line) for line in (out / "run_log.jsonl").read_text().splitlines()]
-    return [row[key] for row in rows if key in row]
 
 
 @pytest.fixture(scope="module")
