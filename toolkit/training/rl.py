@@ -75,15 +75,6 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
                 f"{self.recipe.data.max_seq_length}, prompt and completion; generation's KV cache is not in it "
                 "yet)")  # fmt: skip
 
-    def sample_lengths(self) -> list[int]:
-        """A sample is a prompt and its completion: the prompt's tokens as TRL renders it (the first 256 prompts,
-        a fair sample of a shuffled set), and the completion at its longest (the plan's upper bound)."""
-        rows = self.train_dataset.select(range(min(256, len(self.train_dataset))))
-        longest = self.args.max_completion_length
-        return [len(self.processing_class.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) + longest
-                if isinstance(p, list) else len(self.processing_class(p)["input_ids"]) + longest
-                for p in rows["prompt"]]  # fmt: skip
-
     def create_model_card(self, *args, **kwargs) -> None:
         """TRL writes a draft card into the output folder at each checkpoint; the toolkit writes the run's own at
         the end (results/card.py), and a checkpoint never touches the run's files."""

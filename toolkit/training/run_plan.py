@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..data.length_grouping import sample_lengths
 from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, peak_tflops
@@ -89,7 +90,8 @@ class RunPlan:
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
-        plan.cost_plan = plan.plan_cost(trainer.args, trainer.sample_lengths())
+        timed = task(arguments.data.task).timed_by_flops  # GRPO's steps are mostly sampling: not planned
+        plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset)) if timed else None
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative) if c]
@@ -101,7 +103,7 @@ class RunPlan:
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the
         strategy's assumed MFU x devices x peak). None without a datasheet peak (CPU: pass --peak_tflops)."""
-        if not self.peak_flops or self.cost.usd_per_unit_hour is None or not task(self.recipe.data.task).timed_by_flops:
+        if not self.peak_flops or self.cost.usd_per_unit_hour is None:
             return None
         mean_length = sum(lengths) / len(lengths)
         steps = planned_steps(training, len(lengths))

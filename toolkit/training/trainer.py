@@ -52,7 +52,6 @@ from transformers import Trainer
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ..data.length_grouping import sample_lengths
 from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..errors import ToolkitError
@@ -150,7 +149,7 @@ class ToolkitTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         reports = self.rank_reports
-        if isinstance(inputs, dict):  # GRPO's is a generation batch of prompts: it counts once sampled (rl.py)
+        if not isinstance(inputs, list):  # GRPO's is a generation batch of prompts: it counts once sampled (rl.py)
             if reports is not None:
                 reports.record(inputs)
             self.tracker.count_batch(examples_in(inputs), tokens_in(inputs))
@@ -289,10 +288,6 @@ class ToolkitTrainerMixin:
     def task_lines(self) -> tuple[str, ...]:
         """The header's lines of the task's own (GRPO's sampling), after the batch line."""
         return ()
-
-    def sample_lengths(self) -> list[int]:
-        """Tokens in each training sample, for the cost plan."""
-        return sample_lengths(self.train_dataset)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
