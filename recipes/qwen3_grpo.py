@@ -1,7 +1,8 @@
 """Qwen3-0.6B, full fine-tune with online RL (GRPO) on GSM8K's grade-school math, rewarded by the answer's
-correctness (math-verify judges the completion's last number against GSM8K's `#### N`). A GPU recipe: 8
-completions of up to 512 tokens for each of 8 prompts a step; bf16, activation checkpointing, no reference model
-(beta 0, TRL's default). Held-out: GSM8K's test split, base and tuned greedy, scored the same way.
+correctness (math-verify judges the completion's last number against GSM8K's `#### N`). A GPU recipe: each GPU
+samples 8 completions of up to 512 tokens for each of its 8 prompts a step (64 prompts on 8 GPUs); bf16,
+activation checkpointing, no reference model (beta 0, TRL's default). Held-out: GSM8K's test split, base and
+tuned greedy, scored the same way.
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/qwen3_grpo.py
     python -m toolkit plan qwen3_grpo --gpu H100-80GB --gpus 8
@@ -33,6 +34,7 @@ RECIPE = dict(
     gradient_accumulation_steps=4,
     max_steps=500,
     logging_steps=5,
+    save_strategy="steps",
     save_steps=100,
     eval_strategy="no",
     eval_after_training=True,

@@ -1,9 +1,9 @@
-"""SmolLM2-135M-Instruct, real pretrained weights, taught one-digit arithmetic by online RL (GRPO) with a LoRA
-adapter: the offline RL demo. reasoning-gym (on PyPI) generates the problems and scores the answers; the model
-(the same weights as `make demo-sft`) starts out answering about one in six correctly, mostly because it explains
-at length and runs out of room. Each step it samples 8 answers to each of 4 problems; the checker's verdict, plus
-a small bonus for brevity, tells it which of its own answers to make more likely. Before and after, both models
-answer the same held-out problems greedily (`toolkit eval`), each answer scored by the same rewards.
+"""SmolLM2-135M-Instruct, real pretrained weights, taught one-digit sums and differences by online RL (GRPO) with
+a LoRA adapter: the offline RL demo. reasoning-gym (on PyPI) generates the problems and scores the answers; the
+model (the same weights as `make demo-sft`) starts out answering about a third of them right, mostly because it
+explains at length and runs out of room. Each step it samples 8 answers to each of 4 problems; the checker's
+verdict tells it which of its own answers to make more likely. Before and after, both models answer the same
+held-out problems greedily (`toolkit eval`), each answer scored by the same reward (docs/rl.md has the figures).
 
     make demo-grpo
 """
@@ -34,6 +34,7 @@ RECIPE = dict(
     per_device_train_batch_size=16,  # completions: 2 micro-batches of 16 = 4 prompts x 8 answers a step
     gradient_accumulation_steps=2,
     logging_steps=1,
+    save_strategy="steps",
     save_steps=8,
     eval_strategy="no",
     eval_after_training=True,  # base and tuned on the held-out problems, scored by the same rewards

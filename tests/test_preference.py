@@ -43,8 +43,9 @@ def test_dpo_learns_a_learnable_preference(one_process):
     assert margins[0] == 0 and losses[0] == pytest.approx(0.6931, abs=1e-4)
     assert all(later > earlier for earlier, later in zip(margins[1:], margins[2:], strict=False)), margins
     assert margins[-1] > 0.04 and logged(one_process, "rewards/accuracies")[-1] >= 0.75  # beta 0.01: small rewards
-    summary = json.loads((one_process / "run_summary.json").read_text())["summary"]
-    assert summary["status"] == "completed" and summary["steps"] == 6
+    written = json.loads((one_process / "run_summary.json").read_text())
+    assert written["summary"]["status"] == "completed" and written["summary"]["steps"] == 6
+    assert written["config"]["toolkit"]["beta"] == 0.01 and "reward_funcs" not in written["config"]["toolkit"]
 
 
 @pytest.mark.launch

@@ -175,11 +175,62 @@ def test_a_reward_that_fails_during_training_is_one_line_and_keeps_the_checkpoin
         (["--prompt_column", "question"], "has no column 'question'"),
         (["--reward_funcs", "nowhere_module:f"], "importing nowhere_module failed"),
         (["--use_vllm", "true"], "vLLM, which runs on CUDA GPUs only"),
+        (["--max_completion_length", "64"], "leaves no room for the prompt in max_seq_length 64"),
+        (["--fused_loss", "false"], "task grpo always scores with TRL's fused head"),
     ],
 )
 def test_settings_grpo_cannot_take_are_one_line(flags, key, tmp_path):
     with pytest.raises(ToolkitError, match=key):
         train(GRPO, grpo_flags(tmp_path / "run", 2, *flags), NAME)
+
+
+def test_the_gsm8k_recipe_trains_in_tiny_mode(tmp_path):
+    """`make finetune MODEL=qwen3_grpo ARGS=--tiny`, as the recipe documents it: its prompt column (GSM8K's
+    question) gives way to the tiny data's, and a toy Qwen3 trains and exports."""
+    from qwen3_grpo import RECIPE as QWEN
+
+    out = tmp_path / "qwen"
+    train(QWEN, ["--tiny", "--max_steps", "1", "--report_to", "none", "--output_dir", str(out)], "qwen3_grpo")
+    assert (out / "model.safetensors").is_file() and len(logged(out, "reward")) == 1
+
+
+def test_rewards_given_as_lists_async_or_reading_trls_arguments_are_taken():
+    """A recipe's lists for reward_funcs and reward_weights; a reward that reads TRL's trainer_state or log_metric,
+    or is async, passes the check before training (which stands in TRL's arguments) and returns its numbers."""
+    import asyncio
+
+    from toolkit.settings.parser import parse
+    from toolkit.training.rewards import Checked, check_rewards
+
+    policy = parse(
+        {**GRPO, "reward_funcs": ["accuracy", "format"], "reward_weights": [1, 0.5]}, NAME, ["--tiny"]
+    ).policy
+    assert policy.rewards() == ["accuracy", "format"] and policy.weights() == [1.0, 0.5]
+
+    def steps(prompts, completions, trainer_state, log_metric, **kwargs):
+        log_metric("seen", len(completions))
+        return [0.0 if trainer_state is None else float(trainer_state.global_step)] * len(completions)
+
+    async def later(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 1 plus 2?"}], "answer": "3"}] * 2
+    functions = [Checked(steps, "steps"), Checked(later, "later")]
+    check_rewards(functions, rows)
+    assert functions[1]([r["prompt"] for r in rows], ["3", "4"], [[0], [0]]) == [1.0, 1.0]
+
+
+def test_an_epoch_of_prompts_is_each_prompt_answered_num_generations_times():
+    """The steps an epoch-long GRPO run takes (what a resume's check and the schedule count): TRL's sampler repeats
+    each prompt num_generations times, and the batch counts completions."""
+    from trl import GRPOConfig
+
+    from toolkit.training.run_plan import planned_steps
+
+    config = GRPOConfig(output_dir="unused", per_device_train_batch_size=8, num_generations=4, use_cpu=True,
+                        num_train_epochs=1, report_to=[])  # fmt: skip
+    assert planned_steps(config, 10) == 5  # 40 completions, 8 a step
 
 
 def test_reasoning_gym_problems_are_generated_once_with_their_checker(tmp_path):
@@ -237,11 +288,11 @@ def replayed(tmp_path_factory) -> Path:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("config", ["ddp", "zero3"])
+@pytest.mark.parametrize("config", ["ddp", "zero3", "fsdp2"])
 def test_two_processes_train_as_one_on_the_same_completions(config, replayed, tmp_path):
-    """2 processes, a prompt's whole group on each rank (4 completions of 1 prompt), the same completions as the
-    1-process run (replayed; sampling differs with how rows are split): the same rewards and losses each step,
-    the same exported adapter. Each rank trained on its own prompt's completions."""
+    """2 processes (DDP, ZeRO-3, FSDP2), a prompt's whole group on each rank (4 completions of 1 prompt), the same
+    completions as the 1-process run (replayed; sampling differs with how rows are split): the same rewards and
+    losses each step, the same exported adapter. Each rank trained on its own prompt's completions."""
     out = tmp_path / "run"
     flags = grpo_flags(out, 3, "--rollout_func", REPLAY, "--per_device_train_batch_size", "4")
     check(launch(config, NAME, *flags, cwd=tmp_path))

@@ -156,8 +156,8 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
         values.update(chat_template="llama3", max_seq_length=128)
     elif task == "grpo":  # 2 prompts x 4 completions a step, short ones: the sum, and a digit in the answer (a
         # random model's completions differ in that from the first step, so its advantages are not all 0)
-        values.update(chat_template="llama3", reward_funcs="accuracy,format", reward_weights=None,
-                      format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
+        values.update(chat_template="llama3", prompt_column="prompt", reward_funcs="accuracy,format",
+                      reward_weights=None, format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
                       per_device_train_batch_size=8)  # fmt: skip
     else:
         values.update(messages_column="messages", chat_template="llama3")

@@ -98,17 +98,17 @@ def build_plan(args) -> dict:
         master_weights=masters,
         trainable_fp32=lora is not None or bool(values.get("fp16")),
         lora_dropout=values.get("lora_dropout", ModelArguments.lora_dropout) if lora is not None else 0.0,
-        **task_workload(task, lora is not None, fused),
+        **task_workload(task, lora is not None, fused, beta=values.get("beta") or 0.0),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,
                                                  lora, bool(mixed))  # fmt: skip
     shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     # GRPO's steps are mostly sampling, which the planner does not time yet: its memory only, no time or dollars
-    samples = args.samples or stored_split_size(values) if task_table(task).timed_by_flops else 0
+    samples = (args.samples or stored_split_size(values)) if task_table(task).timed_by_flops else 0
     epochs = args.epochs or values.get("num_train_epochs", 1)
     tokens_per_sample, tokens_source = args.tokens_per_sample, "as given"
-    if tokens_per_sample is None and samples:
+    if tokens_per_sample is None and task_table(task).timed_by_flops:
         measured = measured_tokens(args.model, task, work.seq_length)
         if isinstance(measured, str):
             tokens_per_sample, tokens_source = work.seq_length, f"full rows: {measured}"

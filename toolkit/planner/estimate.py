@@ -81,7 +81,8 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
                     weights_4bit=arguments.model.load_in_4bit,
-                    **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu))  # fmt: skip
+                    **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu,
+                                    arguments.policy.beta or 0.0))  # fmt: skip
 
 
 def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> bool:
@@ -90,12 +91,15 @@ def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> b
     return lora or (mixed_precision and setting is not False)
 
 
-def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True) -> dict:
-    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy; TRL's
-    fused head instead of the full logits where the task uses it (tasks.fused_head; --fused_loss)."""
+def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True,
+                  beta: float = 0.0) -> dict:  # fmt: skip
+    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy (GRPO's
+    too, where its KL coefficient `beta` is not 0); TRL's fused head instead of the full logits where the task uses
+    it (tasks.fused_head; --fused_loss)."""
     fused = {"fused_head": fused_head(task, fused_loss, on_gpu)} if task in TASKS else {}
     pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
-    return {**pairs, **fused}
+    reference = {"reference_weights": not lora and bool(beta)} if task == "grpo" else {}
+    return {**pairs, **reference, **fused}
 
 
 def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:

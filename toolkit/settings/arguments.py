@@ -442,9 +442,10 @@ class Arguments:
     def resolved(self) -> dict[str, Any]:
         """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""
         out = {"recipe": self.recipe_name}
-        parts = (self.model, self.data, self.run) + ((self.policy,) if self.data.task in POLICY_TASKS else ())
-        for part in parts:
+        for part in (self.model, self.data, self.run):
             out.update(vars(part))
+        if self.data.task in POLICY_TASKS:
+            out.update(self.policy.recorded(self.data.task))
         out.update(self.training.to_dict())
         out["torch_compile_setting"] = self.torch_compile
         return out

@@ -269,6 +269,10 @@ def parse(
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     policy.resolve(data.task)
+    if data.task == "grpo" and policy.max_completion_length >= data.max_seq_length:
+        raise ConfigError(f"max_completion_length {policy.max_completion_length} leaves no room for the prompt in "
+                          f"max_seq_length {data.max_seq_length} (the longest prompt and completion, which the memory "
+                          "plan sizes): raise --max_seq_length.")  # fmt: skip
     # TRL's DPOTrainer and GRPOTrainer take their own configs: the TrainingArguments and these settings
     training = policy.trl_config(data.task, training, data.max_seq_length, model.trust_remote_code)
     return Arguments(model, data, run, training, recipe_name, policy, torch_compile=compile_setting)

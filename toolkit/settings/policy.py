@@ -128,26 +128,31 @@ class PolicyArguments:
             except re.error as error:
                 raise ConfigError(f"the pattern {pattern!r} is not a regular expression ({error}).") from None
 
+    def recorded(self, task: str) -> dict:
+        """The settings a run of `task` records (a DPO run's record leaves GRPO's out)."""
+        return {k: v for k, v in vars(self).items() if task == "grpo" or k in DEFAULTS["dpo"]}
+
     def losses(self) -> list[str]:
         return [name.strip() for name in (self.loss_type or "").split(",") if name.strip()]
 
     def rewards(self) -> list[str]:
-        return [name.strip() for name in (self.reward_funcs or "").split(",") if name.strip()]
+        names = self.reward_funcs or ""  # a recipe may give a list
+        names = names.split(",") if isinstance(names, str) else names
+        return [str(name).strip() for name in names if str(name).strip()]
 
     def weights(self) -> list[float]:
         if not self.reward_weights:
             return [1.0] * len(self.rewards())
-        weights = self.reward_weights  # a recorded run's: GRPOConfig's list, under the same name
+        weights = self.reward_weights  # a recipe's list, or a recorded run's (GRPOConfig's, under the same name)
         try:
-            return [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
-        except ValueError:
+            return [float(w) for w in (weights.split(",") if isinstance(weights, str) else list(weights))]
+        except (TypeError, ValueError):
             raise ConfigError(f"reward_weights {self.reward_weights!r} must be numbers, comma-separated.") from None
 
     def trl_config(self, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool):
         """TRL's DPOConfig or GRPOConfig from the run's TrainingArguments (every field as resolved) and these
         settings; other tasks keep their TrainingArguments."""
         values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
-        values.pop("remove_unused_columns")  # TRL's own default: GRPO's rewards read the data set's columns
         if task == "dpo":
             from trl import DPOConfig
 
@@ -156,6 +161,7 @@ class PolicyArguments:
         if task == "grpo":
             from trl import GRPOConfig
 
+            values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
             try:
                 return GRPOConfig(**values, beta=self.beta, loss_type=self.loss_type, reward_weights=self.weights(),
                                   num_generations=self.num_generations, temperature=self.temperature,

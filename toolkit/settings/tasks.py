@@ -52,12 +52,14 @@ TASKS = {
         fused_head="always",
     ),
     # Online RL (GRPO) on TRL's GRPOTrainer: completions sampled, scored by rewards, their advantages trained on
-    # (training/rl.py); its loss is TRL's own normalisation (DAPO's by default), not the Trainer's token count.
+    # (training/rl.py); its loss is TRL's own normalisation (DAPO's by default), not the Trainer's token count, and
+    # its log-probabilities come from TRL's fused head (GRPOTrainer patches it in, always).
     "grpo": Task(
         "AutoModelForCausalLM",
         "CAUSAL_LM",
         "AutoPeftModelForCausalLM",
         token_normalised_loss=False,
+        fused_head="always",
         evaluates_at_end=False,
         timed_by_flops=False,
     ),

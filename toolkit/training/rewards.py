@@ -15,8 +15,10 @@ checkpoint kept); `check_rewards` calls each once on the first prompts before an
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import re
@@ -158,6 +160,12 @@ def reward_functions(policy: PolicyArguments) -> list[Callable | str]:
     return out
 
 
+# What TRL passes every reward beside the data's columns (GRPOTrainer._calculate_rewards), for the calls the toolkit
+# makes itself: the first prompts before training, the held-out answers after it.
+OUTSIDE_TRAINING = {"trainer_state": None, "log_extra": lambda column, values: None,
+                    "log_metric": lambda name, value: None}  # fmt: skip
+
+
 class Checked:
     """A reward function whose every answer is checked: a list of one number (or None) per completion."""
 
@@ -166,8 +174,11 @@ class Checked:
         self.__name__ = spec.rpartition(":")[2] or spec  # TRL's name for it in the logs: rewards/<name>/mean
 
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float | None]:
+        columns = {**OUTSIDE_TRAINING, **columns}  # TRL's own arguments, stood in for before and after training
         try:
             values = self.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if inspect.isawaitable(values):  # an async reward: awaited here (TRL calls this wrapper as a plain one)
+                values = asyncio.run(values)
         except Exception as error:  # the user's code: one line naming it, not a traceback from inside TRL
             raise RewardError(f"reward {self.spec} raised {type(error).__name__}: {error}") from None
         return self.checked(values, len(prompts))

@@ -3,8 +3,9 @@
 Each step TRL samples --num_generations completions for each prompt of the generation batch (transformers'
 generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage
 over its group's mean. `per_device_train_batch_size` counts completions: a step's prompts are the global batch
-divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune, the base
-with the adapter off under LoRA. Imported only by grpo runs: TRL takes a second to import.
+divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune; under
+LoRA the base with a frozen copy of the starting adapter ("ref"), which the export leaves out. Imported only by
+grpo runs: TRL takes a second to import.
 """
 
 from __future__ import annotations
@@ -53,9 +54,16 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
             self.tracker.count_batch(len(sequences["input_ids"]), sequences["attention_mask"].sum())
         return inputs
 
+    def _get_train_sampler(self, dataset=None):
+        """TRL's RepeatSampler always: a prompt's group of completions must stay together, which length-grouped
+        order (the toolkit's default for data with lengths) would break."""
+        return GRPOTrainer._get_train_sampler(self, dataset)
+
     def _generate(self, prompts):
         """TRL's sampling (or the recipe's rollout_func), timed apart: the step's sampling share, and tokens/s and
         MFU of its training part, in every log line (metrics/tracking.py)."""
+        if not self.model.training:  # an evaluation's: inside its own paused clock already
+            return super()._generate(prompts)
         with self.tracker.sampling():
             return super()._generate(prompts)
 

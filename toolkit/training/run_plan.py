@@ -49,7 +49,8 @@ def planned_steps(training, train_rows: int) -> int:
     if training.max_steps > 0:
         return training.max_steps
     replicas = data_parallel_replicas(training.world_size)  # the ranks of a tensor-parallel group share rows
-    batches = math.ceil(train_rows / (training.per_device_train_batch_size * replicas))
+    samples = train_rows * getattr(training, "num_generations", 1)  # GRPO's samples: each prompt's completions
+    batches = math.ceil(samples / (training.per_device_train_batch_size * replicas))
     return math.ceil(math.ceil(batches / training.gradient_accumulation_steps) * training.num_train_epochs)
 
 
