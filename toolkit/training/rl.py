@@ -4,8 +4,8 @@ Each step TRL samples --num_generations completions for each prompt of the gener
 generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage
 over its group's mean. `per_device_train_batch_size` counts completions: a step's prompts are the global batch
 divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune; under
-LoRA the base with a frozen copy of the starting adapter ("ref"), which the export leaves out. Imported only by
-grpo runs: TRL takes a second to import.
+LoRA the base with a frozen copy of the starting adapter (TRL's "ref", which PEFT saves beside the trained one:
+not yet left out of the export). Imported only by grpo runs: TRL takes a second to import.
 """
 
 from __future__ import annotations
