@@ -355,6 +355,60 @@ def test_fused_head_step_peak_matches_live_memory(task, checkpointing, monkeypat
             assert peak(ids, labels, fused=False) - measured == pytest.approx(drop, rel=0.05), (micro_batch, seq_length)
 
 
+@pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
+def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
+    """A whole GRPO step through TRL's own GRPOTrainer (a LoRA adapter, as the demo trains; sampling, scoring, then
+    the step's micro-batches), measured as the steps above, in both regimes the planner tells apart: the step's
+    training dominant (the demo's batch: 2 micro-batches of 8 rows, completions of 32 tokens), and sampling dominant
+    (16 micro-batches of 2: 32 rows sampled at once, 64 tokens each). The plan's total above the weights is within
+    10% of the peak in both, and names the phase that holds it."""
+    if alone(request):
+        return
+    import trl.kernels.chunked_logprob as trl_kernel
+    import trl.trainer.utils as trl_utils
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from toolkit.planner import memory
+    from toolkit.planner.activations import measured_activations
+
+    monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 64)  # as the fused-head test above: TRL's CPU tiles small
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 1024)
+    monkeypatch.setattr(memory, "FUSED_HEAD_TILE", (64, 1024))
+    tokenizer = tiny.tiny_tokenizer(LLAMA, "sft")
+    prompts = Dataset.from_list([{"prompt": "Name the planets in order from the sun."}] * 64)  # rows of one length
+    prompt_tokens = len(tokenizer(prompts[0]["prompt"])["input_ids"])
+    lora = dict(r=16, target_modules="all-linear")
+    fit, _ = measured_activations(narrow_llama(32768, False)[1], "grpo", "fp32", True, True, lora)  # as the plan
+    for micro_batch, micro_batches, completion, sampling_peaks in [(8, 2, 32, False), (2, 16, 64, True)]:
+        model, config = narrow_llama(32768, checkpointing=False)
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=micro_batch, max_steps=1,
+                          gradient_accumulation_steps=micro_batches, num_generations=micro_batch * micro_batches // 2,
+                          max_completion_length=completion, gradient_checkpointing=False, use_cpu=True,
+                          report_to="none", save_strategy="no", beta=0.0, temperature=0.8, seed=0)  # fmt: skip
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              args=args, train_dataset=prompts, processing_class=tokenizer,
+                              peft_config=LoraConfig(**lora, task_type="CAUSAL_LM"))  # fmt: skip
+        gc.collect()
+        gc.disable()  # what a collection frees at a moment that varies from run to run would move the peak
+        before, mode = live_heap_bytes(), _PeakLiveBytes()
+        try:
+            with mode:
+                trainer.train()
+        finally:
+            gc.enable()
+        work = Workload(precision="fp32", micro_batch=micro_batch, micro_batches=micro_batches, cuda_context_gib=0.0,
+                        seq_length=prompt_tokens + completion, dropout_mask_bytes=4, trainable_fp32=True,
+                        **task_workload("grpo", lora=True))  # fmt: skip
+        shape = replace(Shape.of(trainer.model, config), activations=fit)
+        planned = plan_memory(shape, layout("single_gpu"), work, 1).device
+        assert (planned["generation"] > 0) == sampling_peaks, planned
+        above_weights = sum(planned.values()) - planned["parameters"]
+        assert mode.peak - before == pytest.approx(above_weights, rel=0.10), (micro_batch, mode.peak - before, planned)
+        del trainer, model
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize(

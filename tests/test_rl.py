@@ -1,7 +1,8 @@
 """Online RL (task grpo) on TRL's GRPOTrainer with the toolkit's parts: a tiny run samples, scores each reward,
 counts the tokens it trains on and exports; `toolkit eval` compares base and tuned on the same held-out prompts;
-a preempted run resumes bit-identically (the sampling included); 2 processes under DDP and ZeRO-3 split the
-prompts; and every mistake (a reward that fails, settings GRPO cannot take, configs it cannot run on) is one line."""
+a preempted run resumes bit-identically (the sampling included); 2 processes under DDP, ZeRO-2, ZeRO-3 and
+FSDP2 split the prompts; and every mistake (a reward that fails, settings GRPO cannot take, configs it cannot run
+on) is one line."""
 
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def grpo_flags(out: Path, steps: int = 4, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo") / "one"
-    train(GRPO, grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2"), NAME)
+    train(GRPO, grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2", "--beta", "0.04"), NAME)
     return out
 
 
 def test_a_tiny_grpo_run_samples_scores_trains_and_exports(one_process, capsys):
     """Each step: 2 prompts x 4 completions sampled, both rewards logged (their mean and spread) with the weighted
-    sum, the tokens trained on (prompts and completions) counted, the adapter moved; the adapter exported, and the
-    header states the batch arithmetic."""
+    sum, the KL to the reference (beta 0.04), the tokens trained on (prompts and completions) counted, the adapter
+    moved; the trained adapter exported alone, and the header states the batch arithmetic."""
     steps = logged(one_process, "loss")
     assert len(steps) == 4
     for key in ("rewards/accuracy/mean", "rewards/format/std", "reward", "completions/mean_length"):
@@ -57,6 +58,9 @@ def test_a_tiny_grpo_run_samples_scores_trains_and_exports(one_process, capsys):
     assert summary["training_tokens_per_second"] > summary["tokens_per_second"] > 0
     assert (one_process / "adapter_model.safetensors").is_file() and not (one_process / "README.md").read_text(
     ).startswith("---\nbase_model")  # the toolkit's card, not TRL's draft  # fmt: skip
+    # beta > 0 under LoRA: TRL's frozen "ref" adapter was the reference (checkpoints keep it), the export leaves it out
+    assert logged(one_process, "kl") and (one_process / "checkpoint-2" / "ref").is_dir()
+    assert not (one_process / "ref").exists()
 
 
 def test_report_draws_the_reward_against_steps_and_dollars(one_process, tmp_path):
@@ -287,14 +291,24 @@ def replayed(tmp_path_factory) -> Path:
     return reference_run(NAME, grpo_flags(out, 3, "--rollout_func", REPLAY), out)
 
 
+@pytest.fixture(scope="module")
+def replayed_full(tmp_path_factory) -> Path:
+    """The same, fine-tuning every weight (--use_lora false)."""
+    out = tmp_path_factory.mktemp("grpo") / "replayed_full"
+    return reference_run(NAME, grpo_flags(out, 3, "--rollout_func", REPLAY, "--use_lora", "false"), out)
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize("config", ["ddp", "zero3", "fsdp2"])
-def test_two_processes_train_as_one_on_the_same_completions(config, replayed, tmp_path):
-    """2 processes (DDP, ZeRO-3, FSDP2), a prompt's whole group on each rank (4 completions of 1 prompt), the same
-    completions as the 1-process run (replayed; sampling differs with how rows are split): the same rewards and
-    losses each step, the same exported adapter. Each rank trained on its own prompt's completions."""
+@pytest.mark.parametrize(("config", "lora"), [("ddp", True), ("zero2", False), ("zero3", True), ("fsdp2", True)])
+def test_two_processes_train_as_one_on_the_same_completions(config, lora, request, tmp_path):
+    """2 processes (DDP, ZeRO-3, FSDP2 with the LoRA adapter; ZeRO-2 fine-tuning every weight), a prompt's whole
+    group on each rank (4 completions of 1 prompt), the same completions as the 1-process run (replayed; sampling
+    differs with how rows are split): the same rewards and losses each step, the same exported weights. Each rank
+    trained on its own prompt's completions."""
+    replayed = request.getfixturevalue("replayed" if lora else "replayed_full")
     out = tmp_path / "run"
-    flags = grpo_flags(out, 3, "--rollout_func", REPLAY, "--per_device_train_batch_size", "4")
+    flags = grpo_flags(out, 3, "--rollout_func", REPLAY, "--per_device_train_batch_size", "4",
+                       "--use_lora", str(lora).lower())  # fmt: skip
     check(launch(config, NAME, *flags, cwd=tmp_path))
     reports = rank_reports(out)
     assert len(reports) == 2 and all(len(r["rows"]) == 3 * 4 for r in reports)
@@ -302,7 +316,8 @@ def test_two_processes_train_as_one_on_the_same_completions(config, replayed, tm
     assert sorted(reports[0]["rows"] + reports[1]["rows"]) == sorted(rank_reports(replayed)[0]["rows"])
     assert logged(out, "reward") == pytest.approx(logged(replayed, "reward"), abs=1e-6)
     assert logged(out, "loss") == pytest.approx(logged(replayed, "loss"), rel=1e-4, abs=1e-6)
-    ours, reference = load_file(out / "adapter_model.safetensors"), load_file(replayed / "adapter_model.safetensors")
+    exported = "adapter_model.safetensors" if lora else "model.safetensors"
+    ours, reference = load_file(out / exported), load_file(replayed / exported)
     assert sorted(ours) == sorted(reference)
     # AdamW moves each element by about lr x the gradient's sign: where a gradient is near 0, summing it in another
     # order (two ranks' halves) shifts the element by a fraction of lr (2e-3, tiny mode's); 1/200 of it allowed

@@ -221,8 +221,10 @@ def render(plan: dict) -> str:
                      + (f", of the {p['active_per_token'] / 1e9:.3g}B parameters active per token" if p.get("routing")
                         else ""))  # fmt: skip
     if not task_table(plan["task"]).timed_by_flops:
-        lines.append("grpo        memory of the training step at max_seq_length (prompt and completion); generation's "
-                     "KV cache, and GRPO's time and dollars (mostly sampling), are not planned yet")  # fmt: skip
+        rows = w["micro_batch"] * w["micro_batches"]
+        lines.append(f"{plan['task']:<12}memory of the larger phase: sampling {rows} rows a device at once (their KV "
+                     f"cache at {w['seq_length']} tokens, the sampling buffers) or the training step; time and "
+                     "dollars (mostly sampling) not planned yet")  # fmt: skip
     lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"

@@ -94,11 +94,11 @@ def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> b
 def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True,
                   beta: float = 0.0) -> dict:  # fmt: skip
     """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy (GRPO's
-    too, where its KL coefficient `beta` is not 0); TRL's fused head instead of the full logits where the task uses
-    it (tasks.fused_head; --fused_loss)."""
+    too, where its KL coefficient `beta` is not 0, and its sampling phase); TRL's fused head instead of the full
+    logits where the task uses it (tasks.fused_head; --fused_loss)."""
     fused = {"fused_head": fused_head(task, fused_loss, on_gpu)} if task in TASKS else {}
     pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
-    reference = {"reference_weights": not lora and bool(beta)} if task == "grpo" else {}
+    reference = {"reference_weights": not lora and bool(beta), "generates": True} if task == "grpo" else {}
     return {**pairs, **reference, **fused}
 
 

@@ -61,6 +61,9 @@ class Workload:
     # Micro-batches per optimizer step (--gradient_accumulation_steps): under pipeline stages the schedule's, which
     # decide the activations a stage holds and the bubble (models/pipeline.py)
     micro_batches: int = 1
+    # GRPO: each optimizer step's rows (micro_batch x micro_batches a device: TRL's steps_per_generation defaults to
+    # the accumulation steps) sampled at once, up to seq_length tokens each, before the step trains on them
+    generates: bool = False
 
     @property
     def activation_dtype_bytes(self) -> int:
@@ -228,6 +231,26 @@ def fused_head_bytes(shape: Shape, work: Workload) -> int:
     return weight + max(4 * t * shape.hidden_size + tile, 2 * e * t * shape.intermediate_size)
 
 
+# A decode step's peak holds about this many rows x vocabulary fp32 tensors beside the KV cache, under transformers
+# 5's sampling with the one logits processor the toolkit sets (temperature): the step's logits, their fp32 copy, the
+# scaled scores, softmax's probabilities, some of the previous step's still bound. Measured through TRL's
+# GRPOTrainer (32 rows, 32,768 entries): 3.5 to 5.0 between runs of
+# tests/test_planner.py::test_grpo_step_peak_matches_live_memory; each further processor (top-k, top-p, a
+# repetition penalty) adds about one.
+SAMPLING_BUFFERS = 4
+
+
+def generation_bytes(shape: Shape, work: Workload) -> int:
+    """GRPO's sampling phase, per device, beside the weights and optimizer states (no gradients alive): the KV cache
+    of the step's rows at full length (keys and values, kv_size wide, per attention layer), one layer's keys more
+    while the cache grows (DynamicCache concatenates), and the sampling buffers over the vocabulary."""
+    rows, e = work.micro_batch * work.micro_batches, work.activation_dtype_bytes
+    layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
+    cache = 2 * layers * rows * work.seq_length * shape.kv_size * e
+    grown = cache // (2 * layers) if layers else 0
+    return int(cache + grown + SAMPLING_BUFFERS * 4 * rows * shape.vocab_size)
+
+
 def masters_of(layout: Layout, work: Workload) -> str:
     """Who keeps fp32 masters of 16-bit trainable weights (model_state_bytes' `masters`): accelerate's FSDP by
     upcasting them at preparation (one dtype per unit); fp32 trainable weights are their own; the toolkit's
@@ -325,8 +348,20 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     mem.device["lora_dropout"] = lora_dropout_bytes(shape, sequences)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
     mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)
+    if work.generates:  # the peak is the larger phase's: sampling's, where it holds more than the step
+        step = sum(mem.device.get(k, 0) for k in STEP_ONLY)
+        step += mem.device["gradients"] if layout.engine == "torch" else 0  # set to None between steps
+        sampling = generation_bytes(shape, work)
+        if layout.engine == "deepspeed" and layout.shard_params:  # TRL's ds3_gather_for_generation: every weight
+            step += mem.device["gathered_buffers"]
+            sampling += compute * shape.total * (1 - 1 / shards) // layout.tensor_parallel
+        mem.device["generation"] = int(max(0, sampling - step))
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem
+
+
+# What a training step holds only while it runs (the sampling phase before it holds none of it)
+STEP_ONLY = ("activations", "lora_dropout", "recomputed_layer", "fused_head", "logits")
 
 
 def plan_pipeline(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:

@@ -4,8 +4,8 @@ Each step TRL samples --num_generations completions for each prompt of the gener
 generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage
 over its group's mean. `per_device_train_batch_size` counts completions: a step's prompts are the global batch
 divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune; under
-LoRA the base with a frozen copy of the starting adapter (TRL's "ref", which PEFT saves beside the trained one:
-not yet left out of the export). Imported only by grpo runs: TRL takes a second to import.
+LoRA the base with a frozen copy of the starting adapter (TRL's "ref", left out of the export). Imported only by
+grpo runs: TRL takes a second to import.
 """
 
 from __future__ import annotations
@@ -79,9 +79,16 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
                                              zip(policy.rewards(), policy.weights(), strict=True))
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
                 f"loss          {policy.loss_type} (TRL's GRPO)",
-                f"              (the memory plan below sizes the training step at max_seq_length "
-                f"{self.recipe.data.max_seq_length}, prompt and completion; generation's KV cache is not in it "
-                "yet)")  # fmt: skip
+                f"              (the memory plan below is the larger phase's: sampling "
+                f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "
+                f"max_seq_length {self.recipe.data.max_seq_length}, or the training step)")  # fmt: skip
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The export holds the trained adapter alone: TRL's frozen copy of the starting one ("ref", the reference
+        of a LoRA run with beta > 0) served training only, and peft would save it beside it."""
+        if not _internal_call and "ref" in getattr(self.model, "peft_config", {}):
+            self.model.delete_adapter("ref")
+        super().save_model(output_dir, _internal_call)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """TRL writes a draft card into the output folder at each checkpoint; the toolkit writes the run's own at

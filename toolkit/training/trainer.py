@@ -66,7 +66,7 @@ from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
-from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh
+from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh, untied
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
@@ -260,7 +260,10 @@ class ToolkitTrainerMixin:
                               {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Every save of the weights (checkpoints and the export): plain tensors, not FP8's weight wrappers."""
+        """Every save of the weights (checkpoints and the export): plain tensors, not FP8's weight wrappers; a
+        gathered state dict (DeepSpeed's) without the second name of tied weights, which it holds as two tensors."""
+        if state_dict is not None:
+            state_dict = untied(self.model, state_dict)
         super()._save(output_dir, plain_state_dict(self.model, state_dict))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
