@@ -188,6 +188,59 @@ def test_settings_grpo_cannot_take_are_one_line(flags, key, tmp_path):
         train(GRPO, grpo_flags(tmp_path / "run", 2, *flags), NAME)
 
 
+def reward_model_folder(folder: Path, labels: int = 1) -> Path:
+    """A toy sequence classifier with its tokenizer, saved as a reward model is (TRL's RewardTrainer: 1 label)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from toolkit.data.conversations import apply_chat_template_setting
+    from toolkit.models import tiny
+
+    tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")
+    apply_chat_template_setting(tokenizer, "llama3")  # TRL formats the conversations with it before scoring
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=labels,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_reward_model_scores_beside_a_function(tmp_path):
+    """--reward_funcs accuracy,FOLDER: TRL loads the folder's one-label classifier and its tokenizer, and scores every
+    completion with it; its mean and spread logged under the folder's name, weighted into the reward."""
+    folder = reward_model_folder(tmp_path / "judge")
+    out = tmp_path / "run"
+    train(GRPO, grpo_flags(out, 2, "--reward_funcs", f"accuracy,{folder}", "--reward_weights", "1,0.5"), NAME)
+    judged, right = logged(out, "rewards/judge/mean"), logged(out, "rewards/accuracy/mean")
+    assert len(judged) == 2 and all(score != 0 for score in judged)  # a random head's scores: not all zero
+    assert logged(out, "reward") == pytest.approx([a + 0.5 * j for a, j in zip(right, judged, strict=True)], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "a LlamaForCausalLM, where TRL scores completions by a sequence"),
+        ({"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "bad", "1": "good"}},
+         "a LlamaForSequenceClassification with 2 labels, where"),
+        ({"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "score"}}, "has no tokenizer"),
+        ({"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "score"}, "tokenizer": {}},
+         "its tokenizer has no chat template, which TRL formats these conversations with"),
+    ],
+)  # fmt: skip
+def test_a_folder_that_cannot_be_a_reward_model_is_one_line(config, key, tmp_path):
+    """Checked before any weights load: a language model (TRL would give it a fresh, random score head), a
+    classifier of several classes (it would not load with one label), no tokenizer to read the completions with, or
+    one without the chat template the (conversational) prompts need."""
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    if "tokenizer" in config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config.pop("tokenizer")))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=key):
+        train(GRPO, grpo_flags(tmp_path / "run", 2, "--reward_funcs", str(folder)), NAME)
+
+
 def test_the_gsm8k_recipe_trains_in_tiny_mode(tmp_path):
     """`make finetune MODEL=qwen3_grpo ARGS=--tiny`, as the recipe documents it: its prompt column (GSM8K's
     question) gives way to the tiny data's, and a toy Qwen3 trains and exports."""

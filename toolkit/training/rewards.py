@@ -152,12 +152,38 @@ def reward_functions(policy: PolicyArguments) -> list[Callable | str]:
             function = user_function(spec)
         if function is None:
             if (Path(spec).expanduser() / "config.json").is_file():
-                out.append(str(Path(spec).expanduser()))
+                out.append(reward_model(Path(spec).expanduser()))
                 continue
             raise ConfigError(f"reward '{spec}' is neither a built-in one (accuracy, format, length), a "
                               "module:function, a path/file.py:function nor a reward model's folder.")  # fmt: skip
         out.append(Checked(function, spec))
     return out
+
+
+def reward_model(folder: Path) -> str:
+    """A reward model's folder, checked before anything loads: TRL scores a completion by the single output of a
+    sequence classifier (num_labels 1, what TRL's RewardTrainer trains) through the folder's own tokenizer. A
+    language model's folder would get a fresh, random score head; a classifier of several classes would not load."""
+    config = json.loads((folder / "config.json").read_text())
+    architectures = config.get("architectures") or ["none"]
+    labels = len(config.get("id2label") or {0: 0, 1: 1})  # transformers' default: 2
+    if not architectures[0].endswith("ForSequenceClassification") or labels != 1:
+        found = f"a {architectures[0]}" + (f" with {labels} labels" if "Classification" in architectures[0] else "")
+        raise ConfigError(f"reward model {folder}: {found}, where TRL scores completions by a sequence classifier's "
+                          "single output (num_labels 1): name a reward model trained so, e.g. by TRL's "
+                          "RewardTrainer on preference pairs.")  # fmt: skip
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"reward model {folder} has no tokenizer, which TRL reads the completions with: save it "
+                          "there (tokenizer.save_pretrained(folder)).")  # fmt: skip
+    return str(folder)
+
+
+def chat_template_in(folder: Path) -> bool:
+    """Whether a saved tokenizer carries a chat template (transformers 5 writes chat_template.jinja; older ones a
+    key of tokenizer_config.json)."""
+    config = folder / "tokenizer_config.json"
+    return (folder / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))  # fmt: skip
 
 
 # What TRL passes every reward beside the data's columns (GRPOTrainer._calculate_rewards), for the calls the toolkit
@@ -203,6 +229,10 @@ def check_rewards(functions: list[Callable | str], rows: list[dict[str, Any]]) -
     completions = [[{"role": "assistant", "content": str(row.get("answer", ""))}] if isinstance(row["prompt"], list)
                    else str(row.get("answer", "")) for row in rows]  # fmt: skip
     for function in functions:
+        if isinstance(function, str) and isinstance(prompts[0], list) and not chat_template_in(Path(function)):
+            raise ConfigError(f"reward model {function}: its tokenizer has no chat template, which TRL formats these "
+                              "conversations with before scoring them: save the template it was trained with "
+                              "beside it (tokenizer.save_pretrained(folder)).")  # fmt: skip
         if isinstance(function, Checked):
             try:
                 function(prompts, completions, [[0] for _ in rows], **columns)
