@@ -314,6 +314,28 @@ def test_the_published_report_compares_exactly_these_runs(wandb_runs, stand_in, 
     assert prompt in markdown[1] and "llama, step" in markdown[1]
 
 
+def test_a_grpo_run_adds_its_reward_to_the_published_report(wandb_runs, stand_in, tmp_path, monkeypatch):
+    """Beside the common charts, GRPO's reward against the step and against dollars (reward.png's twins), once a
+    compared run logged it."""
+    from smollm2_grpo import RECIPE as GRPO
+
+    grpo = tmp_path / "grpo"
+    train(GRPO, ["--tiny", "--max_steps", "2", "--report_to", "wandb", "--output_dir", str(grpo)], "smollm2_grpo")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "wandb").write_text('#!/bin/sh\n[ "$1" = sync ] && for f in "$2"/*.wandb; do touch "$f.synced"; done\n')
+    (fake / "wandb").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    argv = [str(wandb_runs[0]), str(grpo), "--wandb_project", "finetune-recipes", "--sync", "--output",
+            str(tmp_path / "r")]  # fmt: skip
+    assert report.main(argv) == 0
+    (grid,) = [b for b in stand_in.saved_spec()["blocks"] if b["type"] == "panel-grid"]
+    panels = [(p["config"]["xAxis"], p["config"]["metrics"], p["config"]["chartTitle"])
+              for p in grid["metadata"]["panelBankSectionConfig"]["panels"]]  # fmt: skip
+    assert panels[-2:] == [("train/global_step", ["train/reward"], "reward"),
+                           ("train/cost_usd", ["train/reward"], "reward vs dollars")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("case", "env", "entity", "message"),
     [

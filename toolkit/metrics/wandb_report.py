@@ -1,10 +1,10 @@
 """`toolkit report RUNS --wandb_project P`: the comparison as a W&B Report (wandb-workspaces' reports API).
 
 The report holds what W&B draws from the runs' own logs (one chart per compared figure against the optimizer
-step: loss, tokens/s, MFU, dollars; and loss against dollars), over a runset that selects exactly the compared
-runs by their W&B ids; and beside the charts what only the toolkit knows: per run, the strategy and the memory
-and cost it planned against the peak it measured and the dollars it spent, and the generation samples where the
-runs have them.
+step: loss, tokens/s, MFU, dollars; loss against dollars; GRPO's reward against both), over a runset that selects
+exactly the compared runs by their W&B ids; and beside the charts what only the toolkit knows: per run, the
+strategy and the memory and cost it planned against the peak it measured and the dollars it spent, and the
+generation samples where the runs have them.
 
 A run logged offline (the default without an account) is not on W&B until `wandb sync` uploads it: such runs are
 named with the command that uploads them, or uploaded first with `--sync`. A run logged without W&B (`--report_to
@@ -113,6 +113,9 @@ def publish_to_wandb(runs: list[Run], project: str, entity: str | None, sync: bo
     where = {"project": project, **({"entity": entity} if entity else {})}  # else the account's default entity
     panels = [wr.LinePlot(x="train/global_step", y=[f"train/{key}"], title=title) for key, title in FIGURES]
     panels.append(wr.LinePlot(x="train/cost_usd", y=["train/loss"], title="loss vs dollars"))
+    if any("reward" in line for run in runs for line in run.history):  # GRPO's, as reward.png beside it
+        panels += [wr.LinePlot(x="train/global_step", y=["train/reward"], title="reward"),
+                   wr.LinePlot(x="train/cost_usd", y=["train/reward"], title="reward vs dollars")]  # fmt: skip
     blocks = [
         wr.PanelGrid(runsets=[wr.Runset(**where, name="compared runs", filters=f"ID in {ids!r}")], panels=panels),
         wr.H2(text="Planned against measured"),
