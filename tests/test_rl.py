@@ -97,7 +97,7 @@ def test_preempted_grpo_run_resumes_bit_identically(one_process, tmp_path, monke
 
     monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
     out = tmp_path / "run"
-    flags = grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2")
+    flags = grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2", "--beta", "0.04")
     with pytest.raises(SystemExit) as exit_info:
         run(GRPO, flags, NAME)
     monkeypatch.undo()
