@@ -382,9 +382,9 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     prompts = Dataset.from_list([{"prompt": "Name the planets in order from the sun."}] * 64)  # rows of one length
     prompt_tokens = len(tokenizer(prompts[0]["prompt"])["input_ids"])
     lora = dict(r=16, target_modules="all-linear")
-    fit, _ = measured_activations(narrow_llama(32768, False)[1], "grpo", "fp32", True, True, lora)  # as the plan
     for micro_batch, micro_batches, completion, sampling_peaks in [(8, 2, 32, False), (2, 16, 64, True)]:
         model, config = narrow_llama(32768, checkpointing=False)
+        fit, _ = measured_activations(config, "grpo", "fp32", True, True, lora)  # as the plan; cached the 2nd time
         args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=micro_batch, max_steps=1,
                           gradient_accumulation_steps=micro_batches, num_generations=micro_batch * micro_batches // 2,
                           max_completion_length=completion, gradient_checkpointing=False, use_cpu=True,

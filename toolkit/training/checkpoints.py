@@ -465,7 +465,7 @@ class StagedCheckpoints:
         plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
         if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
             return None
-        return untied(trainer.model, trainer.accelerator.get_state_dict(trainer.model))
+        return trainer.accelerator.get_state_dict(trainer.model)  # untied by the trainer's _save
 
 
 def plain_state_dict(model, state_dict: dict | None) -> dict | None:
@@ -480,8 +480,9 @@ def plain_state_dict(model, state_dict: dict | None) -> dict | None:
 
 
 def untied(model, state_dict: dict) -> dict:
-    """A gathered state dict without the second name of tied weights (lm_head.weight beside the embeddings), as
-    from_pretrained's own checkpoints are: gathered, the two names hold two equal tensors, saved twice."""
+    """A gathered state dict (FSDP's, DeepSpeed's) without the second name of tied weights (lm_head.weight beside the
+    embeddings), as from_pretrained's own checkpoints are: gathered, the two names hold two equal tensors, saved
+    twice. The trainer's _save applies it to every state dict it is given."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}  # {tied name: source name}, transformers 5
     for target, source in tied.items():
         if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source]):
