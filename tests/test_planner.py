@@ -79,6 +79,28 @@ def test_mfu_matches_torchtitans_published_figures(llama):
     assert Shape.of(meta_model(gpt2, "sft"), gpt2).lookups == 1_024 * 768  # the position table only
 
 
+def test_grpo_step_floor_is_below_nemo_rls_published_step(llama):
+    """NeMo RL's published GRPO run (docs/about/performance-summary.md, v0.4, DGX-H100, bf16, on policy): Llama 3.1
+    8B (Llama 3 8B's shapes) on 16 GPUs, 2,048 completions a step averaging 1,060 tokens, 97.7 s a step (vLLM
+    sampling, the policy's log-probabilities, training, refit). The planner's step at the decode roofline and the
+    sharded MFU is a floor below it, yet of its order (a quarter of it here: vLLM decodes below the roofline's
+    bandwidth and the long tail of completions runs on with a few rows). What a decode step reads is checked by hand:
+    the weights a token passes through in bf16 (the model card's 8,030,261,248 less the looked-up embedding) and
+    128 KiB of keys and values per token (32 layers x 8 KV heads x 128 x 2 x 2 bytes)."""
+    from toolkit.planner.estimate import ASSUMED_MFU
+    from toolkit.planner.sampling import grpo_step_time, sampling_seconds, weight_bytes_read
+
+    work = Workload(precision="bf16", micro_batch=2048 // 16)
+    assert weight_bytes_read(llama, work) == 2 * (8_030_261_248 - 128_256 * 4_096)
+    h100 = device_spec("H100-80GB")
+    bandwidth, peak = h100["memory_tbs"] * 1e12, h100["peak_tflops"]["bf16"] * 1e12
+    one_token = sampling_seconds(llama, work, 1, 0, 1, bandwidth, peak)  # one row, one token, an empty context
+    assert one_token * bandwidth == pytest.approx(weight_bytes_read(llama, work) + 32 * 8 * 128 * 2 * 2)
+    step = grpo_step_time(llama, work, 0, 1060, bandwidth, peak, ASSUMED_MFU["sharded"], reference=False)
+    assert 0.2 * 97.7 < step.total < 97.7
+    assert 0.2 < step.sampling_share < 0.5  # at the roofline; the run measures its own (sampling_share)
+
+
 ACCELERATE_BERT = [("fp32", "float32", 413.18, 1.61, GIB), ("bf16", "float16", 206.59, 826.36, MIB)]
 
 
@@ -360,9 +382,11 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     """A whole GRPO step through TRL's own GRPOTrainer (a LoRA adapter, as the demo trains; sampling, scoring, then
     the step's micro-batches), measured as the steps above, in both regimes the planner tells apart: the step's
     training dominant (the demo's batch: 2 micro-batches of 8 rows, completions of 32 tokens), and sampling dominant
-    (16 micro-batches of 2: 32 rows sampled at once, 64 tokens each). The plan's total above the weights is within
-    10% of the peak in both, and names the phase that holds it. On 2 threads, as the demo runs: CPU kernels keep
-    buffers per thread (a step on 1 thread peaked 5 MB lower), and `make test` gives each worker 1."""
+    (16 micro-batches of 2: 32 rows sampled at once, 64 tokens each; of its micro-batches only the first trains
+    here, TRL's steps_per_generation sampling for all 16: the peak is the sampling's, and the 15 passes after it
+    would be the first's again). The plan's total above the weights is within 10% of the peak in both, and names
+    the phase that holds it. On 2 threads, as the demo runs: CPU kernels keep buffers per thread (a step on 1
+    thread peaked 5 MB lower), and `make test` gives each worker 1."""
     if alone(request):
         return
     torch.set_num_threads(2)
@@ -385,8 +409,10 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     for micro_batch, micro_batches, completion, sampling_peaks in [(8, 2, 32, False), (2, 16, 64, True)]:
         model, config = narrow_llama(32768, checkpointing=False)
         fit, _ = measured_activations(config, "grpo", "fp32", True, True, lora)  # as the plan; cached the 2nd time
+        trained = micro_batches if not sampling_peaks else 1
         args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=micro_batch, max_steps=1,
-                          gradient_accumulation_steps=micro_batches, num_generations=micro_batch * micro_batches // 2,
+                          gradient_accumulation_steps=trained, steps_per_generation=micro_batches,
+                          num_generations=micro_batch * micro_batches // 2,
                           max_completion_length=completion, gradient_checkpointing=False, use_cpu=True,
                           report_to="none", save_strategy="no", beta=0.0, temperature=0.8, seed=0)  # fmt: skip
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
@@ -550,6 +576,28 @@ def test_plan_command_offline(capsys):
     flag = f"--per_device_train_batch_size {single['micro_batch']}"
     assert f"recommended: accelerate_configs/single_gpu.yaml with {flag}" in table
     assert "activations measured: the bytes autograd saves in instances at 1/32 and 1/16 of the width" in table
+
+
+def test_a_grpo_plan_splits_each_step_into_sampling_and_training(capsys):
+    """`toolkit plan qwen3_grpo`: its steps (500: the recipe's max_steps) each sample then train, both phases timed
+    for one device, the GPU-hours their sum over the steps (a floor: the sampling figure is the roofline's), and
+    rows per step those of the whole job (16 a device x 4 micro-batches x 8)."""
+    import json
+
+    from toolkit.planner.cli import main
+
+    argv = ["qwen3_grpo", "--gpu", "H100-80GB", "--gpus", "8"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    ddp = next(c for c in plan["configs"] if c["config"] == "ddp")
+    step = ddp["step_seconds"]
+    assert plan["data"]["rows_per_step"] == 16 * 4 * 8
+    hours = plan["data"]["steps"] * 8 * (step["sampling"] + step["training"]) / 3600
+    assert ddp["device_hours"] == pytest.approx(hours)
+    assert f"sampling at least {step['sampling']:.3g} s, training {step['training']:.3g} s" in table
+    assert "GPU-hours and dollars are floors" in table
 
 
 @pytest.mark.parametrize(("argv", "refused"), [

@@ -32,7 +32,8 @@ def grpo_flags(out: Path, steps: int = 4, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo") / "one"
-    train(GRPO, grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2", "--beta", "0.04"), NAME)
+    train(GRPO, grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2", "--beta", "0.04",
+                           "--peak_tflops", "0.1", "--memory_tbs", "0.01"), NAME)  # fmt: skip
     return out
 
 
@@ -56,6 +57,16 @@ def test_a_tiny_grpo_run_samples_scores_trains_and_exports(one_process, capsys):
     shares = logged(one_process, "sampling_share")
     assert len(shares) == 4 and all(0 < share < 1 for share in shares)
     assert summary["training_tokens_per_second"] > summary["tokens_per_second"] > 0
+    # the plan's floor (--peak_tflops, --memory_tbs: CPUs have no datasheet figures) beneath what the steps took
+    plan = json.loads((one_process / "run_summary.json").read_text())["config"]["cost_plan"]
+    assert plan["steps"] == 4
+    assert plan["seconds"] == pytest.approx(4 * (plan["sampling_seconds"] + plan["training_seconds"]))
+    sampled = [share * seconds for share, seconds in zip(shares, logged(one_process, "step_seconds"), strict=True)]
+    assert 0 < plan["sampling_seconds"] < min(sampled)
+    # sampled tokens a second: rank 0's completions (1 process: all of them) over the sampling time
+    lengths = logged(one_process, "completions/mean_length")
+    rates = logged(one_process, "sampling_tokens_per_second_per_device")
+    assert rates == pytest.approx([8 * length / s for length, s in zip(lengths, sampled, strict=True)], rel=1e-3)
     assert (one_process / "adapter_model.safetensors").is_file() and not (one_process / "README.md").read_text(
     ).startswith("---\nbase_model")  # the toolkit's card, not TRL's draft  # fmt: skip
     # beta > 0 under LoRA: TRL's frozen "ref" adapter was the reference (checkpoints keep it), the export leaves it out

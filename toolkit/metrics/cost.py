@@ -60,6 +60,11 @@ def peak_tflops(device: str, precision: str) -> float | None:
     return (spec.get("peak_tflops") or {}).get(precision)
 
 
+def memory_tbs(device: str) -> float | None:
+    """Datasheet memory bandwidth of one device, TB/s; None where the table has none."""
+    return (price_table()["devices"].get(device) or {}).get("memory_tbs")
+
+
 def check_device_name(device: str | None, hourly_usd: float | None) -> None:
     """A GPU type given by name must be in the table, unless its price is given too."""
     if device is not None and hourly_usd is None:

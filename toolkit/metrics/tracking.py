@@ -12,6 +12,8 @@ Every rank computes the same figures; rank 0's are logged. Over each logging int
                       parameters a token passes through (an MoE's shared and k of E routed experts)
                       (planner.training_flops_per_token; PaLM appendix B). Only with a known peak.
   data_wait_share     share of the training time spent waiting for the next batch
+  sampling_*          GRPO: the share of the time spent sampling completions, the completion tokens rank 0 sampled a
+                      second, and training_tokens_per_second, the step's tokens over the rest of the time
   peak_memory_gib     GPU: torch.cuda.max_memory_allocated; CPU: the process's peak resident set
   cost_usd            unit-hours so far x price x overhead (cost.CostModel), plus what the earlier segments of a
                       resumed run spent (stored in each checkpoint); also the projected total at this pace and
@@ -63,6 +65,7 @@ class RunTracker(TrainerCallback):
         self.data_seconds = 0.0
         self.paused_seconds = 0.0  # evaluations during training
         self.sampling_seconds = 0.0  # GRPO's sampling of completions: part of the step, not of its training
+        self.sampled_tokens = 0  # the completions' tokens this rank sampled
         self._unread_tokens: torch.Tensor | None = None  # this rank's since the last reduction, on its device
         self._tokens = 0  # every rank's in this segment, as of the last reduction
         self._mark: dict[str, float] = {}
@@ -128,17 +131,20 @@ class RunTracker(TrainerCallback):
     @contextlib.contextmanager
     def sampling(self):
         """Completions sampled during a step (GRPO): counted apart, so tokens/s and MFU of the training part can
-        be told from the whole step's."""
+        be told from the whole step's. The caller adds the tokens it sampled (`count_sampled`)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self.sampling_seconds += time.perf_counter() - start
 
+    def count_sampled(self, tokens: int) -> None:
+        self.sampled_tokens += tokens
+
     def _now(self, state: TrainerState) -> dict[str, float]:
         return {"time": time.perf_counter(), "tokens": state.num_input_tokens_seen, "samples": self.samples,
                 "step": state.global_step, "data": self.data_seconds, "paused": self.paused_seconds,
-                "sampling": self.sampling_seconds}  # fmt: skip
+                "sampling": self.sampling_seconds, "sampled": self.sampled_tokens}  # fmt: skip
 
     # ------------------------------------------------------------------ cost
     @property
@@ -182,17 +188,18 @@ class RunTracker(TrainerCallback):
         seconds = now["time"] - last["time"] - (now["paused"] - last["paused"])
         if training and seconds > 0 and now["step"] > last["step"]:
             tokens, samples = now["tokens"] - last["tokens"], now["samples"] - last["samples"]
-            out.update(self.throughput(tokens, samples, seconds, now["step"] - last["step"],
-                                       now["sampling"] - last["sampling"]))  # fmt: skip
+            phases = now["sampling"] - last["sampling"], now["sampled"] - last["sampled"]  # GRPO's sampling
+            out.update(self.throughput(tokens, samples, seconds, now["step"] - last["step"], *phases))
             out["data_wait_share"] = (now["data"] - last["data"]) / seconds
             out["peak_memory_gib"] = peak_memory_bytes() / GIB
             self._mark = now
         return out
 
-    def throughput(self, tokens: int, samples: int, seconds: float, steps: int,
-                   sampling: float = 0.0) -> dict[str, float]:  # fmt: skip
+    def throughput(self, tokens: int, samples: int, seconds: float, steps: int, sampling: float = 0.0,
+                   sampled: int = 0) -> dict[str, float]:  # fmt: skip
         """Rates over `seconds` of steps; with `sampling` seconds of them spent sampling completions (GRPO), its
-        share, and the training part's own tokens/s and MFU (the FLOPs counted are training's)."""
+        share, this rank's sampled tokens a second, and the training part's own tokens/s and MFU (the FLOPs
+        counted are training's)."""
         out = {
             "tokens_per_second": tokens / seconds,
             "tokens_per_second_per_device": tokens / seconds / self.num_processes,
@@ -201,7 +208,8 @@ class RunTracker(TrainerCallback):
         }
         training = seconds - sampling
         if sampling > 0 and training > 0:
-            out.update(sampling_share=sampling / seconds, training_tokens_per_second=tokens / training)
+            out.update(sampling_share=sampling / seconds, training_tokens_per_second=tokens / training,
+                       sampling_tokens_per_second_per_device=sampled / sampling)  # fmt: skip
         if self.peak_flops and samples and training > 0:
             out["mfu"] = mfu(self.flops_per_token(tokens / samples), tokens / training, self.num_processes,
                              self.peak_flops)  # fmt: skip
@@ -226,12 +234,13 @@ class RunTracker(TrainerCallback):
             "peak_memory_gib": peak_memory_bytes() / GIB,
         }
         if seconds > 0 and steps > 0:
-            rates = self.throughput(tokens, self.samples, seconds, steps, self.sampling_seconds)
+            rates = self.throughput(tokens, self.samples, seconds, steps, self.sampling_seconds, self.sampled_tokens)
             out["tokens_per_second"] = rates["tokens_per_second"]
             out["mean_mfu"] = rates.get("mfu")
             if self.sampling_seconds:
-                out.update(sampling_seconds=self.sampling_seconds, sampling_share=rates.get("sampling_share"),
-                           training_tokens_per_second=rates.get("training_tokens_per_second"))  # fmt: skip
+                out.update({key: rates.get(key) for key in ("sampling_share", "training_tokens_per_second",
+                                                            "sampling_tokens_per_second_per_device")},
+                           sampling_seconds=self.sampling_seconds)  # fmt: skip
         return out
 
 

@@ -20,6 +20,7 @@ from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
 from ..settings.mesh import PIPELINE_SCHEDULES
+from ..settings.policy import PolicyArguments
 from ..settings.tasks import TASKS, infer_task
 from ..settings.tasks import task as task_table
 from .activations import measured_activations
@@ -38,6 +39,7 @@ from .estimate import (
 )
 from .layout import Layout
 from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
+from .sampling import grpo_step_time
 from .shape import Shape
 
 
@@ -104,11 +106,11 @@ def build_plan(args) -> dict:
                                                  lora, bool(mixed))  # fmt: skip
     shape = replace(shape, activations=fit)
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
-    # GRPO's steps are mostly sampling, which the planner does not time yet: its memory only, no time or dollars
-    samples = (args.samples or stored_split_size(values)) if task_table(task).timed_by_flops else 0
+    online = task_table(task).samples_online  # GRPO: each step samples, then trains (sampling.py)
+    samples = args.samples or stored_split_size(values)
     epochs = args.epochs or values.get("num_train_epochs", 1)
     tokens_per_sample, tokens_source = args.tokens_per_sample, "as given"
-    if tokens_per_sample is None and task_table(task).timed_by_flops:
+    if tokens_per_sample is None and not online:
         measured = measured_tokens(args.model, task, work.seq_length)
         if isinstance(measured, str):
             tokens_per_sample, tokens_source = work.seq_length, f"full rows: {measured}"
@@ -117,6 +119,9 @@ def build_plan(args) -> dict:
             samples = args.samples or examples
             tokens_per_sample = tokens / examples
     data = dict(samples=samples, epochs=epochs, tokens_per_sample=tokens_per_sample, tokens_source=tokens_source)
+    if online:
+        data = online_data(values, work, args.gpus * args.nodes, samples, epochs)
+        samples = data["steps"]
     results = []
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     fp8 = "fp8" in gpu["peak_tflops"]  # FP8 tensor cores (metrics/hardware.yaml)
@@ -129,9 +134,16 @@ def build_plan(args) -> dict:
             layout = Layout.pipeline(v.config, v.pipeline_stages, layout.pipeline_schedule,
                                      args.gpus * args.nodes // v.pipeline_stages)  # fmt: skip
             row["bubble"] = bubble(v.pipeline_stages, work.micro_batches)
-        if samples:
-            mfu = args.mfu or assumed_mfu(layout, work.micro_batches)
-            peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
+        mfu = args.mfu or assumed_mfu(layout, work.micro_batches)
+        peak = gpu["peak_tflops"]["fp32" if precision == "fp32" else "bf16"]
+        if samples and online and gpu.get("memory_tbs"):  # a step's two phases; `samples` are steps
+            step = grpo_step_time(shape, work, data["prompt_tokens"], data["completion_tokens"],
+                                  gpu["memory_tbs"] * 1e12, peak * 1e12, mfu, bool(values.get("beta")))  # fmt: skip
+            cost = cost_from_throughput(samples, 1, 1 / step.total, args.gpus * args.nodes, gpu["on_demand"],
+                                        args.overhead, gpu.get("spot"))  # fmt: skip
+            row.update(mfu=mfu, step_seconds=asdict(step), device_hours=cost.device_hours, usd=cost.usd,
+                       usd_spot=cost.usd_spot)  # fmt: skip
+        elif samples:
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
                                              work.sequences_per_sample, task == "dpo")  # fmt: skip
             rate *= FP8_SPEEDUP if layout.fp8 else 1
@@ -165,13 +177,52 @@ def build_plan(args) -> dict:
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
-        "data": data if samples else None,
+        "data": data if samples or online else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task == "dpo"),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
         "recommended_pipeline_stages": fitting[0]["pipeline_stages"] if fitting else 1,
     }
+
+
+def online_data(values: dict, work: Workload, devices: int, prompts: int | None, epochs: float) -> dict:
+    """What times an online-RL run: its steps (--max_steps, else its prompts' completions over the global batch),
+    each prompt's room (max_seq_length less the completion's) and the completions' full length."""
+    completion = values.get("max_completion_length", PolicyArguments.max_completion_length)
+    generations = values.get("num_generations", PolicyArguments.num_generations)
+    rows = work.micro_batch * work.micro_batches * devices
+    steps = values.get("max_steps", -1)
+    if steps <= 0:
+        steps = math.ceil(prompts * generations * epochs / rows) if prompts else 0
+    return dict(steps=steps, prompts=prompts, epochs=epochs, generations=generations, rows_per_step=rows,
+                prompt_tokens=work.seq_length - completion, completion_tokens=completion)  # fmt: skip
+
+
+def online_lines(plan: dict) -> list[str]:
+    """How an online-RL plan reads: which phase the memory is, what a step costs in each phase and why the
+    sampling figure is a floor."""
+    d, w, task = plan["data"], plan["workload"], plan["task"]
+    rows = w["micro_batch"] * w["micro_batches"]
+    lines = [f"{task:<12}memory of the larger phase: sampling {rows} rows a device at once (their KV cache at "
+             f"{w['seq_length']} tokens, the sampling buffers) or the training step"]  # fmt: skip
+    timed = next((r for r in plan["configs"] if "step_seconds" in r), None)
+    if not timed:
+        lines.append(
+            f"{'':<12}time and dollars need the steps (--samples, the prompts, or the recipe's max_steps) "
+            "and the device's memory_tbs (toolkit/metrics/hardware.yaml)"
+        )
+        return lines
+    step = timed["step_seconds"]
+    lines += [
+        f"{'':<12}{d['steps']:,} steps of {d['rows_per_step']} completions (prompts up to {d['prompt_tokens']} tokens, "
+        f"completions up to {d['completion_tokens']}); a step on {timed['config']}: sampling at least "
+        f"{step['sampling']:.3g} s, training {step['training']:.3g} s at the MFU below",
+        f"{'':<12}sampling is the decode roofline (each new token reads the weights and the KV cache once, at the "
+        "datasheet bandwidth; every completion full length): no engine beats it and transformers' generate stays "
+        "well above it, so GPU-hours and dollars are floors; the run measures the real split (sampling_share)",
+    ]  # fmt: skip
+    return lines
 
 
 def refusal(layout: Layout, config, task: str, values: dict) -> str | None:
@@ -213,18 +264,15 @@ def render(plan: dict) -> str:
         f"activations {plan['activations']}",
         *([f"upper bound {plan['conservative']}"] if plan.get("conservative") else []),
     ]
-    if plan["data"]:
+    if plan["data"] and not task_table(plan["task"]).samples_online:
         d = plan["data"]
         lines.append(f"data        {d['samples']:,} samples x {d['epochs']:g} epoch(s) x "
                      f"{d['tokens_per_sample']:,.0f} tokens ({d['tokens_source']}); {plan['flops_per_token']:.3g} "
                      "training FLOPs per token"
                      + (f", of the {p['active_per_token'] / 1e9:.3g}B parameters active per token" if p.get("routing")
                         else ""))  # fmt: skip
-    if not task_table(plan["task"]).timed_by_flops:
-        rows = w["micro_batch"] * w["micro_batches"]
-        lines.append(f"{plan['task']:<12}memory of the larger phase: sampling {rows} rows a device at once (their KV "
-                     f"cache at {w['seq_length']} tokens, the sampling buffers) or the training step; time and "
-                     "dollars (mostly sampling) not planned yet")  # fmt: skip
+    if task_table(plan["task"]).samples_online:
+        lines.extend(online_lines(plan))
     lines.append("")
     costed = "usd" in plan["configs"][0] if plan["configs"] else False
     fits = f"fits@{w['micro_batch']}"

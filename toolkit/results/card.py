@@ -199,7 +199,12 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
             [
                 ("memory per device, planned (GiB)", figure((plan.get("device_total") or 0) / GIB or None)),
                 ("peak memory, measured (GiB)", figure(summary.get("peak_memory_gib"))),
-                ("cost, planned (USD)", figure(cost_plan.get("usd"))),
+                (
+                    "cost, planned floor (USD; sampling at the decode roofline)"
+                    if "sampling_seconds" in cost_plan
+                    else "cost, planned (USD)",
+                    figure(cost_plan.get("usd")),
+                ),  # fmt: skip
                 ("cost, spent (USD)", figure(summary.get("cost_usd"))),
             ]
         ),  # fmt: skip

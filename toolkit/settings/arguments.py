@@ -266,6 +266,11 @@ class RunArguments:
         default=None,
         metadata={"help": "Dense peak TFLOPS per device for MFU; from the price table when not given (GPUs)."},
     )
+    memory_tbs: float | None = field(
+        default=None,
+        metadata={"help": "Memory bandwidth per device, TB/s, for GRPO's sampling floor; from the price table when "
+                          "not given (GPUs)."},
+    )  # fmt: skip
     budget_usd: float | None = field(
         default=None,
         metadata={"help": "Stop cleanly, with a checkpoint, before the run's cost (resumes included) passes this."},
@@ -312,7 +317,7 @@ class RunArguments:
         at_least("eval_limit", self.eval_limit, 1)
         if self.pricing not in ("on_demand", "spot"):
             raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{self.pricing}'.")
-        for name in ("budget_usd", "hourly_usd", "peak_tflops"):
+        for name in ("budget_usd", "hourly_usd", "peak_tflops", "memory_tbs"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}.")
         if self.cost_overhead < 1:

@@ -29,8 +29,9 @@ class Task:
     # Whether the run ends with the Trainer's evaluate on the held-out split: GRPO's would sample completions for a
     # loss that means nothing there; its held-out figure is the rewards of greedy answers (`toolkit eval`).
     evaluates_at_end: bool = True
-    # Whether the planner times the run from its training FLOPs: GRPO's steps are mostly sampling, not timed yet.
-    timed_by_flops: bool = True
+    # Whether each step first samples its own completions (GRPO): the planner times that phase at the decode
+    # roofline beside the training FLOPs (planner/sampling.py), a floor rather than an estimate.
+    samples_online: bool = False
 
 
 TASKS = {
@@ -61,7 +62,7 @@ TASKS = {
         token_normalised_loss=False,
         fused_head="always",
         evaluates_at_end=False,
-        timed_by_flops=False,
+        samples_online=True,
     ),
 }
 

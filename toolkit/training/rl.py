@@ -65,7 +65,9 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         if not self.model.training:  # an evaluation's: inside its own paused clock already
             return super()._generate(prompts)
         with self.tracker.sampling():
-            return super()._generate(prompts)
+            sampled = super()._generate(prompts)
+        self.tracker.count_sampled(sum(len(ids) for ids in sampled[1]))  # (prompt ids, completion ids, ...)
+        return sampled
 
     def task_lines(self) -> tuple[str, ...]:
         """The batch arithmetic (completions are the batch's samples: prompts x completions each) and the engine."""

@@ -16,7 +16,7 @@ import torch
 from ..data.length_grouping import sample_lengths
 from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
-from ..metrics.cost import Budget, CostModel, peak_tflops
+from ..metrics.cost import Budget, CostModel, memory_tbs, peak_tflops
 from ..metrics.memory import human_bytes
 from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
@@ -24,7 +24,8 @@ from ..models.pipeline import schedule_note
 from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
 from ..planner.layout import Layout
-from ..planner.memory import Memory, plan_memory
+from ..planner.memory import Memory, Workload, plan_memory
+from ..planner.sampling import grpo_step_time
 from ..planner.shape import Shape
 from ..settings.arguments import Arguments, global_batch_size
 from ..settings.mesh import data_parallel_replicas, launch_mesh, pipeline_schedule
@@ -91,8 +92,10 @@ class RunPlan:
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
-        timed = task(arguments.data.task).timed_by_flops  # GRPO's steps are mostly sampling: not planned
-        plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset)) if timed else None
+        if task(arguments.data.task).samples_online:
+            plan.cost_plan = plan.online_cost(trainer.args, work, len(trainer.train_dataset))
+        else:
+            plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative) if c]
@@ -114,6 +117,23 @@ class RunPlan:
         seconds = tokens * self.flops_per_token(mean_length) / (mfu * devices * self.peak_flops)
         usd = self.cost.usd(seconds)
         return {"steps": steps, "tokens": tokens, "mfu": mfu, "seconds": seconds, "usd": usd, "step_usd": usd / steps}
+
+    def online_cost(self, training, work: Workload, prompts: int) -> dict[str, float] | None:
+        """GRPO's plan: each step's sampling at the decode roofline (a floor) and its training at the assumed MFU
+        (planner/sampling.py). None without a datasheet peak and bandwidth (CPU: --peak_tflops, --memory_tbs)."""
+        run = self.recipe.run
+        bandwidth = run.memory_tbs or memory_tbs(self.cost.device)
+        if not self.peak_flops or not bandwidth or self.cost.usd_per_unit_hour is None:
+            return None
+        completion = self.recipe.policy.max_completion_length
+        mfu = assumed_mfu(self.layout, training.gradient_accumulation_steps)
+        step = grpo_step_time(self.shape, work, self.recipe.data.max_seq_length - completion, completion,
+                              bandwidth * 1e12, self.peak_flops, mfu, bool(self.recipe.policy.beta))  # fmt: skip
+        steps = planned_steps(training, prompts)
+        seconds = steps * step.total
+        usd = self.cost.usd(seconds)
+        return {"steps": steps, "mfu": mfu, "seconds": seconds, "usd": usd, "step_usd": usd / steps,
+                "sampling_seconds": step.sampling, "training_seconds": step.training}  # fmt: skip
 
     def check_budget(self) -> Budget | None:
         """--budget_usd: refused at once when one step, or (unless --force_budget) the whole plan, costs more."""
@@ -148,11 +168,17 @@ class RunPlan:
             overhead = f", overhead x{cost.overhead:g}" if cost.overhead != 1 else ""
             price = f"${cost.usd_per_unit_hour}/{cost.unit}-hour x {cost.units} ({cost.pricing}{overhead})"
         budget = f", budget ${recipe.run.budget_usd:g}" if recipe.run.budget_usd else ""
-        if plan:
+        if plan and "sampling_seconds" in plan:
+            planned = (f"at least ${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h): "
+                       f"a step samples for at least {plan['sampling_seconds']:.3g} s (the decode roofline; "
+                       f"transformers' generate stays well above it) and trains for {plan['training_seconds']:.3g} s "
+                       f"at an assumed {100 * plan['mfu']:.0f}% MFU")  # fmt: skip
+        elif plan:
             planned = (f"${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h at an assumed "
                        f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
-        elif not task(recipe.data.task).timed_by_flops:
-            planned = f"not planned for {recipe.data.task} (its steps are mostly sampling); the live cost is tracked"
+        elif task(recipe.data.task).samples_online and self.peak_flops:
+            planned = (f"no estimate: no datasheet bandwidth for {cost.device} (pass --memory_tbs for the sampling "
+                       "floor); the live cost is tracked")  # fmt: skip
         else:
             planned = f"no estimate: no datasheet peak for {cost.device} (pass --peak_tflops for MFU and a plan)"
         mesh = launch_mesh()
