@@ -92,10 +92,10 @@ NO_LORA = ("zero1", "zero2_offload", "fsdp_shard_grad_op")
 MATRIX = [(c, r) for c in STRATEGIES if c not in OWN_TESTS for r in RECIPES
           if ONE_RECIPE.get(c, r) == r and not (r == "bert" and c in NO_BERT)
           and not (r == "llama3_lora" and c in NO_LORA)]  # fmt: skip
-# Save at this step and resume from it (llama3_fft: 1,024 rows / 32 per step = 32 steps). Configs that run the
+# Save at this step and resume from it (llama3_fft: 512 rows / 32 per step = 16 steps). Configs that run the
 # same code as another on CPU are not resumed twice; the PREEMPTED ones are resumed from a preemption instead
 # (test_preempted_run_resumes_to_the_same_weights, the same checks at a random step).
-RESUME_STEP = 16
+RESUME_STEP = 8
 PREEMPTED = ["ddp", "zero3", "fsdp2"]
 # Each checkpoint format resumed once: the Trainer's (single_gpu: ddp's, preempted, and resumed on 1 process by
 # test_resume_on_one_process_from_two), FSDP2's DCP (fsdp_shard_grad_op: fsdp2's, preempted), ZeRO-1/2's
@@ -104,8 +104,9 @@ PREEMPTED = ["ddp", "zero3", "fsdp2"]
 RESUMED = ["zero2", "zero3_offload"]
 # Unpacked: one conversation per row, so steps and rows are the same for every recipe (packing, the SFT default,
 # has its own launch: test_packed_run_matches_one_process).
+# Half the tiny data set: 16 steps show all the checks do, and each of the file's launches trains for half as long.
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",
-             "--report_to", "none", "--packing", "false")  # fmt: skip
+             "--report_to", "none", "--max_train_samples", "512", "--packing", "false")  # fmt: skip
 
 
 def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
@@ -113,7 +114,7 @@ def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
     task = RECIPES[recipe][0]
     model_name = "google-bert/bert-base-cased" if recipe == "bert" else "meta-llama/Meta-Llama-3-8B"
     tokenizer = tiny.tiny_tokenizer(model_name, task)
-    defaults = {**tiny.tiny_training_defaults(task, model_name), **overrides}
+    defaults = {**tiny.tiny_training_defaults(task, model_name), "max_train_samples": 512, **overrides}
     values = {k: v for k, v in defaults.items() if k in DataArguments.__dataclass_fields__}
     args = DataArguments(task=task, **values)
     return prepare(load_raw(args), tokenizer, args, no_lock).train["input_ids"]
@@ -249,13 +250,13 @@ def test_preempted_run_resumes_to_the_same_weights(config, tmp_path):
         check(launch(config, "llama3_fft", *run_flags("llama3_fft", 2, tmp_path / "full"), cwd=tmp_path))
         uninterrupted = rank_reports(tmp_path / "full")
     out = tmp_path / "run"
-    step = random.Random(config).randint(3, 20)  # of 32, leaving the signal a dozen steps to arrive
+    step = random.Random(config).randint(3, 9)  # of 16, leaving the signal half a dozen steps to arrive
     slurm = config == "ddp"
     node, env = slurm_node(out) if slurm else (None, None)
     signum = signal.SIGUSR1 if slurm else signal.SIGTERM
     log, code = launch_and_preempt(config, out, step, tmp_path, cmd=node, env=env, signum=signum)
     stopped = int(re.search(rf"received {signum.name}: step (\d+) finished, saving a checkpoint", log).group(1))
-    assert step <= stopped < 32, log[-3000:]
+    assert step <= stopped < 16, log[-3000:]
     assert f"preempted at step {stopped}" in log
     assert (out / f"checkpoint-{stopped}" / "trainer_state.json").is_file()
     if slurm:
@@ -505,7 +506,7 @@ def check_merged(out) -> None:
 
 
 def check_resumed(uninterrupted: list[dict], resumed: list[dict]) -> None:
-    """Resumed from the step-16 checkpoint: same later losses, schedule, data order and final weights."""
+    """Resumed from the step-8 checkpoint: same later losses, schedule, data order and final weights."""
     for full, cont in zip(uninterrupted, resumed, strict=True):
         assert cont["losses"][:RESUME_STEP] == full["losses"][:RESUME_STEP]  # history restored from the checkpoint
         assert cont["learning_rates"] == full["learning_rates"]  # the scheduler state came back
