@@ -105,8 +105,9 @@ RESUMED = ["zero2", "zero3_offload"]
 # Unpacked: one conversation per row, so steps and rows are the same for every recipe (packing, the SFT default,
 # has its own launch: test_packed_run_matches_one_process).
 # Half the tiny data set: 16 steps show all the checks do, and each of the file's launches trains for half as long.
+MATRIX_ROWS = 512
 ONE_EPOCH = ("--tiny", "--record_rank_reports", "true", "--max_steps", "-1", "--num_train_epochs", "1",
-             "--report_to", "none", "--max_train_samples", "512", "--packing", "false")  # fmt: skip
+             "--report_to", "none", "--max_train_samples", str(MATRIX_ROWS), "--packing", "false")  # fmt: skip
 
 
 def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
@@ -114,7 +115,7 @@ def tokenized_rows(recipe: str, **overrides) -> list[list[int]]:
     task = RECIPES[recipe][0]
     model_name = "google-bert/bert-base-cased" if recipe == "bert" else "meta-llama/Meta-Llama-3-8B"
     tokenizer = tiny.tiny_tokenizer(model_name, task)
-    defaults = {**tiny.tiny_training_defaults(task, model_name), "max_train_samples": 512, **overrides}
+    defaults = {**tiny.tiny_training_defaults(task, model_name), **overrides}
     values = {k: v for k, v in defaults.items() if k in DataArguments.__dataclass_fields__}
     args = DataArguments(task=task, **values)
     return prepare(load_raw(args), tokenizer, args, no_lock).train["input_ids"]
@@ -370,7 +371,7 @@ def test_packed_run_matches_one_process(tmp_path):
             why = "auto: packed rows on a CPU, where flex attention does not train"
             assert f"attention     sdpa ({why})\n" in result.stdout
         runs[processes] = (rank_reports(out), exported_weights(out, "llama3_fft"))
-    rows = tokenized_rows("llama3_fft", max_seq_length=256)
+    rows = tokenized_rows("llama3_fft", max_seq_length=256, max_train_samples=MATRIX_ROWS)
     (reference,), ref_weights = runs[1]
     reports, weights = runs[2]
     assert len(reference["losses"]) <= len(rows) // 32 // 3  # rows of 256 hold 3 or more conversations
@@ -443,7 +444,7 @@ def check_run(config, recipe, out, result, reference) -> None:
     assert loaded == pytest.approx(planned["copies_at_load"], rel=0.02), config
 
     # Data: disjoint across ranks, together the whole set; tokens counted exactly over ranks and micro-batches.
-    rows = tokenized_rows(recipe)
+    rows = tokenized_rows(recipe, max_train_samples=MATRIX_ROWS)
     seen = [set(r["rows"]) for r in reports]
     assert processes == 1 or all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
     assert set.union(*seen) == row_hashes(rows)
