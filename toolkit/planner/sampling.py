@@ -32,9 +32,9 @@ class StepTime:
 
 
 def weight_bytes_read(shape: Shape, work: Workload) -> float:
-    """Bytes of weights one decode step reads: every weight a token passes through (embedding tables are looked up
-    a row at a time: nothing), as stored: 16-bit weights 2 bytes, fp32 (and bf16-mixed's fp32 weights, cast as
-    they are read) 4, QLoRA's frozen ones NF4."""
+    """Bytes of weights one decode step reads: every weight but the embedding tables (looked up a row at a time:
+    nothing) - a mixture's every expert, since a step's many rows are routed to all of them - as stored: 16-bit
+    weights 2 bytes, fp32 (and bf16-mixed's fp32 weights, cast as they are read) 4, QLoRA's frozen ones NF4."""
     read = shape.total - shape.lookups
     if work.weights_4bit:
         frozen = shape.frozen - (shape.lookups - shape.lookups_trainable)
@@ -47,8 +47,8 @@ def sampling_seconds(shape: Shape, work: Workload, rows: int, prompt_tokens: int
     """One device sampling `rows` completions of `completion_tokens` after prompts of `prompt_tokens`, at the
     roofline: the larger of bytes read / `bandwidth` (bytes/s) and FLOPs / `peak_flops` (FLOP/s). Each of the
     completion's decode steps reads the weights and the KV cache so far (keys and values, kv_size wide, per
-    attention layer: the context grows from the prompt to its full length); the prompts' prefill adds its FLOPs
-    (2 per active weight and token) and its cache writes."""
+    attention layer: the context grows from the prompt to its full length); the FLOPs are 2 per active weight and
+    token, the prompts' prefill included."""
     layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
     per_token_cache = 2 * layers * shape.kv_size * work.activation_dtype_bytes  # one row's keys and values
     contexts = completion_tokens * prompt_tokens + completion_tokens * (completion_tokens + 1) // 2

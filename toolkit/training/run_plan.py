@@ -176,7 +176,11 @@ class RunPlan:
         elif plan:
             planned = (f"${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h at an assumed "
                        f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
-        elif task(recipe.data.task).samples_online and self.peak_flops:
+        elif (
+            task(recipe.data.task).samples_online
+            and self.peak_flops
+            and not (recipe.run.memory_tbs or memory_tbs(cost.device))
+        ):
             planned = (f"no estimate: no datasheet bandwidth for {cost.device} (pass --memory_tbs for the sampling "
                        "floor); the live cost is tracked")  # fmt: skip
         else:
