@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -44,6 +45,12 @@ SLOWEST_FIRST = ["test_strategies", "test_demo", "test_families", "test_pipeline
                  "test_tensor_parallel", "test_bad_input", "test_preference", "test_rl", "test_launch",
                  "test_gpu_check", "test_fp8", "test_sequence_parallel", "test_trainer", "test_sft_eval",
                  "test_length_grouping"]  # fmt: skip
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (the Trainer stack, for most modules) lives as long as the worker: frozen out of the
+    collector's later walks, as toolkit.heavy_imports does in a run's processes."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):

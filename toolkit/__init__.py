@@ -1,6 +1,10 @@
 """Fine-tuning recipes for Hugging Face Transformers."""
 
+import gc
 import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["run", "train"]
 
@@ -14,18 +18,41 @@ logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().st
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
 
 
+@contextmanager
+def heavy_imports() -> Iterator[None]:
+    """Import the Trainer stack (torch, transformers, peft, datasets) with the cyclic garbage collector paused, then
+    freeze what it built out of later collections: its millions of objects live as long as the process, and were
+    walked by collection after collection, during the import and through the run. A tiny 8-step run took 8.8 s of
+    CPU instead of 11.7 (2-core EPYC), and every rank of every launch starts that much sooner. Only where this
+    import is the process's first (a recipe script, a command); a process that has the stack already keeps its
+    own collector as it is (cycles it still holds would otherwise never be freed)."""
+    if "transformers" in sys.modules:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def run(recipe: dict, argv: list[str] | None = None, name: str | None = None) -> None:
     """A recipe script's entry point (runner.run). The Trainer stack is imported when a recipe runs, not when its
     file is read: `toolkit plan`, `check` and `launch` read recipes (`from toolkit import run`) in a fraction of the
     ~10 s that importing transformers' Trainer, peft and datasets takes."""
-    from .runner import run as run_recipe
+    with heavy_imports():
+        from .runner import run as run_recipe
 
     run_recipe(recipe, argv, name)
 
 
 def __getattr__(name: str):
     if name == "train":  # lazy, as run: the Trainer stack
-        from .runner import train
+        with heavy_imports():
+            from .runner import train
 
         return train
     raise AttributeError(f"module 'toolkit' has no attribute '{name}'")

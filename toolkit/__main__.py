@@ -19,8 +19,11 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
 
 
 def entry(name: str):
+    from toolkit import heavy_imports
+
     module, _, function = COMMANDS[name].partition(":")
-    return getattr(importlib.import_module(module), function)
+    with heavy_imports():
+        return getattr(importlib.import_module(module), function)
 
 
 def main() -> int:
