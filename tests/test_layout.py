@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 # Bottom to top: a room may import the rooms before it, never one after it.
-ROOMS = ["errors", "project", "outputs", "settings", "metrics", "data", "models", "planner", "distributed", "training",
-         "results", "runner", "generate", "__main__", "__init__"]  # fmt: skip
+ROOMS = ["startup", "errors", "project", "outputs", "settings", "metrics", "data", "models", "planner", "distributed",
+         "training", "results", "runner", "generate", "__main__", "__init__"]  # fmt: skip
 
 
 def modules() -> dict[str, Path]:

@@ -150,6 +150,35 @@ def test_the_limit_reaches_every_harness_task(copied, monkeypatch):
     assert limits == [3, 3] and result["settings"]["limit"] == 3  # the base model, then the tuned one
 
 
+def test_eval_takes_the_held_out_figures_the_run_logged(tmp_path, monkeypatch):
+    """A run that evaluated the model it started from (step 0, --eval_on_start) and the one it saved (its last step)
+    has `toolkit eval`'s held-out figures already: they are taken from its log, no model loaded for them, and are
+    those the evaluation computes when the log lacks them (the same rows, collator, metrics, precision)."""
+    from toolkit.results import evaluation
+
+    out = tmp_path / "run"
+    run(LLAMA3_LORA, [*TINY, "--output_dir", str(out), "--eval_fraction", "0.2", "--max_eval_samples", "16",
+                      "--eval_on_start", "true"], "llama3_lora")  # fmt: skip
+    unlogged = Path(shutil.copytree(out, tmp_path / "unlogged"))
+    log = unlogged / "run_log.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("".join(f"{line}\n" for line in lines if '"eval_loss"' not in line))
+    assert len(lines) - len(log.read_text().splitlines()) == 2  # step 0's evaluation and step 2's
+    loads, load = [], evaluation.load
+    monkeypatch.setattr(evaluation, "load", lambda record, which: loads.append(which) or load(record, which))
+
+    computed = evaluation.evaluate_run(unlogged, "held-out")
+    assert loads == ["base", "tuned"] and computed["held_out_logged_at"] == {}
+    logged = evaluation.evaluate_run(out, "held-out")
+    assert loads == ["base", "tuned"] and logged["held_out_logged_at"] == {"base": 0, "tuned": 2}
+    assert logged["inputs"] == computed["inputs"]
+    assert [(r["task"], r["metric"]) for r in logged["results"]] == [(r["task"], r["metric"]) for r in
+                                                                     computed["results"]]  # fmt: skip
+    for ours, fresh in zip(logged["results"], computed["results"], strict=True):
+        assert ours["base"] == pytest.approx(fresh["base"], rel=1e-5) and ours["base"] != ours["tuned"]
+        assert ours["tuned"] == pytest.approx(fresh["tuned"], rel=1e-5)
+
+
 def test_the_merged_models_card_is_a_full_models(hub, lora_run):
     """`toolkit push --merged` uploaded the merged model under the adapter's card (library peft, "LoRA adapter"),
     which the Hub's usage snippet follows; it now goes with a card of its own: a full transformers model."""

@@ -1,10 +1,8 @@
 """Fine-tuning recipes for Hugging Face Transformers."""
 
-import gc
 import logging
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from .startup import heavy_imports
 
 __all__ = ["run", "train"]
 
@@ -16,27 +14,6 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 # CPU; on a GPU the libraries load), printed before every command that imports transformers.
 logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
-
-
-@contextmanager
-def heavy_imports() -> Iterator[None]:
-    """Import the Trainer stack (torch, transformers, peft, datasets) with the cyclic garbage collector paused, then
-    freeze what it built out of later collections: its millions of objects live as long as the process, and were
-    walked by collection after collection, during the import and through the run. A tiny 8-step run took 8.8 s of
-    CPU instead of 11.7 (2-core EPYC), and every rank of every launch starts that much sooner. Only where this
-    import is the process's first (a recipe script, a command); a process that has the stack already keeps its
-    own collector as it is (cycles it still holds would otherwise never be freed)."""
-    if "transformers" in sys.modules:
-        yield
-        return
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
 
 
 def run(recipe: dict, argv: list[str] | None = None, name: str | None = None) -> None:

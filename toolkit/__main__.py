@@ -3,6 +3,8 @@
 import importlib
 import sys
 
+from toolkit.startup import heavy_imports
+
 COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs no Trainer stack)
     "plan": "toolkit.planner.cli:main",  # memory, fit, time and cost, before launching
     "check": "toolkit.distributed.launch_check:main",  # a strategy file's mistakes, in a second
@@ -19,8 +21,6 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
 
 
 def entry(name: str):
-    from toolkit import heavy_imports
-
     module, _, function = COMMANDS[name].partition(":")
     with heavy_imports():
         return getattr(importlib.import_module(module), function)

@@ -3,8 +3,9 @@
 `python -m toolkit eval RUN [--tasks a,b] [--limit N]` (and `--eval_after_training true` at the end of a run):
   held-out       the recipe's own held-out split, through the run's own collator and metrics (perplexity and
                  token accuracy for SFT, accuracy for classification: per token and per example, so they do not
-                 move with how rows are batched), the Trainer's evaluate; for GRPO each model's greedy answers to
-                 the held-out prompts scored by the run's rewards (held_out_rewards.py)
+                 move with how rows are batched), the Trainer's evaluate: the run's own where it logged one (the
+                 base model at step 0 with --eval_on_start, the saved one at its last step); for GRPO each model's
+                 greedy answers to the held-out prompts scored by the run's rewards (held_out_rewards.py)
   reply_choice   an lm-evaluation-harness task made from the held-out conversations (the harness's YAML format
                  over a JSON file in RUN/eval/): each prompt, as the run's chat template writes it, with its real
                  answer and three answers to other prompts; acc picks by log-likelihood, acc_norm per character.
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, command, description
-from ..metrics.samples import EVAL_FILE
+from ..metrics.samples import EVAL_FILE, RUN_LOG
 from .eval_checks import EVAL_FOLDER, HELD_OUT, REPLY_CHOICE, check_run_folder, checked_tasks, task_manager
 from .record import RunRecord
 
@@ -129,9 +130,35 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
                           processing_class=tokenizer, compute_metrics=compute,
                           preprocess_logits_for_metrics=preprocess)  # fmt: skip
         metrics = trainer.evaluate()
-    # Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched)
-    keep = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy")
-    return {k.removeprefix("eval_"): float(v) for k, v in metrics.items() if k in keep}
+    return held_out_figures(metrics)
+
+
+# Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched)
+HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy")
+
+
+def held_out_figures(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k.removeprefix("eval_"): float(v) for k, v in metrics.items() if k in HELD_OUT_FIGURES}
+
+
+def logged_held_out(record: RunRecord) -> dict[str, tuple[int, dict[str, float]]]:
+    """The run's own held-out evaluations, where it made them: of the model it started from at step 0
+    (--eval_on_start) as "base", of the one it saved at its last step as "tuned", each with its step. The same rows,
+    collator, metrics and precision as held_out_metrics (the chat demo's: equal to 8 digits), so not computed
+    twice. None from a 4-bit run: the base that trained was quantized, the one compared here is not."""
+    from ..metrics.report import json_lines
+
+    log = record.folder / RUN_LOG
+    if record.settings.get("load_in_4bit") or not log.is_file():
+        return {}
+    found = {}
+    for line in json_lines(log):
+        figures = held_out_figures(line)
+        if figures and line.get("step") == 0:
+            found["base"] = (0, figures)
+        elif figures and line.get("step") == record.summary.get("steps"):
+            found["tuned"] = (line["step"], figures)
+    return found
 
 
 # ----------------------------------------------------------------------------------- the harness's tasks
@@ -238,19 +265,26 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
+    logged = logged_held_out(record) if HELD_OUT in tasks and record.task != "grpo" else {}
     for which in ("base", "tuned"):  # one model in memory at a time
-        print(f"eval: the {which} model ({record.base_model if which == 'base' else record.folder})", file=sys.stderr,
-              flush=True)  # fmt: skip
+        name = record.base_model if which == "base" else record.folder
+        if HELD_OUT in tasks and record.task != "grpo":
+            scored = [list(ids) for ids in prepared.eval["input_ids"]]
+            inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(scored).encode()).hexdigest()
+        if which in logged:
+            step, scores[which][HELD_OUT] = logged[which]
+            print(f"eval: the {which} model ({name}): held-out as the run evaluated it at step {step}", file=sys.stderr)
+            if not harness_tasks:
+                continue
+        print(f"eval: the {which} model ({name})", file=sys.stderr, flush=True)
         model, _ = load(record, which)
         if HELD_OUT in tasks and record.task == "grpo":  # greedy answers to held-out prompts, the run's rewards
             from .held_out_rewards import held_out_rewards, prompts_fingerprint
 
             scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
             inputs[which][HELD_OUT] = prompts_fingerprint(prepared.eval)
-        elif HELD_OUT in tasks:
+        elif HELD_OUT in tasks and which not in logged:
             scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
-            rows = [list(ids) for ids in prepared.eval["input_ids"]]
-            inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
         if harness_tasks:
             found, prints = harness(model, tokenizer, harness_tasks, manager, limit, batch_size)
             scores[which].update(found)
@@ -274,6 +308,7 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
             "seed": 0,
         },  # fmt: skip
         "inputs": inputs,  # fingerprints of what each model was scored on: equal for both
+        "held_out_logged_at": {which: step for which, (step, _) in logged.items()},  # the run's own, reused
         "results": rows,
     }
     (record.folder / EVAL_FILE).write_text(json.dumps(result, indent=1))
