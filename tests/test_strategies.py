@@ -410,6 +410,10 @@ def check_run(config, recipe, out, result, reference) -> None:
     assert f"sharding      {sharding}\n" in result.stdout and "attention     sdpa (auto)\n" in result.stdout
     for name, warning in CPU_WARNINGS.items():
         assert result.stderr.count(warning) == (config == name), name
+    # The libraries' deprecations of each other are not the user's (toolkit/__init__.py): a ZeRO-3 run warned on
+    # every gather (1,452 lines in 2 steps of SmolLM2-135M), a LoRA run as peft wrapped the model.
+    assert "FutureWarning: `torch.distributed." not in result.stderr
+    assert "`is_gradient_checkpointing` is deprecated" not in result.stderr
 
     # What each rank holds: 1/2 of the reference's bytes where sharded, all of them where replicated.
     for r in reports:

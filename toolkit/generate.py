@@ -108,12 +108,9 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def start(args: argparse.Namespace):
-    import warnings
 
     from transformers import set_seed
 
-    # peft reads transformers' deprecated `is_gradient_checkpointing` as it loads an adapter: not the user's concern
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}.")
