@@ -108,7 +108,6 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def start(args: argparse.Namespace):
-
     from transformers import set_seed
 
     for name in ("max_new_tokens", "top_k"):

@@ -265,10 +265,11 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
-    logged = logged_held_out(record) if HELD_OUT in tasks and record.task != "grpo" else {}
+    token_level = HELD_OUT in tasks and record.task != "grpo"  # GRPO's held-out figure is its rewards'
+    logged = logged_held_out(record) if token_level else {}
     for which in ("base", "tuned"):  # one model in memory at a time
         name = record.base_model if which == "base" else record.folder
-        if HELD_OUT in tasks and record.task != "grpo":
+        if token_level:
             scored = [list(ids) for ids in prepared.eval["input_ids"]]
             inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(scored).encode()).hexdigest()
         note = ""
@@ -284,7 +285,7 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
 
             scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
             inputs[which][HELD_OUT] = prompts_fingerprint(prepared.eval)
-        elif HELD_OUT in tasks and which not in logged:
+        elif token_level and which not in logged:
             scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
         if harness_tasks:
             found, prints = harness(model, tokenizer, harness_tasks, manager, limit, batch_size)
