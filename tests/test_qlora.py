@@ -65,6 +65,31 @@ def test_qlora_run_learns_and_saves_its_adapter(tmp_path):
     )
 
 
+DEFERRED = """
+import sys
+from toolkit.startup import heavy_imports
+with heavy_imports():
+    import toolkit.runner
+assert "bitsandbytes" not in sys.modules, "imported with the Trainer stack"
+from transformers.utils.import_utils import is_bitsandbytes_available
+from peft.import_utils import is_bnb_4bit_available
+assert is_bitsandbytes_available() and is_bnb_4bit_available()
+from peft.tuners.lora.bnb import Linear4bit
+print("4-bit LoRA layers:", Linear4bit.__name__)
+"""
+
+
+def test_bitsandbytes_waits_for_a_4bit_run():
+    """A process's start (toolkit.startup.heavy_imports) leaves bitsandbytes out of the Trainer stack's import
+    (~1.1 s of CPU a rank); it is still installed for transformers and peft, and their 4-bit layers import it."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", DEFERRED], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4-bit LoRA layers: Linear4bit" in result.stdout
+
+
 @pytest.mark.launch
 def test_qlora_under_ddp_trains_as_one_process(tmp_path):
     """2 processes x 4 rows under DDP (the 4-bit base replicated on each, the adapter's gradients averaged) take

@@ -15,15 +15,25 @@ def heavy_imports() -> Iterator[None]:
     walked by collection after collection, during the import and through the run. A tiny 8-step run took 8.8 s of
     CPU instead of 11.7 (2-core EPYC), and every rank of every launch starts that much sooner. Only where this
     import is the process's first (a recipe script, a command); a process that has the stack already keeps its
-    own collector as it is (cycles it still holds would otherwise never be freed)."""
+    own collector as it is (cycles it still holds would otherwise never be freed).
+
+    bitsandbytes is left out of that import: peft imports it eagerly for a helper the toolkit never calls (its
+    kappa targets), and bitsandbytes registers its kernels with torch.compile, which imports the compiler: ~1.1 s of
+    CPU on every rank (2-core EPYC). A QLoRA run imports it when the weights load in 4-bit, as peft's LoRA layers
+    for them do; nothing asks whether it is installed during the import (tests/test_qlora.py proves both)."""
     if "transformers" in sys.modules:
         yield
         return
     enabled = gc.isenabled()
     gc.disable()
+    deferred = "bitsandbytes" not in sys.modules
+    if deferred:
+        sys.modules["bitsandbytes"] = None  # `import bitsandbytes` fails (ImportError) while this is set
     try:
         yield
     finally:
+        if deferred and sys.modules.get("bitsandbytes", 0) is None:
+            del sys.modules["bitsandbytes"]  # importable again, by the 4-bit loading and peft's LoRA layers for it
         gc.freeze()
         if enabled:
             gc.enable()
