@@ -48,10 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
+from ..data.length_grouping import PAIRED
 from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..errors import ToolkitError
@@ -217,6 +219,14 @@ class ToolkitTrainerMixin:
 
     def _get_train_sampler(self, train_dataset=None):
         return self.order.sampler_for(self.train_dataset, self.args) or super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        """transformers groups the held-out rows by length too, reading each row's `input_ids`: TRL's tokenized
+        preference pairs have none (chosen_ids, rejected_ids), so theirs are read in order, as transformers reads
+        them ungrouped (one process: in order; several: accelerate's split of that order)."""
+        if PAIRED in getattr(eval_dataset, "column_names", ()):
+            return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+        return super()._get_eval_sampler(eval_dataset)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         training = "loss" in logs
