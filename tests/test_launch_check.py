@@ -35,7 +35,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif (pipeline or tensor or split) and recipe in ("smollm2_grpo", "qwen3_grpo"):
             with pytest.raises(ConfigError, match="under grpo: TRL's GRPOTrainer samples completions"):
                 check(config, recipe)
-        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora"):
+        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward"):
             with pytest.raises(ConfigError, match="run a causal language model's SFT loss on the last stage"):
                 check(config, recipe)
         elif pipeline and recipe == "llama3_qlora":
@@ -44,7 +44,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif pipeline and recipe == "smollm2_chat":  # tied embeddings: on the first and the last stage
             with pytest.raises(ConfigError, match="ties its output head to its input embeddings"):
                 check(config, recipe)
-        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora"):
+        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward"):
             with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
                 check(config, recipe)
         elif split and recipe == "smollm2_chat" and "sp_size" in text:  # 9 heads over 8 ranks

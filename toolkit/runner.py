@@ -207,19 +207,24 @@ def reward_parts(args: Arguments, data: PreparedData) -> dict[str, Any]:
 def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload,
                   rewards: dict[str, Any]) -> RecipeTrainer:  # fmt: skip
     """The task's trainer with the toolkit's parts: RecipeTrainer, or TRL's DPOTrainer (its own collator and
-    metrics, and a frozen reference model) or GRPOTrainer (the rewards; it samples its own batches)."""
+    metrics, and a frozen reference model), GRPOTrainer (the rewards; it samples its own batches) or RewardTrainer
+    (its own collator and metrics)."""
     if (parallelism := accelerator_parallelism(launch_mesh())) is not None:
         args.training.parallelism_config = parallelism
+    if task(args.data.task).pairs and (multiple := pad_multiple(args.model.attn_implementation)):
+        args.training.pad_to_multiple_of = multiple  # TRL's collator of pairs pads to it
     if args.data.task == "dpo":
         from .training.preference import RecipeDPOTrainer, reference_model
 
         trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
-        if multiple := pad_multiple(args.model.attn_implementation):  # TRL's collator pads to it
-            args.training.pad_to_multiple_of = multiple
     elif args.data.task == "grpo":
         from .training.rl import RecipeGRPOTrainer
 
         trainer_class, task_parts = RecipeGRPOTrainer, rewards
+    elif args.data.task == "reward":
+        from .training.reward import RecipeRewardTrainer
+
+        trainer_class, task_parts = RecipeRewardTrainer, {}
     else:
         compute_metrics, preprocess_logits = metrics_for(args.data.task)
         trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,

@@ -28,13 +28,15 @@ PAIRED = "chosen_ids"  # a column of TRL's tokenized preference pairs
 
 
 def sample_lengths(dataset) -> list[int]:
-    """Tokens in each training sample: a row's, or a preference pair's two sequences (TRL's prompt, chosen and
-    rejected ids; the prompt in each)."""
+    """Tokens in each training sample: a row's, or a preference pair's two sequences (TRL's chosen and rejected
+    ids: DPOTrainer's without the prompt, which is in each sequence, RewardTrainer's whole)."""
     if LENGTH in dataset.column_names:
         return dataset[LENGTH]
     if PAIRED in dataset.column_names:
-        return [2 * len(p) + len(c) + len(r) for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"],
-                                                            dataset["rejected_ids"], strict=True)]  # fmt: skip
+        pairs = [len(c) + len(r) for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"], strict=True)]
+        if "prompt_ids" not in dataset.column_names:
+            return pairs
+        return [pair + 2 * len(p) for pair, p in zip(pairs, dataset["prompt_ids"], strict=True)]
     return [len(row) for row in dataset["input_ids"]]
 
 

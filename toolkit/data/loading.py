@@ -11,6 +11,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, loa
 
 from ..errors import DataError, warn
 from ..settings.arguments import DataArguments
+from ..settings.tasks import task
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
 from .prompts import as_prompts, prompt_problem
@@ -203,9 +204,9 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     """The rows of a split, each checked before tokenizing (the first unusable one is an error naming its index,
     0-based in the file's order, and the fix; with --skip_bad_rows the unusable ones are left out and counted),
     read as messages where the format is a conversation's, and only the task's columns kept."""
-    if args.task == "dpo":
+    if task(args.task).pairs:
         if not set(PAIR_COLUMNS) <= set(split.column_names):
-            raise DataError(f"task dpo trains on preference pairs, chosen and rejected columns (UltraFeedback-"
+            raise DataError(f"task {args.task} trains on preference pairs, chosen and rejected columns (UltraFeedback-"
                             f"binarized's layout); the {name} split of {source} has {split.column_names}: rename its "
                             "columns, or point --dataset_name at preference data.")  # fmt: skip
         columns, problem_of, keep = PAIR_COLUMNS, pair_problem, kept_columns(split)

@@ -26,6 +26,7 @@ from ..metrics.samples import Prompt, held_out_prompts
 from ..project import cache_root
 from ..settings.arguments import Arguments, DataArguments
 from ..settings.mesh import sequence_split
+from ..settings.tasks import task
 from .conversations import IGNORE_INDEX, TurnLayout, apply_chat_template_setting
 from .formats import kind, tokenize_rows
 from .length_grouping import LENGTH
@@ -189,8 +190,8 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     if len(ds["train"]) == 0:
         names = "', '".join(args.sources())
         raise DataError(f"The training split of '{names}' is empty.")
-    if args.task in ("dpo", "grpo"):  # TRL's trainers apply the chat template and tokenize themselves
-        first = ds["train"][0]["chosen" if args.task == "dpo" else "prompt"]
+    if task(args.task).tokenized_by_trainer:  # TRL's trainers apply the chat template and tokenize themselves
+        first = ds["train"][0]["chosen" if task(args.task).pairs else "prompt"]
         apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(first, str))
         return PreparedData(ds["train"], ds.get("eval"), None, None)
     set_template(ds, tokenizer, args)

@@ -18,6 +18,7 @@ from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError
 from ..metrics.memory import HostMemoryPeak
+from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
@@ -189,6 +190,8 @@ def load_model(
             id2label=dict(enumerate(label_names)),
             label2id={n: i for i, n in enumerate(label_names)},
         )
+    elif (outputs := tasks.task(task).num_labels) is not None:  # a reward model's one score
+        kwargs = dict(num_labels=outputs)
     name = resolve(args.model_name_or_path)
     check_hub_model(name)
     # auto not yet resolved (a caller without the runner, so no packing): the model's default, as for unpacked rows

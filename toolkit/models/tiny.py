@@ -49,6 +49,7 @@ TINY_TRAINING = {
     "max_seq_length": 64,
     "eval_fraction": 0.0,  # nothing held out: so nothing of the recipe's that needs held-out rows either
     "eval_split": None,
+    "eval_strategy": "no",
     "generation_samples": 0,
     "eval_after_training": False,  # flags bring them back (--eval_fraction 0.1 --eval_after_training true)
     "max_train_samples": None,
@@ -152,7 +153,7 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
                   dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
         values.update(text_columns="text", label_column="label")
-    elif task == "dpo":  # a pair's sequence is its whole conversation: up to 3 turns, ~100 tokens
+    elif task_table.task(task).pairs:  # a pair's sequence is its whole conversation: up to 3 turns, ~100 tokens
         values.update(chat_template="llama3", max_seq_length=128)
     elif task == "grpo":  # 2 prompts x 4 completions a step, short ones: the sum, and a digit in the answer (a
         # random model's completions differ in that from the first step, so its advantages are not all 0)
@@ -241,7 +242,8 @@ def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
             for m in c]  # fmt: skip
 
 
-TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows}
+TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows,
+             "reward": preference_rows}  # fmt: skip
 
 
 def write_tiny_dataset(task: str) -> Path:
@@ -310,6 +312,8 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
         labels = sorted({str(r["label"]) for r in classification_rows()})
         config.num_labels, config.id2label = len(labels), dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
+    elif task_table.task(task).num_labels is not None:
+        config.num_labels = task_table.task(task).num_labels
     # content-addressed: data.stem is task-hash; a change in how a config is scaled down makes a new folder
     digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:8]
     path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{data.stem}-{digest}"

@@ -122,6 +122,8 @@ def scaled(config, ratio: float, layers: int | list | None, attention: str | Non
         value = getattr(text, key, None)
         if isinstance(value, int) and value >= text.vocab_size:
             setattr(text, key, 0)
+    if getattr(text, "pad_token_id", None) is None:  # a classifier of several rows (a reward model) finds each
+        text.pad_token_id = 0  # row's last token by it; the run takes the tokenizer's
     if hasattr(text, "use_cache"):
         text.use_cache = False
     if attention is None:  # fused kernels (flash, memory-efficient) drop out without keeping the scores

@@ -54,7 +54,7 @@ def measured_tokens(model: str, task: str, seq_length: int) -> tuple[int, int, s
     not. Packed or not, a run trains on these tokens: packing fills rows with them, it does not add any."""
     if not is_recipe(model):
         return "not a recipe: pass --samples and --tokens_per_sample"
-    if task == "dpo":
+    if task_table(task).pairs:
         return "preference pairs are tokenized by TRL: pass --tokens_per_sample"
     from ..data.preparation import data_tokens
     from ..errors import ToolkitError
@@ -145,7 +145,7 @@ def build_plan(args) -> dict:
                        usd_spot=cost.usd_spot)  # fmt: skip
         elif samples:
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
-                                             work.sequences_per_sample, task == "dpo")  # fmt: skip
+                                             work.sequences_per_sample, task_table(task).reference)  # fmt: skip
             rate *= FP8_SPEEDUP if layout.fp8 else 1
             cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
@@ -178,7 +178,7 @@ def build_plan(args) -> dict:
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
         "data": data if samples or online else None,
-        "flops_per_token": training_flops_per_token(shape, work.seq_length, task == "dpo"),
+        "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).reference),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,

@@ -13,6 +13,7 @@ from ..metrics.memory import GIB
 from ..models.pipeline import bubble
 from ..project import strategy_files
 from ..settings.tasks import TASKS, fused_head
+from ..settings.tasks import task as task_table
 from .layout import Layout
 from .memory import Workload, plan_memory
 from .shape import Shape
@@ -93,13 +94,20 @@ def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> b
 
 def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu: bool = True,
                   beta: float = 0.0) -> dict:  # fmt: skip
-    """What a task changes in the Workload: a DPO pair's two sequences and, without LoRA, its reference copy (GRPO's
-    too, where its KL coefficient `beta` is not 0, and its sampling phase); TRL's fused head instead of the full
-    logits where the task uses it (tasks.fused_head; --fused_loss)."""
-    fused = {"fused_head": fused_head(task, fused_loss, on_gpu)} if task in TASKS else {}
-    pairs = {"sequences_per_sample": 2, "reference_weights": not lora} if task == "dpo" else {}
-    reference = {"reference_weights": not lora and bool(beta), "generates": True} if task == "grpo" else {}
-    return {**pairs, **reference, **fused}
+    """What a task changes in the Workload: a preference pair's two sequences (dpo, reward) and, without LoRA, DPO's
+    reference copy (GRPO's too, where its KL coefficient `beta` is not 0, and its sampling phase); TRL's fused head
+    instead of the full logits where the task uses it (tasks.fused_head; --fused_loss)."""
+    if task not in TASKS:
+        return {}
+    kind = task_table(task)
+    work: dict = {"fused_head": fused_head(task, fused_loss, on_gpu)}
+    if kind.pairs:
+        work["sequences_per_sample"] = 2
+    if kind.reference:
+        work["reference_weights"] = not lora
+    if kind.samples_online:
+        work.update(reference_weights=not lora and bool(beta), generates=True)
+    return work
 
 
 def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 from ..metrics.memory import GIB
 from ..metrics.report import by_step, json_lines
 from ..metrics.samples import RUN_LOG, read_samples
+from ..settings.tasks import task as task_table
 from .record import RunRecord
 
 CARD = "README.md"
@@ -42,7 +43,7 @@ def metadata(record: RunRecord, evaluation: dict | None, license: str | None, me
     from huggingface_hub import EvalResult, ModelCardData
 
     settings, task = record.settings, record.task
-    pipeline = "text-classification" if task == "classification" else "text-generation"
+    pipeline = task_table(task).pipeline_tag
     datasets = [name for name in [settings.get("dataset_name")] if name and hub_id(name)]
     results = []
     for row in (evaluation or {}).get("results", []):

@@ -160,7 +160,7 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    task: str = field(metadata={"help": "classification, sft, dpo or grpo."})
+    task: str = field(metadata={"help": "classification, sft, dpo, grpo or reward."})
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},
@@ -194,8 +194,8 @@ class DataArguments:
     max_seq_length: int = field(
         default=512,
         metadata={
-            "help": "Tokens a row may take (sft, classification, dpo); grpo: the longest prompt and completion, which "
-            "the memory plan sizes the training step at."
+            "help": "Tokens a row may take (sft, classification; dpo, reward: each of a pair); grpo: the longest "
+            "prompt and completion, which the memory plan sizes the training step at."
         },
     )
     packing: bool | None = field(
@@ -391,8 +391,7 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
         raise ConfigError("generation_samples answers held-out prompts of an sft run: give it evaluation data "
                           "(--eval_split <split> or --eval_fraction 0.1), or drop it.")  # fmt: skip
     metric = training.metric_for_best_model
-    known = {"loss"} | {"classification": {"accuracy"}, "sft": {"perplexity", "token_accuracy"},
-                        "dpo": {"rewards/accuracies", "rewards/margins"}, "grpo": {"reward"}}[data.task]  # fmt: skip
+    known = {"loss", *task(data.task).metrics}
     if metric is not None and metric.removeprefix("eval_") not in known:
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
                           f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
@@ -432,7 +431,7 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     run: RunArguments
-    training: TrainingArguments  # TRL's DPOConfig or GRPOConfig for task dpo or grpo
+    training: TrainingArguments  # TRL's DPOConfig, GRPOConfig or RewardConfig for task dpo, grpo or reward
     recipe_name: str
     policy: PolicyArguments = field(default_factory=PolicyArguments)
     torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)

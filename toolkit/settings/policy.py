@@ -3,7 +3,8 @@
 Both name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
 defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, grpo beta 0 (no reference model) and DAPO's
 token-level loss. What GRPO adds (rewards, completions per prompt, sampling) is grpo's alone. `trl_config` turns
-them and the run's TrainingArguments into TRL's config for the trainer.
+them and the run's TrainingArguments into TRL's config for the trainer (and a reward model's TrainingArguments
+into TRL's RewardConfig: that task names nothing of these).
 """
 
 from __future__ import annotations
@@ -150,9 +151,13 @@ class PolicyArguments:
             raise ConfigError(f"reward_weights {self.reward_weights!r} must be numbers, comma-separated.") from None
 
     def trl_config(self, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool):
-        """TRL's DPOConfig or GRPOConfig from the run's TrainingArguments (every field as resolved) and these
-        settings; other tasks keep their TrainingArguments."""
+        """TRL's DPOConfig, GRPOConfig or RewardConfig from the run's TrainingArguments (every field as resolved)
+        and these settings; other tasks keep their TrainingArguments."""
         values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
+        if task == "reward":  # TRL's Bradley-Terry loss as it is (no margin column, no centring term)
+            from trl import RewardConfig
+
+            return RewardConfig(**values, max_length=max_length, trust_remote_code=trust_remote_code)
         if task == "dpo":
             from trl import DPOConfig
 

@@ -32,6 +32,17 @@ class Task:
     # Whether each step first samples its own completions (GRPO): the planner times that phase at the decode
     # roofline beside the training FLOPs (planner/sampling.py), a floor rather than an estimate.
     samples_online: bool = False
+    # Whether a sample is a preference pair, chosen and rejected, each a sequence the step runs (dpo, reward).
+    pairs: bool = False
+    # Whether each step also scores the pair with a frozen reference model (DPO's; with LoRA, the adapter off).
+    reference: bool = False
+    # Whether TRL's trainer applies the chat template and tokenizes (the data room checks the rows, keeps them).
+    tokenized_by_trainer: bool = False
+    # The model's outputs where the data does not say (a classifier's labels do): a reward model's one score.
+    num_labels: int | None = None
+    # What its evaluation reports, that --metric_for_best_model may name (besides the loss).
+    metrics: tuple[str, ...] = ()
+    pipeline_tag: str = "text-generation"  # the Hub's, for the model card
 
 
 TASKS = {
@@ -40,9 +51,16 @@ TASKS = {
         "SEQ_CLS",
         "AutoPeftModelForSequenceClassification",
         token_normalised_loss=False,
+        metrics=("accuracy",),
+        pipeline_tag="text-classification",
     ),
     "sft": Task(
-        "AutoModelForCausalLM", "CAUSAL_LM", "AutoPeftModelForCausalLM", token_normalised_loss=True, fused_head="gpu"
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=True,
+        fused_head="gpu",
+        metrics=("perplexity", "token_accuracy"),
     ),
     # Preference tuning (DPO) on TRL's DPOTrainer: a mean over pairs, not over tokens (training/preference.py).
     "dpo": Task(
@@ -51,6 +69,10 @@ TASKS = {
         "AutoPeftModelForCausalLM",
         token_normalised_loss=False,
         fused_head="always",
+        pairs=True,
+        reference=True,
+        tokenized_by_trainer=True,
+        metrics=("rewards/accuracies", "rewards/margins"),
     ),
     # Online RL (GRPO) on TRL's GRPOTrainer: completions sampled, scored by rewards, their advantages trained on
     # (training/rl.py); its loss is TRL's own normalisation (DAPO's by default), not the Trainer's token count, and
@@ -63,6 +85,21 @@ TASKS = {
         fused_head="always",
         evaluates_at_end=False,
         samples_online=True,
+        tokenized_by_trainer=True,
+        metrics=("reward",),
+    ),
+    # A reward model (TRL's RewardTrainer): a sequence classifier with one output, trained on preference pairs to
+    # score the chosen answer above the rejected one (Bradley-Terry); a GRPO recipe names its folder as a reward.
+    "reward": Task(
+        "AutoModelForSequenceClassification",
+        "SEQ_CLS",
+        "AutoPeftModelForSequenceClassification",
+        token_normalised_loss=False,
+        pairs=True,
+        tokenized_by_trainer=True,
+        num_labels=1,
+        metrics=("accuracy", "margin", "mean_reward"),
+        pipeline_tag="text-classification",
     ),
 }
 

@@ -102,7 +102,7 @@ class RunPlan:
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
-        return training_flops_per_token(self.shape, seq_length, reference=self.recipe.data.task == "dpo")
+        return training_flops_per_token(self.shape, seq_length, reference=task(self.recipe.data.task).reference)
 
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the

@@ -1,0 +1,90 @@
+"""Reward models (task reward) on TRL's RewardTrainer with the toolkit's parts: a tiny run learns the tiny preference
+pairs, its held-out accuracy is what the export scores when each sequence is scored alone, a pair counts as one
+example, and the export is a reward that a GRPO run names by its folder, weighted beside a checker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import logged
+from qwen3_reward import RECIPE as REWARD
+from smollm2_grpo import RECIPE as GRPO
+
+from toolkit import train
+from toolkit.data.loading import load_raw
+from toolkit.models import tiny
+from toolkit.planner.estimate import task_workload
+from toolkit.settings.parser import parse
+
+FLAGS = ["--tiny", "--eval_fraction", "0.1", "--eval_on_start", "true", "--report_to", "none"]
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory) -> Path:
+    """A tiny reward model: 20 steps of 8 pairs (the right sum stated, against a wrong one hedged)."""
+    out = tmp_path_factory.mktemp("reward") / "judge"
+    train(REWARD, [*FLAGS, "--output_dir", str(out)], "qwen3_reward")
+    return out
+
+
+def test_a_reward_model_learns_the_preference_it_is_shown(judge):
+    """Held-out accuracy (chosen scored above rejected) from a random head's to all but a few, and the same figure
+    recomputed here from the export: each sequence alone through the chat template and the model, the accuracy
+    averaged over the evaluation's batches of 8 as TRL logs it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    before, after = logged(judge, "eval_accuracy")[0], logged(judge, "eval_accuracy")[-1]
+    assert logged(judge, "eval_margin")[-1] > 1 and after >= 0.9 and after > before + 0.2
+    model = AutoModelForSequenceClassification.from_pretrained(judge).eval()
+    tokenizer = AutoTokenizer.from_pretrained(judge)
+    assert model.config.num_labels == 1
+
+    def score(messages) -> float:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            return model(**ids).logits[0, 0].item()
+
+    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    right = [score(row["chosen"]) > score(row["rejected"]) for row in held_out]
+    batches = [right[i : i + 8] for i in range(0, len(right), 8)]
+    assert after == pytest.approx(sum(sum(b) / len(b) for b in batches) / len(batches), abs=1e-6)
+
+
+def test_a_pair_is_one_example(judge):
+    """The tracker counts pairs, not the 16 sequences a batch of 8 holds (the planner's 2 sequences a sample)."""
+    rows = [json.loads(line) for line in (judge / "run_log.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "samples_per_second" in row and "step_seconds" in row]
+    assert steps and all(row["samples_per_second"] * row["step_seconds"] == pytest.approx(8, rel=0.01)
+                         for row in steps)  # fmt: skip
+    assert task_workload("reward", lora=False) == {"fused_head": False, "sequences_per_sample": 2}  # no reference
+    card = (judge / "README.md").read_text()
+    assert "pipeline_tag: text-classification" in card and "- reward" in card
+
+
+def test_grpo_takes_the_reward_model_beside_a_checker(judge, tmp_path):
+    """The export named as a reward (its folder), weighted 0.5 beside the accuracy checker: TRL scores each
+    completion with it, logs its mean and spread under the folder's name, and the step's reward is the weighted
+    sum of the two means."""
+    out = tmp_path / "grpo"
+    train(GRPO, ["--tiny", "--max_steps", "2", "--report_to", "none", "--output_dir", str(out), "--reward_funcs",
+                 f"accuracy,{judge}", "--reward_weights", "1,0.5"], "smollm2_grpo")  # fmt: skip
+    learned, checked = logged(out, "rewards/judge/mean"), logged(out, "rewards/accuracy/mean")
+    assert len(learned) == 2 and all(std > 0 for std in logged(out, "rewards/judge/std"))
+    for total, a, b in zip(logged(out, "reward"), checked, learned, strict=True):
+        assert total == pytest.approx(a + 0.5 * b, rel=1e-5, abs=1e-6)
+
+
+def test_the_plan_of_a_reward_model_measures_its_pairs(capsys):
+    """`toolkit plan qwen3_reward`: the activations measured on the sequence classifier itself (it failed without a
+    padding id, Qwen3's config has none, and fell back to the formula), two sequences a pair, no reference model."""
+    from toolkit.planner.cli import main
+
+    argv = ["qwen3_reward", "--gpu", "H100-80GB", "--gpus", "8", "--tokens_per_sample", "600"]
+    assert main(argv) == 0
+    assert "activations measured: the bytes autograd saves" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["workload"]["sequences_per_sample"] == 2 and not plan["workload"]["reference_weights"]
