@@ -64,3 +64,23 @@ def test_install_built_the_cpu_ops_in_the_environment(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert op_builds.build_main([]) == 0
     assert "a CUDA machine: DeepSpeed builds its ops when first used" in capsys.readouterr().out
+
+
+def test_deepspeed_counts_the_local_processes_without_a_subprocess(monkeypatch):
+    """A rank tells DeepSpeed's CPU accelerator how many processes share its node (LOCAL_SIZE, which DeepSpeed's own
+    launcher sets and torchrun does not). Without it every count forked `numactl --hardware` from the rank: ~1,100
+    times in 2 ZeRO-3 steps of SmolLM2-135M on 2 processes (counted with strace), once per gradient reduction."""
+    import subprocess
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from toolkit.distributed.launch import tell_deepspeed_the_local_processes
+
+    def forked(*args, **kwargs):
+        raise AssertionError(f"DeepSpeed ran {args[0]}")
+
+    monkeypatch.setattr(subprocess, "check_output", forked)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun gives each rank
+    tell_deepspeed_the_local_processes()
+    assert CPU_Accelerator().device_count() == 2

@@ -35,6 +35,7 @@ from .distributed.launch import (
     env_flag,
     is_local_main_process,
     receives_weights_from_rank0,
+    tell_deepspeed_the_local_processes,
     weights_arrive_upcast,
 )
 from .distributed.strategy import (
@@ -102,10 +103,12 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
 
 
 def prepare_process() -> None:
-    """Before anything builds accelerate's state: DeepSpeed's config found from any folder, its ops built in (or
+    """Before anything builds accelerate's state: DeepSpeed's config found from any folder, the processes on this
+    node told to DeepSpeed as its own launcher tells them, its ops built in (or
     loaded from) this environment's folder, build locks left by a killed build cleared (before DeepSpeed builds its
     first op), the patches this launch needs installed."""
     resolve_config_paths()
+    tell_deepspeed_the_local_processes()
     op_builds.use_environment_folder()
     if is_local_main_process():
         op_builds.clear_stale_locks()

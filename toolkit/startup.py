@@ -19,8 +19,9 @@ def heavy_imports() -> Iterator[None]:
 
     bitsandbytes is left out of that import: peft imports it eagerly for a helper the toolkit never calls (its
     kappa targets), and bitsandbytes registers its kernels with torch.compile, which imports the compiler: ~1.1 s of
-    CPU on every rank (2-core EPYC). A QLoRA run imports it when the weights load in 4-bit, as peft's LoRA layers
-    for them do; nothing asks whether it is installed during the import (tests/test_qlora.py proves both)."""
+    CPU on every rank (2-core EPYC). A LoRA run imports it when peft adds the adapters (its dispatch looks for
+    8-bit and 4-bit layers), a QLoRA run when the weights load in 4-bit; nothing asks whether it is installed during
+    the import (tests/test_qlora.py proves both)."""
     if "transformers" in sys.modules:
         yield
         return
