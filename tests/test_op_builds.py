@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -84,3 +85,18 @@ def test_deepspeed_counts_the_local_processes_without_a_subprocess(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun gives each rank
     tell_deepspeed_the_local_processes()
     assert CPU_Accelerator().device_count() == 2
+
+
+def test_builds_run_the_environments_own_ninja(monkeypatch):
+    """Whatever PATH a run starts with, torch's builds find this environment's ninja first (a log another ninja
+    version wrote made every op build again from scratch: 70 s for CPU Adam)."""
+    import shutil
+    import sys
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    op_builds.use_environment_folder()
+    own = Path(sys.executable).parent / "ninja"
+    if own.is_file():
+        assert shutil.which("ninja") == str(own)
+    op_builds.use_environment_folder()  # once on PATH is enough
+    assert os.environ["PATH"].count(str(own.parent)) == (1 if own.is_file() else 0)
