@@ -150,12 +150,12 @@ def tokens_in(inputs: dict[str, Any]) -> torch.Tensor | int:
     return mask.sum() if mask is not None else inputs["input_ids"].numel()
 
 
-def examples_in(inputs: dict[str, Any]) -> int:
+def examples_in(inputs: dict[str, Any], pairs: bool = False) -> int:
     """Examples in a micro-batch: conversations when packed (counted by the collator, on the host), preference
-    pairs (TRL's DPO batch: the chosen rows, then the rejected ones, with their completion_mask), else rows."""
+    pairs (`pairs`: TRL's DPO and reward batches hold the chosen rows, then the rejected ones), else rows."""
     if SEQUENCES in inputs:
         return inputs[SEQUENCES]
-    return len(inputs["input_ids"]) // (2 if "completion_mask" in inputs else 1)
+    return len(inputs["input_ids"]) // (2 if pairs else 1)
 
 
 def model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:

@@ -17,10 +17,6 @@ from .trainer import ToolkitTrainerMixin
 class RecipeRewardTrainer(ToolkitTrainerMixin, RewardTrainer):
     """The toolkit's parts on TRL's `RewardTrainer`."""
 
-    def batch_examples(self, inputs) -> int:
-        """A batch holds each pair's chosen sequences, then their rejected ones: a pair is one example."""
-        return len(inputs["input_ids"]) // 2
-
     def create_model_card(self, *args, **kwargs) -> None:
         """TRL drafts a card into the output folder at each checkpoint; the toolkit writes the run's own at the end
         (results/card.py), and a checkpoint never touches the run's files."""

@@ -154,7 +154,7 @@ class ToolkitTrainerMixin:
         if not isinstance(inputs, list):  # GRPO's is a generation batch of prompts: it counts once sampled (rl.py)
             if reports is not None:
                 reports.record(inputs)
-            self.tracker.count_batch(self.batch_examples(inputs), tokens_in(inputs))
+            self.tracker.count_batch(examples_in(inputs, task(self.recipe.data.task).pairs), tokens_in(inputs))
         if self.pipeline is not None:
             loss = self.pipeline_step(model, model_inputs(inputs))
         else:
@@ -301,10 +301,6 @@ class ToolkitTrainerMixin:
     def task_lines(self) -> tuple[str, ...]:
         """The header's lines of the task's own (GRPO's sampling), after the batch line."""
         return ()
-
-    def batch_examples(self, inputs: dict[str, Any]) -> int:
-        """The examples (rows, conversations, pairs) in a micro-batch, as the task's collator lays them out."""
-        return examples_in(inputs)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""
