@@ -64,6 +64,28 @@ def test_a_pair_is_one_example(judge):
     assert "pipeline_tag: text-classification" in card and "- reward" in card
 
 
+def test_toolkit_eval_scores_both_models_as_the_run_did(judge):
+    """`toolkit eval` on a reward run: each model's held-out accuracy and margin, TRL's evaluation on the run's
+    pairs, equal to the run's own at step 0 (the base model, its new head seeded as the run's was) and at its end
+    (the export); the table reuses those, and the card carries the run's."""
+    from toolkit.results.card import figure
+    from toolkit.results.evaluation import evaluate_run, load
+    from toolkit.results.held_out_pairs import held_out_pairs
+    from toolkit.results.record import RunRecord
+
+    record = RunRecord.read(judge)
+    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    for which, at in (("base", 0), ("tuned", -1)):
+        model, tokenizer = load(record, which)
+        found = held_out_pairs(record, model, tokenizer, held_out)
+        assert found == pytest.approx({k: logged(judge, f"eval_{k}")[at] for k in ("accuracy", "margin")}, abs=1e-5)
+    rows = {(r["metric"], r["base"], r["tuned"]) for r in evaluate_run(judge)["results"]}
+    assert {m for m, *_ in rows} == {"accuracy", "margin"}
+    assert ("accuracy", logged(judge, "eval_accuracy")[0], logged(judge, "eval_accuracy")[-1]) in rows
+    summary = json.loads((judge / "run_summary.json").read_text())["summary"]
+    assert f"| eval accuracy | {figure(summary['eval_accuracy'])} |" in (judge / "README.md").read_text()
+
+
 def test_grpo_takes_the_reward_model_beside_a_checker(judge, tmp_path):
     """The export named as a reward (its folder), weighted 0.5 beside the accuracy checker: TRL scores each
     completion with it, logs its mean and spread under the folder's name, and the step's reward is the weighted

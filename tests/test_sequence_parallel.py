@@ -133,7 +133,7 @@ def test_sequence_split_settles_packing_and_attention():
         check_sequence_split(config, {"sp": 2}, args, on_gpu=True, world_size=2)
     assert (args.data.packing, args.model.attn_implementation) == (True, "flash_attention_2")
     args.data.task = "dpo"
-    with pytest.raises(ConfigError, match="a dpo recipe has none to split"):
+    with pytest.raises(ConfigError, match="a dpo recipe.s trainer does not take split rows"):
         check_sequence_split(config, {"sp": 2}, args, on_gpu=False, world_size=2)
 
 

@@ -82,8 +82,8 @@ def check_split_task(mesh: dict[str, int], task: str) -> None:
     axis = next((axis for axis in ("cp", "sp") if mesh.get(axis, 1) > 1), None)
     if axis and task != "sft":
         raise ConfigError(f"parallelism_config_{axis}_size {mesh[axis]} splits the rows of a causal language model "
-                          f"(sft recipes); a {task} recipe has none to split: use a config without it (fsdp2.yaml, "
-                          "zero3.yaml).")  # fmt: skip
+                          f"(sft recipes); a {task} recipe's trainer does not take split rows: use a config without "
+                          "it (fsdp2.yaml, zero3.yaml).")  # fmt: skip
 
 
 def check_sequence_split(config: PretrainedConfig, mesh: dict[str, int], args: Arguments, *, on_gpu: bool,

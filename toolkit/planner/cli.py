@@ -258,7 +258,9 @@ def render(plan: dict) -> str:
         f"hardware    {h['nodes']} node(s) x {h['gpus_per_node']} x {h['gpu']} ({h['memory_gib']} GB), "
         f"{int(h['headroom'] * 100)}% headroom",
         f"workload    {w['precision']}{', fp32 master weights' if w['master_weights'] else ''}, {w['optimizer']}, "
-        f"micro-batch {w['micro_batch']} x {w['seq_length']} tokens, "
+        f"micro-batch {w['micro_batch']}"
+        + (f" pairs ({w['micro_batch'] * 2} sequences)" if task_table(plan["task"]).pairs else "")
+        + f" x {w['seq_length']} tokens, "
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",

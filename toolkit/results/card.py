@@ -192,6 +192,11 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
                 ("pricing", summary.get("pricing")),
                 ("train loss", figure(summary.get("train_loss"))),
                 ("eval loss", figure(summary.get("eval_loss"))),
+                *[
+                    (f"eval {name.replace('_', ' ')}", figure(summary[f"eval_{name}"]))  # the task's own, as logged
+                    for name in task_table(record.task).metrics
+                    if f"eval_{name}" in summary
+                ],
             ]
         ),  # fmt: skip
         "",

@@ -16,7 +16,13 @@ from .record import RunRecord, check_export
 
 HELD_OUT = "held-out"
 REPLY_CHOICE = "reply_choice"
-DEFAULT_TASKS = {"sft": (HELD_OUT, REPLY_CHOICE), "classification": (HELD_OUT,), "dpo": (), "grpo": (HELD_OUT,)}
+DEFAULT_TASKS = {
+    "sft": (HELD_OUT, REPLY_CHOICE),
+    "classification": (HELD_OUT,),
+    "dpo": (),
+    "grpo": (HELD_OUT,),
+    "reward": (HELD_OUT,),
+}
 EVAL_FOLDER = "eval"  # RUN/eval/: the reply_choice task's files
 
 

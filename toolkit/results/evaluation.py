@@ -47,7 +47,7 @@ def load(record: RunRecord, which: str):
     """The model the run started from ("base") or the one it saved ("tuned"; a LoRA run's adapter on its base), as
     its task loads them, and the tokenizer the run trained with."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, set_seed
 
     from ..models.loading import load_model
     from ..settings.arguments import ModelArguments
@@ -65,6 +65,7 @@ def load(record: RunRecord, which: str):
     if not computes_bf16():  # both models in fp32 on a CPU that would emulate 16 bits (settings/parser.py)
         model_args.dtype = "float32"
     if which == "base" or (folder / "adapter_config.json").is_file():
+        set_seed(record.settings.get("seed", 42))  # a new head starts as the run's did (runner.py seeds its load)
         model = load_model(model_args, task, tokenizer, labels)
         if which == "tuned":
             from peft import PeftModel
@@ -133,8 +134,19 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
     return held_out_figures(metrics)
 
 
-# Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched)
-HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy")
+# Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched), and
+# a reward model's over its pairs (results/held_out_pairs.py)
+HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy", "eval_margin")
+
+
+def held_out_fingerprint(rows) -> str:
+    """What each model is scored on: the token ids the run's collator batches, or the rows TRL's trainer renders
+    itself (GRPO's prompts, a reward model's pairs)."""
+    if "input_ids" in rows.column_names:
+        scored = [list(ids) for ids in rows["input_ids"]]
+    else:
+        scored = [rows[c] for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
+    return hashlib.sha256(json.dumps(scored, default=str).encode()).hexdigest()
 
 
 def held_out_figures(metrics: dict[str, Any]) -> dict[str, float]:
@@ -265,13 +277,12 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
-    token_level = HELD_OUT in tasks and record.task != "grpo"  # GRPO's held-out figure is its rewards'
-    logged = logged_held_out(record) if token_level else {}
+    scored_by_trainer = HELD_OUT in tasks and record.task != "grpo"  # GRPO's held-out figure is its rewards'
+    logged = logged_held_out(record) if scored_by_trainer else {}
     for which in ("base", "tuned"):  # one model in memory at a time
         name = record.base_model if which == "base" else record.folder
-        if token_level:
-            scored = [list(ids) for ids in prepared.eval["input_ids"]]
-            inputs[which][HELD_OUT] = hashlib.sha256(json.dumps(scored).encode()).hexdigest()
+        if HELD_OUT in tasks:
+            inputs[which][HELD_OUT] = held_out_fingerprint(prepared.eval)
         note = ""
         if which in logged:
             step, scores[which][HELD_OUT] = logged[which]
@@ -281,11 +292,14 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
             continue
         model, _ = load(record, which)
         if HELD_OUT in tasks and record.task == "grpo":  # greedy answers to held-out prompts, the run's rewards
-            from .held_out_rewards import held_out_rewards, prompts_fingerprint
+            from .held_out_rewards import held_out_rewards
 
             scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
-            inputs[which][HELD_OUT] = prompts_fingerprint(prepared.eval)
-        elif token_level and which not in logged:
+        elif HELD_OUT in tasks and record.task == "reward" and which not in logged:
+            from .held_out_pairs import held_out_pairs
+
+            scores[which][HELD_OUT] = held_out_pairs(record, model, tokenizer, prepared.eval)
+        elif scored_by_trainer and which not in logged:
             scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
         if harness_tasks:
             found, prints = harness(model, tokenizer, harness_tasks, manager, limit, batch_size)

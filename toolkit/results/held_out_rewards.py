@@ -6,18 +6,12 @@ absence), as loading a second model for the comparison is not yet done."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from typing import Any
 
 from ..settings.policy import PolicyArguments
 from ..training.rewards import Checked, reward_functions
 from .record import RunRecord
-
-
-def prompts_fingerprint(rows) -> str:
-    return hashlib.sha256(json.dumps(rows["prompt"], default=str).encode()).hexdigest()
 
 
 def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int = 16) -> dict[str, float]:

@@ -7,6 +7,7 @@ here, in the settings' own folder: the data and model code that gives them meani
 
 from __future__ import annotations
 
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -391,10 +392,11 @@ def check_together(data: DataArguments, run: RunArguments, training: TrainingArg
         raise ConfigError("generation_samples answers held-out prompts of an sft run: give it evaluation data "
                           "(--eval_split <split> or --eval_fraction 0.1), or drop it.")  # fmt: skip
     metric = training.metric_for_best_model
-    known = {"loss", *task(data.task).metrics}
+    known = ["loss", *task(data.task).metrics]
     if metric is not None and metric.removeprefix("eval_") not in known:
+        close = difflib.get_close_matches(metric.removeprefix("eval_"), known, n=1) or known[1:2] or known
         raise ConfigError(f"metric_for_best_model '{metric}' is not a metric this {data.task} run reports (it "
-                          f"reports {', '.join(sorted(known))}): pass --metric_for_best_model loss.")  # fmt: skip
+                          f"reports {', '.join(known)}): pass --metric_for_best_model {close[0]}.")  # fmt: skip
     if training.hub_model_id and not training.push_to_hub:
         warn(f"hub_model_id {training.hub_model_id} without push_to_hub: the model will not be pushed. Add "
              f"--push_to_hub true to push it at the end, or push the finished run with `python -m toolkit push "

@@ -98,7 +98,7 @@ TASKS = {
         pairs=True,
         tokenized_by_trainer=True,
         num_labels=1,
-        metrics=("accuracy", "margin", "mean_reward"),
+        metrics=("accuracy", "margin", "mean_reward", "min_reward", "max_reward"),
         pipeline_tag="text-classification",
     ),
 }
