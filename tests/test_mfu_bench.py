@@ -17,11 +17,16 @@ import mfu  # noqa: E402
 @pytest.mark.parametrize("variant", [v for v in mfu.VARIANTS if "liger" not in v])
 def test_mfu_bench_variant_runs_at_toy_size(variant, tmp_path, monkeypatch):
     """Every variant of the GPU table but Liger's (Triton kernels: a GPU only), FP8 ones too (torchao's float8
-    runs on a CPU; TOOLKIT_FP8_ON_CPU=1 passes the capability check), compiled ones compiled."""
+    runs on a CPU; TOOLKIT_FP8_ON_CPU=1 passes the capability check), compiled ones compiled (dynamo and
+    AOTAutograd; inductor's CPU kernels are not what a GPU builds)."""
     monkeypatch.setenv("TOOLKIT_FP8_ON_CPU", "1")
     if reason := mfu.available(variant):
         pytest.skip(reason)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     row = mfu.run_variant(variant, steps=mfu.WARMUP + 2, batch=2, row_length=128, toy=True, out=tmp_path)
+    assert (counters["stats"]["unique_graphs"] > graphs) == row["compile"]  # traced by dynamo (aot_eager on a CPU)
     assert row["tokens_per_second"] > 0 and row["device"] == "cpu"
     assert row["attention"] == "sdpa"  # auto's choice on a CPU (flex and flash attention on a GPU)
     assert row["mfu"] is None and row["peak_gib"] is None  # no datasheet peak, no CUDA allocator on a CPU
