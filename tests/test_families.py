@@ -27,9 +27,8 @@ def smollm2_flags(out: Path, per_device_batch: int) -> list[str]:
     return ["--model_name_or_path", SMOLLM2, "--dataset_name", str(tiny.write_tiny_dataset("sft")), "--train_split",
             "train", "--eval_split", "none", "--dtype", "float32", "--bf16", "false", "--max_steps", "1",
             "--warmup_steps", "0", "--max_seq_length", "64", "--learning_rate", "1e-4", "--gradient_accumulation_steps",
-            "1",
-            "--save_strategy", "no", "--per_device_train_batch_size", str(per_device_batch), "--report_to", "none",
-            "--record_rank_reports", "true", "--output_dir", str(out)]  # fmt: skip
+            "1", "--save_strategy", "no", "--per_device_train_batch_size", str(per_device_batch), "--report_to",
+            "none", "--record_rank_reports", "true", "--output_dir", str(out)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
