@@ -89,7 +89,9 @@ def test_toolkit_eval_scores_both_models_as_the_run_did(judge):
 def test_grpo_takes_the_reward_model_beside_a_checker(judge, tmp_path):
     """The export named as a reward (its folder), weighted 0.5 beside the accuracy checker: TRL scores each
     completion with it, logs its mean and spread under the folder's name, and the step's reward is the weighted
-    sum of the two means."""
+    sum of the two means; the run's memory plan counts the reward model's weights."""
+    from transformers import AutoModelForSequenceClassification
+
     out = tmp_path / "grpo"
     train(GRPO, ["--tiny", "--max_steps", "2", "--report_to", "none", "--output_dir", str(out), "--reward_funcs",
                  f"accuracy,{judge}", "--reward_weights", "1,0.5"], "smollm2_grpo")  # fmt: skip
@@ -97,6 +99,11 @@ def test_grpo_takes_the_reward_model_beside_a_checker(judge, tmp_path):
     assert len(learned) == 2 and all(std > 0 for std in logged(out, "rewards/judge/std"))
     for total, a, b in zip(logged(out, "reward"), checked, learned, strict=True):
         assert total == pytest.approx(a + 0.5 * b, rel=1e-5, abs=1e-6)
+    # the plan holds the reward model beside the policy: its weights as TRL loaded them (fp32, as saved)
+    plan = json.loads((out / "run_summary.json").read_text())["config"]["memory_plan"]["device"]
+    model = AutoModelForSequenceClassification.from_pretrained(judge)
+    assert model.dtype == torch.float32
+    assert plan["reward_models"] == sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def test_the_plan_of_a_reward_model_measures_its_pairs(capsys):
@@ -110,3 +117,19 @@ def test_the_plan_of_a_reward_model_measures_its_pairs(capsys):
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["workload"]["sequences_per_sample"] == 2 and not plan["workload"]["reference_weights"]
+
+
+@pytest.mark.parametrize(("config", "shards"), [("ddp", 1), ("zero2", 1), ("zero3", 8), ("fsdp2", 8)])
+def test_a_grpo_plan_places_its_reward_models_as_trl_does(config, shards):
+    """TRL holds a reward model whole on every device (DDP, ZeRO-1/2: DeepSpeed's stage 0 for it) or sharded where
+    the policy's parameters are (ZeRO-3 partitions it, FSDP wraps it), as the reference model: 8 GPUs."""
+    from conftest import ROOT
+
+    from toolkit.planner import Layout, Shape, Workload, meta_model, plan_memory
+
+    model = tiny.stored_config("Qwen/Qwen3-0.6B")
+    shape = Shape.of(meta_model(model, "sft"), model)
+    layout = Layout.from_file(ROOT / "accelerate_configs" / f"{config}.yaml")
+    work = Workload(reward_model_bytes=1_199_570_944)  # Qwen3-0.6B's 599,785,472 bf16 weights
+    assert plan_memory(shape, layout, work, 8).device["reward_models"] == 1_199_570_944 // shards
+    assert "reward_models" not in plan_memory(shape, layout, Workload(), 8).device

@@ -91,8 +91,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args))
     if resume:  # the steps it will train are known once the data is
         checkpoints.check_steps_left(resume, planned_steps(args.training, len(data.train)))
+    rewards = reward_parts(args, data)  # checked first: the plan reads a reward model's config
     work = plan_workload(args, model_plan)
-    rewards = reward_parts(args, data)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
                                upcast_placeholders=weights_arrive_upcast(mixed))  # fmt: skip

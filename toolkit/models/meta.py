@@ -45,3 +45,13 @@ def outside_zero3_init():
     finally:
         if current is not None and current() is not None:
             hf_deepspeed.set_hf_deepspeed_config(current())
+
+
+def saved_model_bytes(folder, task: str) -> int:
+    """The weights of a saved model as `from_pretrained` loads them by default (dtype "auto": its config's; fp32
+    where the config says none), counted on the meta device (shared tensors once)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    return sum(p.numel() for p in meta_model(config, task).parameters()) * dtype.itemsize

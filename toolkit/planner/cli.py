@@ -32,6 +32,7 @@ from .estimate import (
     bubble,
     cost_from_throughput,
     master_weights,
+    reward_model_bytes,
     samples_per_second_at_mfu,
     task_workload,
     training_flops_per_token,
@@ -100,6 +101,7 @@ def build_plan(args) -> dict:
         master_weights=masters,
         trainable_fp32=lora is not None or bool(values.get("fp16")),
         lora_dropout=values.get("lora_dropout", ModelArguments.lora_dropout) if lora is not None else 0.0,
+        reward_model_bytes=reward_model_bytes(task, PolicyArguments(reward_funcs=values.get("reward_funcs"))),
         **task_workload(task, lora is not None, fused, beta=values.get("beta") or 0.0),
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,

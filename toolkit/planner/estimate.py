@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..errors import ConfigError
 from ..metrics.cost import CostModel
 from ..metrics.memory import GIB
+from ..models.meta import saved_model_bytes
 from ..models.pipeline import bubble
 from ..project import strategy_files
 from ..settings.tasks import TASKS, fused_head
@@ -82,8 +84,24 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     flash_attention=arguments.model.attn_implementation != "eager",
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
                     weights_4bit=arguments.model.load_in_4bit,
+                    reward_model_bytes=reward_model_bytes(d.task, arguments.policy),
                     **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu,
                                     arguments.policy.beta or 0.0))  # fmt: skip
+
+
+def reward_model_bytes(task: str, policy) -> int:
+    """The weights of an online-RL run's learned rewards (settings/policy.py's reward_models), as TRL loads them."""
+    if task not in TASKS or not task_table(task).samples_online:
+        return 0
+    total = 0
+    for folder in policy.reward_models():
+        try:
+            total += saved_model_bytes(folder, "reward")
+        except (OSError, ValueError) as error:
+            reason = " ".join(str(error).split())[:200]
+            raise ConfigError(f"reward model {folder}: its config.json does not load ({reason}): name the folder "
+                              "a reward model was saved to (save_pretrained).") from None  # fmt: skip
+    return total
 
 
 def master_weights(lora: bool, mixed_precision: bool, setting: bool | None) -> bool:

@@ -45,6 +45,8 @@ class Workload:
     # and without LoRA a frozen reference copy of the weights (with LoRA, the base with the adapter off).
     sequences_per_sample: int = 1
     reference_weights: bool = False
+    # GRPO's learned rewards: their weights' bytes (models/meta.py's saved_model_bytes), every reward model whole.
+    reward_model_bytes: int = 0
     # The loss scored in tiles by a fused head that never holds the full logits (TRL's chunked log-prob head,
     # which DPO uses): fused_head_bytes instead of the logits.
     fused_head: bool = False
@@ -339,6 +341,9 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # partitions it, FSDP shards it; DDP and ZeRO-1/2 hold it whole, as stage 0).
     if work.reference_weights:
         mem.device["reference_model"] = int(weight * shape.total / (shards if layout.shard_params else 1))
+    # GRPO's reward models, frozen, in the dtype they were saved in, placed by TRL as the reference is.
+    if work.reward_model_bytes:
+        mem.device["reward_models"] = int(work.reward_model_bytes / (shards if layout.shard_params else 1))
     # Context and sequence parallelism: each rank holds 1/split of every row's tokens through the layers and the
     # loss (Ulysses' attention: the whole row for 1/split of the heads, the same bytes), so every term below,
     # linear in the tokens under sdpa and flash attention (the kernels a split runs), is taken at s / split.

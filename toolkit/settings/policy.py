@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from functools import cache
+from pathlib import Path
 
 from transformers import TrainingArguments
 
@@ -20,6 +21,7 @@ from ..errors import ConfigError
 # TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
+BUILT_IN = ("accuracy", "format", "length")  # the rewards named by a word (training/rewards.py's built_in)
 DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
 VLLM_MODES = ("colocate", "server")
 
@@ -140,6 +142,13 @@ class PolicyArguments:
         names = self.reward_funcs or ""  # a recipe may give a list
         names = names.split(",") if isinstance(names, str) else names
         return [str(name).strip() for name in names if str(name).strip()]
+
+    def reward_models(self) -> list[Path]:
+        """The rewards that name a model's folder (one holding a config.json; not a built-in name nor a
+        module:function): TRL loads each beside the policy (training/rewards.py checks them, the planner counts
+        them)."""
+        folders = [Path(name).expanduser() for name in self.rewards() if ":" not in name and name not in BUILT_IN]
+        return [folder for folder in folders if (folder / "config.json").is_file()]
 
     def weights(self) -> list[float]:
         if not self.reward_weights:

@@ -146,12 +146,13 @@ def reward_functions(policy: PolicyArguments) -> list[Callable | str]:
     """The recipe's rewards, in order: checked callables, or a reward model's folder (TRL loads it as a
     one-label sequence classifier, e.g. a model the classification task trained)."""
     out: list[Callable | str] = []
+    models = policy.reward_models()
     for spec in policy.rewards():
         function = built_in(spec, policy)
         if function is None and ":" in spec:
             function = user_function(spec)
         if function is None:
-            if (Path(spec).expanduser() / "config.json").is_file():
+            if Path(spec).expanduser() in models:
                 out.append(reward_model(Path(spec).expanduser()))
                 continue
             raise ConfigError(f"reward '{spec}' is neither a built-in one (accuracy, format, length), a "
