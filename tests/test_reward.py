@@ -133,3 +133,23 @@ def test_a_grpo_plan_places_its_reward_models_as_trl_does(config, shards):
     work = Workload(reward_model_bytes=1_199_570_944)  # Qwen3-0.6B's 599,785,472 bf16 weights
     assert plan_memory(shape, layout, work, 8).device["reward_models"] == 1_199_570_944 // shards
     assert "reward_models" not in plan_memory(shape, layout, Workload(), 8).device
+
+
+def test_the_base_model_of_a_new_head_is_the_one_the_run_started_from(tmp_path):
+    """A reward model from a language model's checkpoint starts with a new, random score head: `toolkit eval`'s base
+    model gets the head the run started with (seeded as the runner seeds its load), so its held-out figures are
+    the run's own at step 0, not another random head's."""
+    from toolkit.results.evaluation import load
+    from toolkit.results.held_out_pairs import held_out_pairs
+    from toolkit.results.record import RunRecord
+
+    causal = tiny.tiny_checkpoint("Qwen/Qwen3-0.6B", "sft")  # no score head
+    out = tmp_path / "judge"
+    train(REWARD, [*FLAGS, "--model_name_or_path", str(causal), "--max_steps", "1", "--output_dir", str(out)],
+          "qwen3_reward")  # fmt: skip
+    record = RunRecord.read(out)
+    torch.manual_seed(1234)  # whatever the process drew before
+    model, tokenizer = load(record, "base")
+    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    found = held_out_pairs(record, model, tokenizer, held_out)
+    assert found["margin"] == pytest.approx(logged(out, "eval_margin")[0], abs=1e-5)
