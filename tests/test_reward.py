@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import logged
+from conftest import check, launch, logged
 from qwen3_reward import RECIPE as REWARD
+from safetensors.torch import load_file
 from smollm2_grpo import RECIPE as GRPO
 
 from toolkit import train
@@ -51,6 +52,20 @@ def test_a_reward_model_learns_the_preference_it_is_shown(judge):
     right = [score(row["chosen"]) > score(row["rejected"]) for row in held_out]
     batches = [right[i : i + 8] for i in range(0, len(right), 8)]
     assert after == pytest.approx(sum(sum(b) / len(b) for b in batches) / len(batches), abs=1e-6)
+
+
+@pytest.mark.launch
+def test_a_reward_model_trains_under_zero3_as_on_one_process(judge, tmp_path):
+    """2 processes under ZeRO-3 (the classifier's weights and its score head partitioned, gathered for the export),
+    4 pairs each: the 1-process run's loss at every logged step and its exported weights."""
+    out = tmp_path / "run"
+    check(launch("zero3", "qwen3_reward", *FLAGS, "--per_device_train_batch_size", "4", "--output_dir", str(out),
+                 cwd=tmp_path))  # fmt: skip
+    assert len(logged(judge, "loss")) == 20 and logged(out, "loss") == pytest.approx(logged(judge, "loss"), rel=1e-4)
+    ours, reference = load_file(out / "model.safetensors"), load_file(judge / "model.safetensors")
+    assert sorted(ours) == sorted(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
 
 
 def test_a_pair_is_one_example(judge):
