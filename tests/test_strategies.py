@@ -173,6 +173,7 @@ def test_strategy(config, recipe, reference, tmp_path):
         UNINTERRUPTED[config] = rank_reports(out)
         RUN_DIRS[config] = out
     if recipe == "llama3_lora":
+        check_adapter_reloads(out)
         check_merged(out)
     if recipe == "llama3_fft" and config in RESUMED:
         resumed = tmp_path / "resumed"
@@ -487,6 +488,21 @@ def planned_bytes(config: str, recipe: str, processes: int) -> dict[str, int]:
         },
         "copies_at_load": memory.host_loading / (4 * shape.total),
     }
+
+
+def check_adapter_reloads(out) -> None:
+    """The LoRA run saved an adapter alone (not a copy of the base), every tensor of which peft loads by itself,
+    onto the tiny base saved beside it."""
+    from peft import AutoPeftModelForCausalLM
+
+    saved = load_file(out / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)
+    assert not (out / "model.safetensors").exists()
+    model = AutoPeftModelForCausalLM.from_pretrained(out)
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
+    assert sorted(loaded) == sorted(saved)
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def check_merged(out) -> None:
