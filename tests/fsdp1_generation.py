@@ -3,6 +3,7 @@ in FSDP1 (FULL_SHARD, one unit per decoder layer), with and without the root uni
 (training/generation_samples.py's root_unsharded), against the same model unwrapped. Rank 0 writes the outcome."""
 
 import json
+import os
 import sys
 
 import torch
@@ -39,5 +40,9 @@ except Exception as error:  # noqa: BLE001 - what the bypass does is the outcome
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({"reference": reference, "gathered": gathered, "bypassed": bypassed}, f)
-dist.barrier()  # both ranks past every collective before the group goes (rank 0 aborted once, at teardown, under load)
+# As the runner leaves (runner.run): both ranks past every collective, the group gone, then no interpreter teardown,
+# where gloo aborted rank 0 once under load ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
