@@ -256,6 +256,11 @@ def parse(
     if isinstance(compile_setting, str) and compile_setting.strip().lower() == AUTO:
         compile_setting = AUTO
         values["torch_compile"] = False  # until the runner resolves it (settings/compile.py)
+    if values.get("load_best_model_at_end") and str(values.get("eval_strategy", "no")).lower() == "no":
+        tiny = " (tiny mode turns the recipe's evaluation off)" if values.get("tiny") else ""
+        raise ConfigError(f"load_best_model_at_end keeps the checkpoint that evaluated best, and this run does not "
+                          f"evaluate{tiny}: pass --eval_strategy steps with held-out rows (--eval_fraction 0.1), or "
+                          "drop --load_best_model_at_end.")  # fmt: skip
     try:
         model, data, policy, run, training = parser.parse_dict(values)
     except ConfigError:
