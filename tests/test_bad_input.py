@@ -172,7 +172,7 @@ RUNS = [
     ("save-steps-0", "bert", ["--save_strategy", "steps", "--save_steps", "0"], "pass --save_steps N"),
     ("eval-without-data", "bert", ["--eval_strategy", "steps"], "--eval_fraction 0.1"),
     ("best-metric", "bert", ["--metric_for_best_model", "f1"], "--metric_for_best_model accuracy"),
-    ("best-without-eval", "qwen3_reward", ["--tiny", "--load_best_model_at_end", "true"], "tiny mode turns the"),
+    ("best-without-eval", "llama3_fft", ["--load_best_model_at_end", "true"], "tiny mode turns the"),
     ("attention-name", "bert", ["--attn_implementation", "fast"], "--attn_implementation sdpa"),
     ("flash-attention-missing", "llama3_fft", ["--attn_implementation", "flash_attention_2"], "pip install flash-attn"),
     ("flash-attention-3-missing", "llama3_fft", ["--attn_implementation", "flash_attention_3"], "vllm-flash-attn3"),
