@@ -150,7 +150,7 @@ def test_a_grpo_plan_places_its_reward_models_as_trl_does(config, shards):
     assert "reward_models" not in plan_memory(shape, layout, Workload(), 8).device
 
 
-def test_the_base_model_of_a_new_head_is_the_one_the_run_started_from(tmp_path):
+def test_the_base_model_of_a_new_head_is_the_one_the_run_started_from(tmp_path, capsys):
     """A reward model from a language model's checkpoint starts with a new, random score head: `toolkit eval`'s base
     model gets the head the run started with (seeded as the runner seeds its load), so its held-out figures are
     the run's own at step 0, not another random head's."""
@@ -162,6 +162,7 @@ def test_the_base_model_of_a_new_head_is_the_one_the_run_started_from(tmp_path):
     out = tmp_path / "judge"
     train(REWARD, [*FLAGS, "--model_name_or_path", str(causal), "--max_steps", "1", "--output_dir", str(out)],
           "qwen3_reward")  # fmt: skip
+    assert "batch         8 pairs per device x 1 accumulation" in capsys.readouterr().out  # the header counts pairs
     record = RunRecord.read(out)
     torch.manual_seed(1234)  # whatever the process drew before
     model, tokenizer = load(record, "base")

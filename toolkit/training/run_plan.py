@@ -204,7 +204,8 @@ class RunPlan:
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
             f"compile       {'on' if training.torch_compile else 'off'}"
             + (f" ({note})" if (note := recipe.compile_note) else ""),
-            f"batch         {training.per_device_train_batch_size} per device x {training.gradient_accumulation_steps} "
+            f"batch         {training.per_device_train_batch_size}{' pairs' if task(recipe.data.task).pairs else ''} "
+            f"per device x {training.gradient_accumulation_steps} "
             f"accumulation x {replicas} {'processes' if replicas == s['num_processes'] else 'data-parallel replicas'}"
             f" = {global_batch_size(training)} global",
             *task_lines,
