@@ -63,7 +63,10 @@ def test_budget_stops_with_a_checkpoint_that_resumes_and_carries_the_cost(tmp_pa
     with pytest.raises(BudgetSpent, match=r"stopped after step (\d+) of 40 with .*checkpoint-\1 written") as info:
         bert_run(tmp_path, *flags, "--budget_usd", "5")
     step = int(re.search(r"after step (\d+)", str(info.value)).group(1))
-    assert "budget: $" in capsys.readouterr().err  # the 80% warning, once
+    # the 80% warning at most once: the run stops as soon as the next step would pass $5, which on a fast machine
+    # comes before the spend reaches 80% (step 1 ended with $2.5-4 spent: a stop, no warning); its timing is
+    # test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pass_it's
+    assert capsys.readouterr().err.count("budget: $") <= 1
     checkpoint = tmp_path / "run" / f"checkpoint-{step}"
     spent = json.loads((checkpoint / "toolkit_cost.json").read_text())
     # training stopped before the next step (at the mean step cost so far, start-up included) would pass $5;
