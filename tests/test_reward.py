@@ -23,6 +23,11 @@ from toolkit.settings.parser import parse
 FLAGS = ["--tiny", "--eval_fraction", "0.1", "--eval_on_start", "true", "--report_to", "none"]
 
 
+def held_out_pairs_of_the_tiny_runs():
+    """The pairs the tiny runs here hold out (FLAGS' tenth of the tiny data), loaded as the runs load them."""
+    return load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+
+
 @pytest.fixture(scope="module")
 def judge(tmp_path_factory) -> Path:
     """A tiny reward model: 20 steps of 8 pairs (the right sum stated, against a wrong one hedged)."""
@@ -48,7 +53,7 @@ def test_a_reward_model_learns_the_preference_it_is_shown(judge):
         with torch.no_grad():
             return model(**ids).logits[0, 0].item()
 
-    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    held_out = held_out_pairs_of_the_tiny_runs()
     right = [score(row["chosen"]) > score(row["rejected"]) for row in held_out]
     batches = [right[i : i + 8] for i in range(0, len(right), 8)]
     assert after == pytest.approx(sum(sum(b) / len(b) for b in batches) / len(batches), abs=1e-6)
@@ -89,7 +94,7 @@ def test_toolkit_eval_scores_both_models_as_the_run_did(judge):
     from toolkit.results.record import RunRecord
 
     record = RunRecord.read(judge)
-    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    held_out = held_out_pairs_of_the_tiny_runs()
     for which, at in (("base", 0), ("tuned", -1)):
         model, tokenizer = load(record, which)
         found = held_out_pairs(record, model, tokenizer, held_out)
@@ -166,6 +171,6 @@ def test_the_base_model_of_a_new_head_is_the_one_the_run_started_from(tmp_path, 
     record = RunRecord.read(out)
     torch.manual_seed(1234)  # whatever the process drew before
     model, tokenizer = load(record, "base")
-    held_out = load_raw(parse(REWARD, "qwen3_reward", FLAGS, tiny.tiny_layer, here=True).data)["eval"]
+    held_out = held_out_pairs_of_the_tiny_runs()
     found = held_out_pairs(record, model, tokenizer, held_out)
     assert found["margin"] == pytest.approx(logged(out, "eval_margin")[0], abs=1e-5)
