@@ -181,7 +181,10 @@ def launch(row: Row, out: Path, extra: list[str]) -> subprocess.CompletedProcess
            "--save_steps", str(SAVE_AT), "--logging_steps", "1", "--report_to", "none", "--output_dir", str(out),
            *row.recipe_flags, *extra]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".log").write_text(result.stdout + result.stderr)  # beside the run: the whole story of a failure
+    return result
 
 
 def losses(folder: Path) -> list[float]:
@@ -230,7 +233,7 @@ def check_reload(run: Path, checkpoint: Path) -> int:
     quiet = io.StringIO()  # the loaders' progress bars and notes; what fails is raised
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         model, _ = load(run)
-        loaded = {plain_name(name): tensor for name, tensor in model.state_dict().items()}
+        loaded = {plain_name(name): tensor.cpu() for name, tensor in model.state_dict().items()}  # load: on the GPU
         saved = {plain_name(name): tensor for name, tensor in checkpoint_weights(checkpoint).items()}
     if not saved:
         raise RowFailure(f"{checkpoint.name} holds no weights")
