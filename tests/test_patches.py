@@ -5,6 +5,8 @@ accelerate or transformers is a conscious step (re-test, then widen the window o
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,66 @@ def test_the_install_keeps_each_library_inside_its_window(reliance):
     pins = {r.name: r.specifier for r in map(Requirement, (ln for ln in lines if ln and not ln.startswith("#")))}
     low, high = reliance.versions
     assert pins[reliance.library] == SpecifierSet(f">={low},<{high}")
+
+
+def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch):
+    """FSDP1 itself on CPU (gloo, one process): accelerate's own save and load of a SHARDED_STATE_DICT optimizer,
+    the load given a fresh optimizer as a resuming Trainer gives it. Without fsdp1_resume nothing is loaded."""
+    import socket
+    from types import SimpleNamespace
+
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    from toolkit.distributed.patches import fsdp1_resume
+
+    monkeypatch.setattr(fsdp1_resume, "_original", fsdp_utils.load_fsdp_optimizer)
+    monkeypatch.setattr(fsdp_utils, "logger", logging.getLogger(__name__))  # accelerate's needs an Accelerator
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="SHARDED_STATE_DICT")
+        accelerator = SimpleNamespace(process_index=0, wait_for_everyone=lambda: None)
+
+        def model_and_optimizer():
+            """A bf16 model in bf16 mixed precision as accelerate prepares it: its flat parameters upcast to fp32
+            after wrapping (Accelerator.prepare_model's two lines), which its parameters see at the first forward."""
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).to(torch.bfloat16)
+            bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True, mixed_precision=bf16)
+            for module in FSDP.fsdp_modules(model):
+                module._flat_param.data = module._flat_param.data.to(torch.float32)
+                module._handle._orig_param_dtype = torch.float32
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # the Trainer's on a GPU
+
+        def step(model, optimizer):
+            model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        model, optimizer = model_and_optimizer()
+        for _ in range(3):
+            step(model, optimizer)
+        checkpoint = Path(tempfile.mkdtemp())
+        fsdp_utils.save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(checkpoint))
+        saved = [optimizer.state[p] for p in model.parameters()]
+
+        for load, loads_state in ((fsdp_utils.load_fsdp_optimizer, False), (fsdp1_resume.load_fsdp_optimizer, True)):
+            model, optimizer = model_and_optimizer()
+            load(plugin, accelerator, optimizer, model, str(checkpoint))
+            assert bool(optimizer.state) == loads_state
+        for parameter, before in zip(model.parameters(), saved, strict=True):
+            after = optimizer.state[parameter]
+            assert float(after["step"]) == float(before["step"]) == 3
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert after[key].dtype == torch.float32 and torch.equal(after[key], before[key])
+        step(model, optimizer)  # the fused step takes the moments in the parameters' dtype
+    finally:
+        dist.destroy_process_group()

@@ -1,24 +1,25 @@
 """Every change the toolkit makes to another library's code, and every private API it builds on, in one place.
 
 PATCHES replace a function of accelerate while a launch needs it: `fsdp_cpu` (FSDP really shards on a machine
-without GPUs), `fsdp_loading` (RAM-efficient FSDP loading holds one copy of the model) and `tp_cpu` (a tensor-
-parallel mesh is accepted on a machine without GPUs). Each is gated on the
-accelerate versions it was tested with and on the signatures of what it touches (gate.py): outside them it
-warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private `transformers.Trainer` methods
-the trainer overrides (training/trainer.py) and the other private names the toolkit reads: a changed
-signature is warned about at start-up. tests/test_patches.py fails the day an installed version leaves a
-window, so upgrading accelerate or transformers is a conscious step: re-test, then widen the window or delete
-the patch.
+without GPUs), `fsdp1_resume` (an FSDP1 resume loads the optimizer's state), `fsdp_loading` (RAM-efficient FSDP
+loading holds one copy of the model) and `tp_cpu` (a tensor-parallel mesh is accepted on a machine without GPUs).
+Each is gated on the accelerate versions it was tested with and on the signatures of what it touches (gate.py):
+outside them it warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private
+`transformers.Trainer` methods the trainer overrides (training/trainer.py) and the other private names the toolkit
+reads: a changed signature is warned about at start-up. tests/test_patches.py fails the day an installed version
+leaves a window, so upgrading accelerate or transformers is a conscious step: re-test, then widen the window or
+delete the patch.
 """
 
 from __future__ import annotations
 
+from .fsdp1_resume import PATCH as FSDP1_RESUME
 from .fsdp_cpu import PATCH as FSDP_CPU
 from .fsdp_loading import PATCH as FSDP_LOADING
 from .gate import Patch, Reliance, Target, warn_once
 from .tp_cpu import PATCH as TP_CPU
 
-PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP_LOADING, TP_CPU)
+PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP1_RESUME, FSDP_LOADING, TP_CPU)  # FSDP_CPU first: on CPU FSDP1 is FSDP2
 
 PRIVATE_TRANSFORMERS = Reliance(
     name="the toolkit's uses of private transformers API",
