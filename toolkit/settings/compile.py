@@ -2,8 +2,9 @@
 elsewhere, and why, for the run's header. Measured on one H100 (../shared/gpu/README.md, 2026-11-25, Llama-3.2-1B
 shape, packed 4,096-token rows): the toolkit's defaults 37,759 tokens/s, with compile 47,756-50,777 (1.27x);
 FP8 (torchao) without compile 17,312 (0.46x of bf16), with it 58,499-59,961 (1.26x of bf16 compile); Liger's
-kernels on top of compile 46,550, slower than compile alone. `make gpu-check` measures more settings; a setting
-it proves moves into `choose_compile`.
+kernels on top of compile 46,550, slower than compile alone. Re-measured with these defaults on an H100
+(docs/benchmarks.md, 2026-11-27): 53,114 tokens/s, 48.5% MFU, 1.59x the plain Trainer on the same work.
+`bench/mfu.py` measures single-GPU settings; a setting it proves faster moves into `choose_compile`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def choose_compile(setting: bool | str, *, fp8: bool, on_gpu: bool, processes: i
         return False, "auto: with Liger's kernels (compile + Liger measured slower than compile alone on an H100)"
     if processes == 1 and replicated and not lora and attention == "flex_attention":
         return True, "auto: single-GPU full fine-tune with flex attention, measured 1.27x on an H100"
-    return False, "auto: not yet measured faster for this setting (make gpu-check measures it)"
+    return False, "auto: not yet measured faster for this setting (--torch_compile true tries it)"
 
 
 def asks_for_compile(setting: bool | str, backend: str | None, mode: str | None) -> bool | str:
