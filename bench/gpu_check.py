@@ -10,10 +10,13 @@ flex attention, the fused loss, --torch_compile auto; the training flags it chan
   generate   (the rows that resume) `python -m toolkit generate` answers a prompt
 then bench/mfu.py (speed, MFU and memory against the plan, one repeat). One table on stdout, also when a row raises
 or the sweep is interrupted; one JSON line per row in OUTPUT/rows.jsonl as each ends; a row that fails, whatever it
-raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches (estimated 10-15
-minutes with bench/mfu.py; --configs/--recipes narrow it).
+raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches; on an H100 a row took
+20-140 s (the resumed and compiled ones longest): about 35 minutes one row at a time, estimated, so on one GPU
+3 rows run side by side (--jobs; 3 sweeps side by side ran 11 rows in 285 s there); then bench/mfu.py's 12
+variants, 30-110 s each. --configs/--recipes narrow it.
 
     make gpu-check                      # = python bench/gpu_check.py
+    python bench/gpu_check.py --jobs 1 --no_bench   # one row at a time, no speed table
     python bench/gpu_check.py --dry_run --gpus 8    # what it would launch for 8 GPUs (any machine; the tests)
 """
 
@@ -29,7 +32,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +57,9 @@ ENGINES = {"DEEPSPEED": "DEEPSPEED", "FSDP": "FSDP"}  # else: replicated (Reques
 # 0.0), so the tiny model's, set to 0, is theirs.
 OWN_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "lora_dropout",
              "attn_implementation", "eval_fraction", "generation_samples")  # fmt: skip
+
+
+STDOUT = threading.Lock()  # rows run side by side (--jobs) swap sys.stdout one at a time, and print between
 
 
 class RowFailure(Exception):
@@ -231,7 +239,7 @@ def check_reload(run: Path, checkpoint: Path) -> int:
     if not checkpoint.is_dir():
         raise RowFailure(f"no {checkpoint.name} to compare the export with")
     quiet = io.StringIO()  # the loaders' progress bars and notes; what fails is raised
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+    with STDOUT, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # one row's at a time
         model, _ = load(run)
         loaded = {plain_name(name): tensor.cpu() for name, tensor in model.state_dict().items()}  # load: on the GPU
         saved = {plain_name(name): tensor for name, tensor in checkpoint_weights(checkpoint).items()}
@@ -362,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", help="comma-separated config names (default: every shipped one)")
     parser.add_argument("--recipes", help=f"comma-separated recipes (default: {','.join(RECIPES)})")
     parser.add_argument("--no_bench", action="store_true", help="skip bench/mfu.py at the end")
+    parser.add_argument("--jobs", type=int, help="rows at once, on one GPU only (default there: 3): a tiny row "
+                        "leaves the GPU mostly idle (3 side by side on an H100 ran 11 rows in 285 s)")  # fmt: skip
     parser.add_argument("--output", default="runs/gpu_check")
     args = parser.parse_args(argv)
     from toolkit.project import strategy_files
@@ -380,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.gpus or present
     if not gpus:
         raise ConfigError("no GPU here to plan for: pass --dry_run --gpus N to see what it would launch on N.")
+    args.jobs = args.jobs or (3 if gpus == 1 else 1)
+    if args.jobs < 1 or (args.jobs > 1 and gpus > 1):
+        raise ConfigError(f"--jobs {args.jobs}: rows run side by side only on one GPU, whose rows are one process "
+                          f"each; pass --jobs 1{' or --gpus 1' if gpus > 1 else ''}.")  # fmt: skip
     import torch
 
     fp8 = args.dry_run or (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
@@ -398,19 +412,41 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "rows.jsonl").write_text("")
-    try:  # the table, whatever ends the sweep
-        for row in rows:
+
+    recorded: set[int] = set()
+
+    def record(row: Row) -> None:
+        recorded.add(id(row))
+        with STDOUT:
             if not row.skip:
-                run_row(row, output)
                 print(f"{row.config:20s} {row.recipe:14s} {row.status} ({row.seconds} s) {row.error}", flush=True)
             with (output / "rows.jsonl").open("a") as f:
                 f.write(json.dumps(asdict(row)) + "\n")
+
+    pool = ThreadPoolExecutor(args.jobs)
+    try:  # the table, whatever ends the sweep
+        if args.jobs == 1:
+            for row in rows:
+                if not row.skip:
+                    run_row(row, output)
+                record(row)
+        else:  # each row's launches are subprocesses: threads wait on them
+            for row in [r for r in rows if r.skip]:
+                record(row)
+            running = {pool.submit(run_row, row, output): row for row in rows if not row.skip}
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    future.result()
+                    record(running.pop(future))
     except KeyboardInterrupt:
-        stopped = [r for r in rows if r.status.startswith("interrupted")]
-        with (output / "rows.jsonl").open("a") as f:  # the row it stopped in
-            f.writelines(json.dumps(asdict(r)) + "\n" for r in stopped)
+        pool.shutdown(wait=True, cancel_futures=True)  # the running rows' launches had the Ctrl-C too
+        for row in rows:  # the rows it stopped in
+            if row.status != "pending" and id(row) not in recorded:
+                record(row)
         return 130
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         print(f"\n{device_name} x {gpus}, {time.strftime('%Y-%m-%d')}\n\n{table(rows)}\n", flush=True)
     failed = [r for r in rows if r.status.startswith("failed")]
     if not args.no_bench:

@@ -177,3 +177,35 @@ def test_a_row_runs_for_real(tmp_path):
     save_file({**exported, name: exported[name] + 1e-2}, run / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(gpu_check.RowFailure, match=name):
         gpu_check.check_reload(run, run / f"checkpoint-{gpu_check.STEPS}")
+
+
+def test_jobs_run_rows_side_by_side_on_one_gpu(monkeypatch, capsys, tmp_path):
+    """On one GPU three rows' launches run at once (the default --jobs), each row recorded once, the table printed;
+    --jobs on more GPUs (multi-process rows) is one error line."""
+    import threading
+    import time
+
+    monkeypatch.setattr(gpu_check, "devices", lambda: (1, "Test GPU"), raising=False)
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def launch(row, out, extra):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.3)
+        with lock:
+            now[0] -= 1
+        raise ValueError("injected")
+
+    monkeypatch.setattr(gpu_check, "launch", launch)
+    argv = ["--configs", "ddp,fsdp2,zero2,zero3", "--recipes", "llama3_fft", "--no_bench", "--output", str(tmp_path)]
+    assert gpu_check.main(argv) == 1
+    assert most[0] == 3
+    lines = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert sorted(r["config"] for r in lines) == ["ddp", "fsdp2", "zero2", "zero3"]
+    assert all(r["status"] == "failed: train" for r in lines)
+    assert "| zero3 | llama3_fft | 1 | failed: train: ValueError: injected |" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_check, "devices", lambda: (2, "Test GPU"), raising=False)
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--jobs", "3", *argv])
+    assert capsys.readouterr().err.startswith("error: --jobs 3: rows run side by side only on one GPU")
