@@ -134,3 +134,15 @@ def test_an_h100_is_priced_and_peaked_as_the_part_it_is():
     assert device_named("NVIDIA H100 PCIe") == "H100-PCIe-80GB" and peak_tflops("H100-PCIe-80GB", "bf16") == 756.0
     assert device_named("NVIDIA H100 NVL") == "NVIDIA H100 NVL"  # not in the table: --hourly_usd and --peak_tflops
     assert device_named("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+
+
+def test_costs_and_durations_read_as_a_person_writes_them():
+    """The header's plan and the cost lines: no exponent where a real run lands (a Llama-8B run's plan read
+    "$2.36e+03 for 5000 steps (2.36e+03 h ...)", a tiny run's "(5.25e-09 h ...)")."""
+    from toolkit.metrics.cost import dollars, hours
+
+    assert [dollars(x) for x in (2360.5, 12.34, 0.0598, 0.000123, 2.36e-8, 0)] == [
+        "$2,360", "$12.3", "$0.0598", "$0.000123", "$2.36e-08", "$0"]  # fmt: skip
+    assert [dollars(x, 4) for x in (0.02046, 1234.56, 98765.4)] == ["$0.02046", "$1,235", "$98,765"]
+    assert [hours(s) for s in (1.9e-5, 40, 720, 3.5 * 3600, 5240 * 3600)] == [
+        "under 1 s", "40 s", "12 min", "3.5 h", "5,240 h"]  # fmt: skip

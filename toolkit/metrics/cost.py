@@ -19,6 +19,23 @@ from ..errors import ToolkitError
 TABLE = Path(__file__).parent / "hardware.yaml"
 
 
+def dollars(usd: float, digits: int = 3) -> str:
+    """A cost a person reads: $0.0598, $12.3, $2,361 (not $2.36e+03); only a toy run's, under $0.0001, keeps the
+    exponent, which a budget refusal compares exactly."""
+    return f"${usd:,.0f}" if usd >= 10 ** (digits - 1) else f"${usd:.{digits}g}"
+
+
+def hours(seconds: float) -> str:
+    """A planned duration a person reads: 5,240 h, 3.5 h, 12 min, 40 s, "under 1 s"."""
+    if seconds >= 100 * 3600:
+        return f"{seconds / 3600:,.0f} h"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.2g} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s" if seconds >= 1 else "under 1 s"
+
+
 class UnknownHardware(ToolkitError, ValueError):
     """A GPU type that is not in the price table."""
 
@@ -108,14 +125,15 @@ class CostModel:
 
     def summary(self, seconds: float, before: dict[str, float] | None = None) -> str:
         """The cost line printed at the end; `before`: what earlier segments of a resumed run spent."""
-        hours = self.unit_hours(seconds) + (before or {}).get("unit_hours", 0.0)
+        used = self.unit_hours(seconds) + (before or {}).get("unit_hours", 0.0)
         if self.usd_per_unit_hour is None:
-            return f"cost: {hours:.4f} {self.unit}-hours on {self.device} (not in the price table: pass --hourly_usd)"
+            return f"cost: {used:.4f} {self.unit}-hours on {self.device} (not in the price table: pass --hourly_usd)"
         usd = self.usd(seconds) + (before or {}).get("usd", 0.0)
-        resumed = f", ${before['usd']:.4g} of it before resuming" if before and before.get("usd") else ""
+        resumed = f", {dollars(before['usd'], 4)} of it before resuming" if before and before.get("usd") else ""
         overhead = f" x overhead {self.overhead:g}" if self.overhead != 1 else ""
+        rate = f"${self.usd_per_unit_hour}/{self.unit}-hour{overhead}"
         return (
-            f"cost: ${usd:.4g} = {hours:.4g} {self.unit}-hours x ${self.usd_per_unit_hour}/{self.unit}-hour{overhead} "
+            f"cost: {dollars(usd, 4)} = {used:.4g} {self.unit}-hours x {rate} "
             f"({self.device}, {self.pricing.replace('_', '-')}, prices of {price_table()['prices_date']}{resumed})"
         )
 
@@ -134,5 +152,5 @@ class Budget:
         warning = None
         if not self.warned and spent >= self.WARN_AT * self.usd:
             self.warned = True
-            warning = f"budget: ${spent:.4g} spent, {100 * spent / self.usd:.0f}% of --budget_usd {self.usd:g}"
+            warning = f"budget: {dollars(spent, 4)} spent, {100 * spent / self.usd:.0f}% of --budget_usd {self.usd:g}"
         return spent + step_usd > self.usd, warning

@@ -16,7 +16,7 @@ import torch
 from ..data.length_grouping import sample_lengths
 from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
-from ..metrics.cost import Budget, CostModel, memory_tbs, peak_tflops
+from ..metrics.cost import Budget, CostModel, dollars, hours, memory_tbs, peak_tflops
 from ..metrics.memory import human_bytes
 from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
@@ -145,11 +145,11 @@ class RunPlan:
                               "(toolkit/metrics/hardware.yaml); pass --hourly_usd.")  # fmt: skip
         if plan and plan["step_usd"] > run.budget_usd:
             raise OverBudget(f"--budget_usd {run.budget_usd:g} is below the cost of one optimizer step "
-                             f"(${plan['step_usd']:.3g} planned on {self.cost.device}): raise the budget, or lower "
+                             f"({dollars(plan['step_usd'])} planned on {self.cost.device}): raise the budget, or lower "
                              "the batch size.")  # fmt: skip
         if plan and plan["usd"] > run.budget_usd and not run.force_budget:
             raise OverBudget(
-                f"the planned cost of this run, ${plan['usd']:.3g} for {plan['steps']} steps at an assumed "
+                f"the planned cost of this run, {dollars(plan['usd'])} for {plan['steps']} steps at an assumed "
                 f"{100 * plan['mfu']:.0f}% MFU on {self.cost.device}, is above --budget_usd {run.budget_usd:g}: raise "
                 "the budget, lower --max_steps or --num_train_epochs, or pass --force_budget true to train until the "
                 "budget is spent (it stops with a checkpoint)."
@@ -169,12 +169,12 @@ class RunPlan:
             price = f"${cost.usd_per_unit_hour}/{cost.unit}-hour x {cost.units} ({cost.pricing}{overhead})"
         budget = f", budget ${recipe.run.budget_usd:g}" if recipe.run.budget_usd else ""
         if plan and "sampling_seconds" in plan:
-            planned = (f"at least ${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h): "
+            planned = (f"at least {dollars(plan['usd'])} for {plan['steps']} steps ({hours(plan['seconds'])}): "
                        f"a step samples for at least {plan['sampling_seconds']:.3g} s (the decode roofline; "
                        f"transformers' generate stays well above it) and trains for {plan['training_seconds']:.3g} s "
                        f"at an assumed {100 * plan['mfu']:.0f}% MFU")  # fmt: skip
         elif plan:
-            planned = (f"${plan['usd']:.3g} for {plan['steps']} steps ({plan['seconds'] / 3600:.3g} h at an assumed "
+            planned = (f"{dollars(plan['usd'])} for {plan['steps']} steps ({hours(plan['seconds'])} at an assumed "
                        f"{100 * plan['mfu']:.0f}% MFU of {self.peak_flops / 1e12:g} TFLOPS per device)")  # fmt: skip
         elif (
             task(recipe.data.task).samples_online

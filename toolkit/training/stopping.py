@@ -33,6 +33,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..errors import BUDGET_SPENT, DIVERGED, PREEMPTED, PREEMPTION_SIGNALS
+from ..metrics.cost import dollars
 from .checkpoints import complete_checkpoints
 
 SIGNALS = PREEMPTION_SIGNALS
@@ -167,7 +168,7 @@ class SafeStop(TrainerCallback):
             return Preempted(self.preempted_at)
         if self.budget_at is not None:
             return BudgetSpent(
-                f"budget reached: ${trainer.tracker.usd():.4g} spent of --budget_usd "
+                f"budget reached: {dollars(trainer.tracker.usd(), 4)} spent of --budget_usd "
                 f"{trainer.recipe.run.budget_usd:g} (the next step would pass it); stopped after step "
                 f"{self.budget_at} of {trainer.state.max_steps} with {args.output_dir}/checkpoint-{self.budget_at} "
                 "written. To finish, raise --budget_usd and add --resume auto: the cost so far is carried over."
