@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("no GPU here (torch sees none): gpu-check launches on GPUs; `python bench/gpu_check.py "
                           "--dry_run --gpus N` lists what it would launch on N.")  # fmt: skip
     if not args.dry_run and args.gpus and args.gpus > present:
-        raise ConfigError(f"--gpus {args.gpus}, and this machine has {present} GPUs: pass --gpus {present} or fewer "
-                          "(or --dry_run --gpus N for the plan alone).")  # fmt: skip
+        raise ConfigError(f"--gpus {args.gpus}, and this machine has {present} GPU{'s' if present > 1 else ''}: pass "
+                          f"--gpus {present} or fewer (or --dry_run --gpus N for the plan alone).")  # fmt: skip
     gpus = args.gpus or present
     if not gpus:
         raise ConfigError("no GPU here to plan for: pass --dry_run --gpus N to see what it would launch on N.")
