@@ -209,6 +209,27 @@ def test_linear_labels_equal_the_prefix_reference(template, path, monkeypatch):
     assert truncated == [{k: v[:16] for k, v in row.items()} for row in expected]
 
 
+# Vicuna's and LLaVA's shape: the assistant's header ends with a space, which a byte-level BPE joins to the answer's
+# first word ("ASSISTANT: " + "It" -> "ĠIt"), across the header's end.
+VICUNA = ("{% for m in messages %}{{ m['role'].upper() + ': ' + m['content'] }}"
+          "{{ '</s>' if m['role'] == 'assistant' else ' ' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}")  # fmt: skip
+
+
+def test_an_answers_first_word_joined_to_the_headers_space_is_trained():
+    """The token across the header's end holds the answer's first word: it carries a label (it was dropped, and the
+    prefix method, which the straddling token sent the row to, dropped it too)."""
+    tok = tiny.train_tokenizer(False, ["USER: What is it? ASSISTANT: It is red. And that? Blue. " * 20])
+    tok.add_special_tokens({"additional_special_tokens": ["</s>"]})
+    tok.chat_template = VICUNA
+    assert "ĠIt" in tok.get_vocab()  # the shape in question: the space and the word are one token
+    messages = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "It is red."},
+                {"role": "user", "content": "And that?"}, {"role": "assistant", "content": "Blue."}]  # fmt: skip
+    row = tokenize_conversation(tok, messages, 4096)
+    trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != IGNORE_INDEX]
+    assert tok.decode(trained) == " It is red.</s> Blue.</s>"
+
+
 def test_prepared_data_is_kept_and_found_again_and_remade_when_anything_changes(tmp_path, capsys):
     """`python -m toolkit prepare` keeps the tokenized (and packed) splits; a run with the same recipe and data
     settings finds them, any change of a setting (or of the data, the tokenizer, the code) makes new ones."""

@@ -99,6 +99,13 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids
 
 
+def text_of(content: str | list[dict]) -> str:
+    """A message's text: its content, or its text parts joined (a vision conversation's)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -137,11 +144,16 @@ class TurnLayout:
     ending: str  # what follows the content in its turn: "<|eot_id|>", "<|im_end|>\n"
 
     @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnLayout | None:
-        """Learned from two renders of a probe conversation; None for a template that does not follow it."""
-        user = [{"role": "user", "content": "Probe question"}]
+    def of(cls, tokenizer: PreTrainedTokenizerBase, parts: bool = False) -> TurnLayout | None:
+        """Learned from two renders of a probe conversation; None for a template that does not follow it. `parts`:
+        the probe's contents as lists of text parts (a vision processor's template reads only those)."""
+
+        def content(text: str) -> str | list[dict]:
+            return [{"type": "text", "text": text}] if parts else text
+
+        user = [{"role": "user", "content": content("Probe question")}]
         bare, prompt = render(tokenizer, user), render(tokenizer, user, generation_prompt=True)
-        answered = render(tokenizer, [*user, {"role": "assistant", "content": "Probe answer"}])
+        answered = render(tokenizer, [*user, {"role": "assistant", "content": content("Probe answer")}])
         if not prompt.startswith(bare) or not answered.startswith(prompt + "Probe answer"):
             return None
         return cls(prompt[len(bare) :], answered[len(prompt) + len("Probe answer") :])
@@ -153,7 +165,8 @@ class TurnLayout:
         for message in messages:
             if message["role"] != "assistant":
                 continue
-            for content in dict.fromkeys((message["content"], message["content"].strip())):
+            said = text_of(message["content"])
+            for content in dict.fromkeys((said, said.strip())):
                 found = text.find(self.header + content + self.ending, cursor)
                 if found >= 0:
                     start = found + len(self.header)
@@ -166,16 +179,16 @@ class TurnLayout:
 
 
 def labels_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool] | None:
-    """Which tokens start inside a span; None when a token straddles a span's edge (not a token boundary)."""
+    """Which tokens hold characters of a span. A token across a span's start is the answer's first word with the
+    header's last space ("ASSISTANT: " + "It" is one token, "ĠIt"): trained. None when a token crosses a span's end
+    (not a token boundary)."""
     trained, k = [], 0
     for start, end in offsets:
         while k < len(spans) and start >= spans[k][1]:
             k += 1
-        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
-        straddles = k < len(spans) and (start < spans[k][0] < end or start < spans[k][1] < end)
-        if straddles:
+        if k < len(spans) and start < spans[k][1] < end:
             return None
-        trained.append(inside)
+        trained.append(k < len(spans) and start < spans[k][1] and end > spans[k][0])
     return trained
 
 
