@@ -1,0 +1,109 @@
+"""Image-and-text conversations (toolkit/data/vision.py): the formats read alike, each refusal is one line, and
+the collator's labels hold the assistant's tokens and nothing else under each family's processor, whose expansion
+of an image differs (Gemma 3: newlines around a run of soft tokens; Idefics3: a grid of tiles; LLaVA: a run)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from vision_processors import PROCESSORS, picture
+
+from toolkit.data.conversations import IGNORE_INDEX
+from toolkit.data.vision import VisionCollator, open_image, trained_text, vision_conversation
+from toolkit.errors import DataError
+
+TWO_TURNS = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]},
+    {"role": "user", "content": [{"type": "text", "text": "And the circle?"}, {"type": "image"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Blue, on a green ground."}]},
+]
+# What each family's template makes the model write after its generation prompt: the answers and turn endings.
+TRAINED = {
+    "gemma3": "It is red.<end_of_turn>\nBlue, on a green ground.<end_of_turn>\n",
+    "idefics3": " It is red.<end_of_utterance>\n Blue, on a green ground.<end_of_utterance>\n",  # "Assistant:" + " It"
+    "llava": " It is red.</s> Blue, on a green ground.</s>",  # "ASSISTANT: It": the header's space joins "It"
+}
+
+
+def image_token_ids(processor) -> set[int]:
+    """The ids a processor writes for an image (its placeholder, tiles and wrappers): the added special tokens but
+    the turn markers."""
+    added = processor.tokenizer.get_added_vocab()
+    turns = ("<end_of_turn>", "<start_of_turn>", "<end_of_utterance>", "<|im_start|>", "</s>")
+    return {i for token, i in added.items() if token.startswith("<") and token not in turns and "text" not in token}
+
+
+@pytest.mark.parametrize("family", sorted(PROCESSORS))
+def test_labels_are_the_assistants_tokens_and_never_an_images(family):
+    processor = PROCESSORS[family]()
+    collate = VisionCollator(processor, max_length=4096)
+    rows = [(TWO_TURNS, [picture(0), picture(1)]), (TWO_TURNS[:2], [picture(2)])]
+    batch = collate(rows)
+    assert trained_text(processor.tokenizer, batch, 0) == TRAINED[family]
+    assert TRAINED[family].startswith(trained_text(processor.tokenizer, batch, 1))
+    images = torch.isin(batch["input_ids"], torch.tensor(sorted(image_token_ids(processor))))
+    assert images.sum() >= 3 * 4  # three images' tokens are in the batch, and none of them carries a label
+    assert (batch["labels"][images] == IGNORE_INDEX).all()
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()  # nor does padding
+    alone = collate(rows[1:])  # a row's labels do not depend on the rows beside it
+    width = alone["input_ids"].shape[1]
+    assert torch.equal(alone["labels"][0], batch["labels"][1, :width])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_a_long_row_is_cut_after_its_images_never_through_one(family):
+    processor = PROCESSORS[family]()
+    rows = [(TWO_TURNS[:2], [picture(0)])]
+    full = VisionCollator(processor, max_length=4096)(rows)
+    length = full["input_ids"].shape[1]
+    cut = VisionCollator(processor, max_length=length - 3)(rows)
+    assert torch.equal(cut["input_ids"], full["input_ids"][:, : length - 3])
+    assert torch.equal(cut["pixel_values"], full["pixel_values"])
+    with pytest.raises(DataError, match=r"the cut would split an image: raise --max_seq_length"):
+        VisionCollator(processor, max_length=6)(rows)
+
+
+def test_llava_rows_and_messages_rows_give_the_same_batch(tmp_path):
+    picture(0).save(tmp_path / "a.png")
+    llava = {"conversations": [{"from": "human", "value": "<image>\nWhat colour is the square?"},
+                               {"from": "gpt", "value": "It is red."}], "image": "a.png"}  # fmt: skip
+    messages = {"messages": TWO_TURNS[:2], "images": [(tmp_path / "a.png").read_bytes()]}
+    inline = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")},
+                                                         {"type": "text", "text": "What colour is the square?"}]},
+                           {"role": "assistant", "content": "It is red."}]}  # fmt: skip
+    read = [vision_conversation(row, root=tmp_path) for row in (llava, messages, inline)]
+    assert read[0][0] == read[1][0] == read[2][0] == TWO_TURNS[:2]
+    collate = VisionCollator(PROCESSORS["gemma3"](), max_length=4096)
+    batches = [collate([row]) for row in read]
+    for batch in batches[1:]:
+        assert all(torch.equal(batch[k], batches[0][k]) for k in batches[0])
+
+
+def test_an_image_reads_the_same_from_a_path_bytes_a_datasets_value_or_pil(tmp_path):
+    picture(3).save(tmp_path / "b.png")
+    data = (tmp_path / "b.png").read_bytes()
+    values = ["b.png", data, {"bytes": data, "path": None}, {"bytes": None, "path": str(tmp_path / "b.png")},
+              open_image(io.BytesIO(data).getvalue())]  # fmt: skip
+    pixels = [open_image(v, root=tmp_path).tobytes() for v in values]
+    assert all(p == pixels[0] for p in pixels)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": TWO_TURNS[:2], "images": []}, r"1 image placeholder\(s\) and 0 image\(s\): a row without its image"),
+    ({"messages": TWO_TURNS[:2], "images": [b"", b""]},
+     r'2 image\(s\) and 1 placeholder\(s\): mark where each image goes with an \{"type": "image"\} part'),
+    ({"conversations": [{"from": "human", "value": "What is it?"}, {"from": "gpt", "value": "A cat."}],
+      "image": "x.png"},
+     r"1 image\(s\) and 0 placeholder\(s\): mark where each image goes with a <image> in its text"),
+    ({"messages": TWO_TURNS[:2], "images": [b"not an image"]}, r"its image does not decode"),
+    ({"messages": TWO_TURNS[:2], "images": ["missing.png"]}, r"its image missing.png is not a file"),
+    ({"messages": [TWO_TURNS[0], {"role": "assistant", "content": [{"type": "image"}]}], "images": [b"", b""]},
+     r"an assistant turn holds an image"),
+])  # fmt: skip
+def test_a_row_that_cannot_train_is_one_line_saying_why(row, message, tmp_path):
+    with pytest.raises(DataError, match=message) as refused:
+        vision_conversation(row, root=tmp_path)
+    assert "\n" not in str(refused.value)

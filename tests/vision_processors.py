@@ -1,0 +1,76 @@
+"""Tiny vision processors, built offline: transformers' own processor and image processor classes (their expansion
+of each image placeholder is what the tests exercise), a byte-level BPE tokenizer trained in a second with the
+family's special tokens, and chat templates written in each family's format (the Hub's are not reachable here)."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+from transformers import PreTrainedTokenizerFast
+
+from toolkit.models.tiny import train_tokenizer
+
+TEXT = "What colour is the square? It is red. And the circle? Blue, on a green ground. Describe the picture. " * 20
+
+GEMMA3 = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% else %}{{ part['text'] | trim }}{% endif %}{% endfor %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+IDEFICS3 = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+LLAVA = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{{ '</s>' if message['role'] == 'assistant' else ' ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
+)
+
+
+def tokenizer(named: dict[str, str], more: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    base = train_tokenizer(False, [TEXT])
+    base.add_special_tokens({"additional_special_tokens": [*named.values(), *more]})
+    specials = {"bos_token": base.bos_token, "eos_token": base.eos_token, "pad_token": base.pad_token}
+    return PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, extra_special_tokens=named, **specials)
+
+
+def gemma3():
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = tokenizer(named, ("<start_of_turn>", "<end_of_turn>"))
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    return Gemma3Processor(image_processor=images, tokenizer=tok, chat_template=GEMMA3, image_seq_length=4)
+
+
+def idefics3():
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tiles = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+    tok = tokenizer({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                     "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+                    ("<|im_start|>", *tiles))  # fmt: skip
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    return Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=IDEFICS3, image_seq_len=4)
+
+
+def llava():
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tok = tokenizer({"image_token": "<image>"}, ("</s>",))
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=LLAVA, patch_size=14,
+                          vision_feature_select_strategy="full", num_additional_image_tokens=0)  # fmt: skip
+
+
+PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}
+
+
+def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
