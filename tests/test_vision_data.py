@@ -107,3 +107,29 @@ def test_a_row_that_cannot_train_is_one_line_saying_why(row, message, tmp_path):
     with pytest.raises(DataError, match=message) as refused:
         vision_conversation(row, root=tmp_path)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", sorted(PROCESSORS))
+def test_the_batch_trains_the_familys_own_model_on_the_answers_and_the_image(family):
+    """The collator's batch is what the family's model takes: its loss is the cross-entropy of the next token at
+    the labelled positions (computed here from the logits), and the image reaches it (the vision tower gets
+    gradients; another image, another loss)."""
+    from vision_processors import tiny_model
+
+    torch.manual_seed(0)
+    processor = PROCESSORS[family]()
+    model = tiny_model(family, processor)
+    collate = VisionCollator(processor, max_length=4096)
+    batch = collate([(TWO_TURNS, [picture(0), picture(1)])])
+    out = model(**batch)
+    logits, labels = out.logits[0, :-1].float(), batch["labels"][0, 1:]
+    kept = labels != IGNORE_INDEX
+    expected = torch.nn.functional.cross_entropy(logits[kept], labels[kept])
+    assert torch.allclose(out.loss, expected, rtol=1e-5)
+    out.loss.backward()
+    tower = [p for name, p in model.named_parameters() if "vision" in name]
+    assert tower and any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower)
+    other = collate([(TWO_TURNS, [picture(5), picture(6)])])
+    assert torch.equal(other["input_ids"], batch["input_ids"])
+    with torch.no_grad():
+        assert not torch.allclose(model(**other).loss, out.loss)

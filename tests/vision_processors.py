@@ -5,6 +5,7 @@ family's special tokens, and chat templates written in each family's format (the
 from __future__ import annotations
 
 import numpy as np
+import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
@@ -65,8 +66,14 @@ def llava():
 
     tok = tokenizer({"image_token": "<image>"}, ("</s>",))
     images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    return LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=LLAVA, patch_size=14,
-                          vision_feature_select_strategy="full", num_additional_image_tokens=0)  # fmt: skip
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        chat_template=LLAVA,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )  # CLIP's CLS dropped
 
 
 PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}
@@ -74,3 +81,32 @@ PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}
 
 def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:
     return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+
+def tiny_model(family: str, processor):
+    """The family's image-text model at toy size, random init, its image token ids the processor's: a SigLIP
+    (Gemma 3, Idefics3) or CLIP (LLaVA) tower of 28-pixel images in 14-pixel patches, a 2-layer decoder."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Idefics3Config, LlavaConfig
+
+    tok = processor.tokenizer
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28,
+                  patch_size=14)  # fmt: skip
+    if family == "gemma3":  # 2x2 patches pooled to the processor's 4 soft tokens
+        config = Gemma3Config(text_config={"model_type": "gemma3_text", **text},
+                              vision_config={"model_type": "siglip_vision_model", **vision}, mm_tokens_per_image=4,
+                              image_token_id=tok.image_token_id, boi_token_index=tok.boi_token_id,
+                              eoi_token_index=tok.eoi_token_id)  # fmt: skip
+    elif family == "llava":  # CLIP's class token dropped ("default"), as the processor counts
+        config = LlavaConfig(text_config={"model_type": "llama", **text},
+                             vision_config={"model_type": "clip_vision_model", "projection_dim": 32, **vision},
+                             image_token_id=tok.image_token_id, vision_feature_select_strategy="default",
+                             vision_feature_layer=-1)  # fmt: skip
+    else:  # Idefics3: each 28-pixel tile's 4 patches kept (no pixel shuffle), as image_seq_len=4 says
+        config = Idefics3Config(text_config={"model_type": "llama", **text}, vision_config=vision,
+                                image_token_id=tok.image_token_id, scale_factor=1)  # fmt: skip
+    model = AutoModelForImageTextToText.from_config(config)
+    if family == "gemma3":  # its projection starts at zero (a checkpoint's is trained): images would not count yet
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    return model
