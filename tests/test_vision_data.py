@@ -25,6 +25,8 @@ TRAINED = {
     "gemma3": "It is red.<end_of_turn>\nBlue, on a green ground.<end_of_turn>\n",
     "idefics3": " It is red.<end_of_utterance>\n Blue, on a green ground.<end_of_utterance>\n",  # "Assistant:" + " It"
     "llava": " It is red.</s> Blue, on a green ground.</s>",  # "ASSISTANT: It": the header's space joins "It"
+    "qwen2_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
+    "qwen2_5_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
 }
 
 
@@ -32,7 +34,7 @@ def image_token_ids(processor) -> set[int]:
     """The ids a processor writes for an image (its placeholder, tiles and wrappers): the added special tokens but
     the turn markers."""
     added = processor.tokenizer.get_added_vocab()
-    turns = ("<end_of_turn>", "<start_of_turn>", "<end_of_utterance>", "<|im_start|>", "</s>")
+    turns = ("<end_of_turn>", "<start_of_turn>", "<end_of_utterance>", "<|im_start|>", "<|im_end|>", "</s>")
     return {i for token, i in added.items() if token.startswith("<") and token not in turns and "text" not in token}
 
 
@@ -127,7 +129,7 @@ def test_the_batch_trains_the_familys_own_model_on_the_answers_and_the_image(fam
     expected = torch.nn.functional.cross_entropy(logits[kept], labels[kept])
     assert torch.allclose(out.loss, expected, rtol=1e-5)
     out.loss.backward()
-    tower = [p for name, p in model.named_parameters() if "vision" in name]
+    tower = [p for name, p in model.named_parameters() if "vision" in name or "visual" in name]
     assert tower and any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower)
     other = collate([(TWO_TURNS, [picture(5), picture(6)])])
     assert torch.equal(other["input_ids"], batch["input_ids"])

@@ -76,7 +76,41 @@ def llava():
     )  # CLIP's CLS dropped
 
 
-PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}
+QWEN2_VL = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+            "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+            "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+            "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+            "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}")  # fmt: skip
+
+
+def qwen_vl(processor_class):
+    """A Qwen2-VL-style processor for images only: transformers 5.24 builds these processors only with a video
+    processor, which needs torchvision (not installable beside this CPU build of torch)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+    images_only = type("ImagesOnly", (processor_class,), {"get_attributes": attributes})
+    tok = tokenizer({"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
+                    ("<|im_start|>", "<|im_end|>"))  # fmt: skip
+    pixels = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    return images_only(image_processor=pixels, tokenizer=tok, chat_template=QWEN2_VL)
+
+
+def qwen2_vl():
+    from transformers import Qwen2VLProcessor
+
+    return qwen_vl(Qwen2VLProcessor)
+
+
+def qwen2_5_vl():
+    from transformers import Qwen2_5_VLProcessor
+
+    return qwen_vl(Qwen2_5_VLProcessor)
+
+
+PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl}
 
 
 def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:
@@ -86,7 +120,14 @@ def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:
 def tiny_model(family: str, processor):
     """The family's image-text model at toy size, random init, its image token ids the processor's: a SigLIP
     (Gemma 3, Idefics3) or CLIP (LLaVA) tower of 28-pixel images in 14-pixel patches, a 2-layer decoder."""
-    from transformers import AutoModelForImageTextToText, Gemma3Config, Idefics3Config, LlavaConfig
+    from transformers import (
+        AutoModelForImageTextToText,
+        Gemma3Config,
+        Idefics3Config,
+        LlavaConfig,
+        Qwen2_5_VLConfig,
+        Qwen2VLConfig,
+    )
 
     tok = processor.tokenizer
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -103,9 +144,19 @@ def tiny_model(family: str, processor):
                              vision_config={"model_type": "clip_vision_model", "projection_dim": 32, **vision},
                              image_token_id=tok.image_token_id, vision_feature_select_strategy="default",
                              vision_feature_layer=-1)  # fmt: skip
-    else:  # Idefics3: each 28-pixel tile's 4 patches kept (no pixel shuffle), as image_seq_len=4 says
+    elif family == "idefics3":  # each 28-pixel tile's 4 patches kept (no pixel shuffle), as image_seq_len=4 says
         config = Idefics3Config(text_config={"model_type": "llama", **text}, vision_config=vision,
                                 image_token_id=tok.image_token_id, scale_factor=1)  # fmt: skip
+    else:  # Qwen2-VL, Qwen2.5-VL: 14-pixel patches merged 2x2 into a token, M-RoPE over (time, height, width)
+        qwen = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig}[family]
+        tower = {"depth": 2, "hidden_size": 32, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+                 "temporal_patch_size": 2, **({"embed_dim": 32, "mlp_ratio": 2} if family == "qwen2_vl" else
+                                              {"intermediate_size": 64, "out_hidden_size": 32,
+                                               "fullatt_block_indexes": [1], "window_size": 56})}  # fmt: skip
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+        config = qwen(text_config=text, vision_config=tower, image_token_id=tok.image_token_id,
+                      vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+                      video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"))  # fmt: skip
     model = AutoModelForImageTextToText.from_config(config)
     if family == "gemma3":  # its projection starts at zero (a checkpoint's is trained): images would not count yet
         torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
