@@ -1,0 +1,75 @@
+"""An image-text model's three parts, and which of them train.
+
+  vision     the image encoder: transformers' `get_encoder(modality="image")` (vision_tower, visual, vision_model)
+  projector  what maps its features into the language model's embeddings: the parameters outside the other two
+             (multi_modal_projector, Idefics3's connector), and a merger a tower holds itself (Qwen2-VL's)
+  language   the decoder (`get_decoder()`) and its output head
+
+By default the language model and the projector train and the vision tower stays frozen, as LLaVA's second stage,
+Qwen2-VL's fine-tuning guides and LLaMA-Factory's defaults have it. No family names: a model transformers
+implements is split by its own accessors, and one without an image encoder is refused in one line.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..errors import ConfigError
+
+PARTS = ("vision", "projector", "language")
+TRAINED_BY_DEFAULT = ("projector", "language")
+LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _prefixes(model: torch.nn.Module) -> tuple[str, str, str]:
+    """The qualified names of the vision encoder, the decoder and the output head."""
+    names = {id(module): name for name, module in model.named_modules()}
+    vision = model.get_encoder(modality="image") if hasattr(model, "get_encoder") else model
+    if vision is model or id(vision) not in names or vision is getattr(model, "base_model", None):
+        raise ConfigError(f"{type(model).__name__} has no image encoder transformers can find (vision_tower, visual, "
+                          "vision_model): a text-only model cannot take images. Use an image-text model "
+                          "(AutoModelForImageTextToText), or drop the images from the data.")  # fmt: skip
+    head = model.get_output_embeddings()
+    return names[id(vision)], names[id(model.get_decoder())], names.get(id(head), "") if head is not None else ""
+
+
+def part_of(name: str, prefixes: tuple[str, str, str]) -> str:
+    """The part a parameter's qualified name belongs to."""
+    vision, language, head = prefixes
+    if name.startswith(vision + "."):
+        return "projector" if ".merger." in name else "vision"
+    if name.startswith(language + ".") or (head and name.startswith(head + ".")):
+        return "language"
+    return "projector"
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each part's parameter names, in the model's order."""
+    prefixes = _prefixes(model)
+    parts: dict[str, list[str]] = {part: [] for part in PARTS}
+    for name, _ in model.named_parameters():
+        parts[part_of(name, prefixes)].append(name)
+    return parts
+
+
+def train_parts(model: torch.nn.Module, trained: tuple[str, ...] = TRAINED_BY_DEFAULT) -> dict[str, tuple[int, bool]]:
+    """Freeze every part not in `trained`; each part's parameter count and whether it trains (the header's line)."""
+    unknown = [part for part in trained if part not in PARTS]
+    if unknown:
+        raise ConfigError(f"--train_parts {','.join(unknown)}: pick from {','.join(PARTS)}.")
+    prefixes = _prefixes(model)
+    counts: Counter[str] = Counter()
+    for name, parameter in model.named_parameters():
+        part = part_of(name, prefixes)
+        parameter.requires_grad_(part in trained)
+        counts[part] += parameter.numel()
+    return {part: (counts[part], part in trained) for part in PARTS}
+
+
+def language_lora_targets(model: torch.nn.Module) -> str:
+    """peft's `target_modules` for LoRA on the language model's linear layers alone (a regex peft matches whole
+    names with): peft's "all-linear" would adapt the vision tower's too."""
+    _, language, _ = _prefixes(model)
+    return rf"{language}\..*\.({'|'.join(LORA_LAYERS)})"
