@@ -73,3 +73,44 @@ def test_a_text_only_model_is_refused_in_one_line():
                                           r"images") as refused:  # fmt: skip
         model_parts(model)
     assert "\n" not in str(refused.value)
+
+
+def test_the_processor_loads_from_its_folder_and_each_refusal_is_one_line(tmp_path):
+    """A saved processor loads as the model's own (chat template included); a Qwen2-VL folder on a machine without
+    torchvision (its video processor needs it, in transformers 5) and a folder with no image processor are each
+    one line naming the fix."""
+    import importlib.util
+    import json
+
+    from toolkit.models.vision import load_processor
+
+    gemma3 = PROCESSORS["gemma3"]()
+    gemma3.save_pretrained(tmp_path / "gemma3")
+    loaded = load_processor(str(tmp_path / "gemma3"))
+    assert type(loaded).__name__ == "Gemma3Processor" and loaded.chat_template == gemma3.chat_template
+
+    qwen = tmp_path / "qwen2_vl"  # as the Hub's folders are: a Qwen2VLProcessor with its video processor's config
+    PROCESSORS["qwen2_vl"]().save_pretrained(qwen)
+    for file in qwen.glob("*.json"):
+        file.write_text(file.read_text().replace("ImagesOnly", "Qwen2VLProcessor"))
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+             "merge_size": 2}  # fmt: skip
+    (qwen / "video_preprocessor_config.json").write_text(json.dumps(video))
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(ConfigError, match=r"processor needs torchvision \(Qwen2VLVideoProcessor requires it\): "
+                                              r"pip install torchvision") as refused:  # fmt: skip
+            load_processor(str(qwen))
+        assert "\n" not in str(refused.value)
+    else:
+        assert type(load_processor(str(qwen))).__name__ == "Qwen2VLProcessor"
+
+    gemma3.tokenizer.save_pretrained(tmp_path / "no_images")  # its config names Gemma3Processor
+    with pytest.raises(ConfigError, match=r"has no image processor \(transformers found no preprocessor_config.json"
+                                          r"\): it is not an image-text model"):  # fmt: skip
+        load_processor(str(tmp_path / "no_images"))
+    from toolkit.models.tiny import train_tokenizer
+
+    train_tokenizer(False, ["A text-only model's words."]).save_pretrained(tmp_path / "text")
+    with pytest.raises(ConfigError, match=r"has no image processor \(AutoProcessor gave a \w+\): it is not an "
+                                          r"image-text model"):  # fmt: skip
+        load_processor(str(tmp_path / "text"))
