@@ -135,3 +135,27 @@ def test_the_batch_trains_the_familys_own_model_on_the_answers_and_the_image(fam
     assert torch.equal(other["input_ids"], batch["input_ids"])
     with torch.no_grad():
         assert not torch.allclose(model(**other).loss, out.loss)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+def test_rows_an_image_cut_would_split_are_counted_and_left_out(family):
+    """The pre-pass keeps a row whose cut falls after its images and leaves out (and counts) one whose image the
+    cut would split; the kept rows then collate without a refusal."""
+    from toolkit.data.vision import image_ends, whole_images
+
+    processor = PROCESSORS[family]()
+    early = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "It is red. " * 8}]}]  # fmt: skip
+    late = [{"role": "user", "content": [{"type": "text", "text": "Describe the picture. " * 8}, {"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]}]  # fmt: skip
+    rows = [(early, [picture(0)]), (late, [picture(1)]), (TWO_TURNS[:2], [picture(2)])]
+    ends = image_ends(VisionCollator(processor, 4096), rows)
+    full = VisionCollator(processor, 4096)(rows[:1])["input_ids"].shape[1]
+    assert ends[0] < ends[1] and ends[0] < full  # the early image ends before the row does
+    collate = VisionCollator(processor, max_length=(ends[0] + ends[1]) // 2)
+    kept, dropped = whole_images(collate, rows)
+    assert kept == [0, 2] and dropped == 1
+    batch = collate([rows[k] for k in kept])
+    assert batch["input_ids"].shape[1] == collate.max_length
+    with pytest.raises(DataError, match="the cut would split an image"):
+        collate([rows[1]])

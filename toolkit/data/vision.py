@@ -184,6 +184,26 @@ class VisionCollator:
         return dict(batch)
 
 
+def image_ends(collator: VisionCollator, rows: list[tuple[list[dict], list]]) -> list[int]:
+    """Where each row's last image token ends in the processor's ids (0 without images): a row whose image ends
+    past --max_seq_length cannot be cut whole. Runs the processor on each row, as training will."""
+    ends = []
+    for messages, images in rows:
+        text = collator.processor.apply_chat_template(messages, tokenize=False)
+        written = tokenize_conversations(collator.renderer, [messages], 10**9, collator.layout)[0]
+        ids = collator.processor(text=[text], images=[images] if images else None)["input_ids"][0]
+        _, added = aligned_labels(written, list(ids))
+        ends.append(max((k + 1 for k, was_added in enumerate(added) if was_added), default=0))
+    return ends
+
+
+def whole_images(collator: VisionCollator, rows: list[tuple[list[dict], list]]) -> tuple[list[int], int]:
+    """The rows --max_seq_length can keep (cut after their images if long), and how many it cannot (the header
+    counts them): a row is never trained with part of an image."""
+    kept = [k for k, end in enumerate(image_ends(collator, rows)) if end <= collator.max_length]
+    return kept, len(rows) - len(kept)
+
+
 def trained_text(tokenizer, batch: dict[str, torch.Tensor], row: int) -> str:
     """The text a row's labels train (the tests' and the run header's view of it)."""
     labels = batch["labels"][row]
