@@ -8,10 +8,10 @@ import io
 
 import pytest
 import torch
-from vision_processors import PROCESSORS, picture
+from vision_processors import PROCESSORS, picture, trained_text
 
 from toolkit.data.conversations import IGNORE_INDEX
-from toolkit.data.vision import VisionCollator, open_image, trained_text, vision_conversation
+from toolkit.data.vision import VisionCollator, open_image, vision_conversation
 from toolkit.errors import DataError
 
 TWO_TURNS = [

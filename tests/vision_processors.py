@@ -161,3 +161,11 @@ def tiny_model(family: str, processor):
     if family == "gemma3":  # its projection starts at zero (a checkpoint's is trained): images would not count yet
         torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
     return model
+
+
+def trained_text(tokenizer, batch: dict, row: int) -> str:
+    """The text a row's labels train."""
+    from toolkit.data.conversations import IGNORE_INDEX
+
+    labels = batch["labels"][row]
+    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())

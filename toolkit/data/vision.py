@@ -158,13 +158,17 @@ class VisionCollator:
         self.renderer = _Renderer(processor)
         self.layout = TurnLayout.of(self.renderer, parts=True)
 
-    def __call__(self, rows: list[tuple[list[dict], list]]) -> dict[str, torch.Tensor]:
+    def encode(self, rows: list[tuple[list[dict], list]], **processor_kwargs) -> tuple[dict, list[dict]]:
+        """The processor's batch of `rows` and each row's labels as its template writes them (not expanded)."""
         conversations = [messages for messages, _ in rows]
         texts = [self.processor.apply_chat_template(messages, tokenize=False) for messages in conversations]
         written = tokenize_conversations(self.renderer, conversations, 10**9, self.layout)
         images = [row_images or None for _, row_images in rows]
-        batch = self.processor(text=texts, images=images if any(images) else None, padding=True,
-                               padding_side="right", return_tensors="pt")  # fmt: skip
+        batch = self.processor(text=texts, images=images if any(images) else None, **processor_kwargs)
+        return batch, written
+
+    def __call__(self, rows: list[tuple[list[dict], list]]) -> dict[str, torch.Tensor]:
+        batch, written = self.encode(rows, padding=True, padding_side="right", return_tensors="pt")
         labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
         width = 0
         for i, row in enumerate(written):
@@ -188,11 +192,9 @@ def image_ends(collator: VisionCollator, rows: list[tuple[list[dict], list]]) ->
     """Where each row's last image token ends in the processor's ids (0 without images): a row whose image ends
     past --max_seq_length cannot be cut whole. Runs the processor on each row, as training will."""
     ends = []
-    for messages, images in rows:
-        text = collator.processor.apply_chat_template(messages, tokenize=False)
-        written = tokenize_conversations(collator.renderer, [messages], 10**9, collator.layout)[0]
-        ids = collator.processor(text=[text], images=[images] if images else None)["input_ids"][0]
-        _, added = aligned_labels(written, list(ids))
+    for row in rows:
+        batch, written = collator.encode([row])
+        _, added = aligned_labels(written[0], list(batch["input_ids"][0]))
         ends.append(max((k + 1 for k, was_added in enumerate(added) if was_added), default=0))
     return ends
 
@@ -202,9 +204,3 @@ def whole_images(collator: VisionCollator, rows: list[tuple[list[dict], list]]) 
     counts them): a row is never trained with part of an image."""
     kept = [k for k, end in enumerate(image_ends(collator, rows)) if end <= collator.max_length]
     return kept, len(rows) - len(kept)
-
-
-def trained_text(tokenizer, batch: dict[str, torch.Tensor], row: int) -> str:
-    """The text a row's labels train (the tests' and the run header's view of it)."""
-    labels = batch["labels"][row]
-    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())
