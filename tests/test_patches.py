@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,16 +89,16 @@ def test_the_install_keeps_each_library_inside_its_window(reliance):
     assert pins[reliance.library] == SpecifierSet(f">={low},<{high}")
 
 
-def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch):
+def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch, tmp_path):
     """FSDP1 itself on CPU (gloo, one process): accelerate's own save and load of a SHARDED_STATE_DICT optimizer,
     the load given a fresh optimizer as a resuming Trainer gives it. Without fsdp1_resume nothing is loaded."""
-    import socket
     from types import SimpleNamespace
 
     import accelerate.utils.fsdp_utils as fsdp_utils
     import torch
     import torch.distributed as dist
     from accelerate.utils import FullyShardedDataParallelPlugin
+    from conftest import free_port
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
 
@@ -107,10 +106,7 @@ def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch):
 
     monkeypatch.setattr(fsdp1_resume, "_original", fsdp_utils.load_fsdp_optimizer)
     monkeypatch.setattr(fsdp_utils, "logger", logging.getLogger(__name__))  # accelerate's needs an Accelerator
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="SHARDED_STATE_DICT")
         accelerator = SimpleNamespace(process_index=0, wait_for_everyone=lambda: None)
@@ -135,13 +131,12 @@ def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch):
         model, optimizer = model_and_optimizer()
         for _ in range(3):
             step(model, optimizer)
-        checkpoint = Path(tempfile.mkdtemp())
-        fsdp_utils.save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(checkpoint))
+        fsdp_utils.save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp_path))
         saved = [optimizer.state[p] for p in model.parameters()]
 
         for load, loads_state in ((fsdp_utils.load_fsdp_optimizer, False), (fsdp1_resume.load_fsdp_optimizer, True)):
             model, optimizer = model_and_optimizer()
-            load(plugin, accelerator, optimizer, model, str(checkpoint))
+            load(plugin, accelerator, optimizer, model, str(tmp_path))
             assert bool(optimizer.state) == loads_state
         for parameter, before in zip(model.parameters(), saved, strict=True):
             after = optimizer.state[parameter]
