@@ -140,8 +140,13 @@ def test_the_batch_trains_the_familys_own_model_on_the_answers_and_the_image(fam
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
 def test_rows_an_image_cut_would_split_are_counted_and_left_out(family):
     """The pre-pass keeps a row whose cut falls after its images and leaves out (and counts) one whose image the
-    cut would split; the kept rows then collate without a refusal."""
-    from toolkit.data.vision import image_ends, whole_images
+    cut would split, each kept row with its length (capped at the cut); the kept rows then collate without a
+    refusal."""
+    from datasets import Dataset
+
+    from toolkit.data.image_rows import measured
+    from toolkit.data.length_grouping import LENGTH
+    from toolkit.data.vision import extents
 
     processor = PROCESSORS[family]()
     early = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]},
@@ -149,13 +154,13 @@ def test_rows_an_image_cut_would_split_are_counted_and_left_out(family):
     late = [{"role": "user", "content": [{"type": "text", "text": "Describe the picture. " * 8}, {"type": "image"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]}]  # fmt: skip
     rows = [(early, [picture(0)]), (late, [picture(1)]), (TWO_TURNS[:2], [picture(2)])]
-    ends = image_ends(VisionCollator(processor, 4096), rows)
-    full = VisionCollator(processor, 4096)(rows[:1])["input_ids"].shape[1]
-    assert ends[0] < ends[1] and ends[0] < full  # the early image ends before the row does
-    collate = VisionCollator(processor, max_length=(ends[0] + ends[1]) // 2)
-    kept, dropped = whole_images(collate, rows)
-    assert kept == [0, 2] and dropped == 1
-    batch = collate([rows[k] for k in kept])
+    (end, full), (late_end, _), _ = extents(VisionCollator(processor, 4096), rows)
+    assert end < late_end and end < full == VisionCollator(processor, 4096)(rows[:1])["input_ids"].shape[1]
+    collate = VisionCollator(processor, max_length=(end + late_end) // 2)
+    split = Dataset.from_list([{"messages": messages, "images": images} for messages, images in rows])
+    kept, dropped = measured(split, collate, "train")
+    assert dropped == 1 and len(kept) == 2 and kept[0][LENGTH] == collate.max_length
+    batch = collate([kept[0], kept[1]])  # rows as the data set holds them
     assert batch["input_ids"].shape[1] == collate.max_length
     with pytest.raises(DataError, match="the cut would split an image"):
         collate([rows[1]])

@@ -47,7 +47,7 @@ def test_by_default_the_tower_is_frozen_and_the_rest_trains(family):
     assert counts["vision"] == (sum(named[n].numel() for n in parts["vision"]), False)
     train_parts(model, ("vision", "projector", "language"))
     assert all(p.requires_grad for p in model.parameters())
-    with pytest.raises(ConfigError, match=r"--train_parts tower: pick from vision,projector,language"):
+    with pytest.raises(ConfigError, match=r"--train_parts 'tower': pick one or more of vision,projector,language"):
         train_parts(model, ("tower",))
 
 

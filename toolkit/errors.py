@@ -45,6 +45,12 @@ class DataError(ToolkitError, ValueError):
     """A data set that does not fit the recipe: missing columns, unusable rows, no rows left, ..."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line (at most 200 characters), for a message of ours that quotes it."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
 def is_main_process() -> bool:
     """Rank 0 of the job (every process of a job sees the same RANK; a plain script has none)."""
     return os.environ.get("RANK", "0") == "0"

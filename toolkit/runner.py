@@ -88,7 +88,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     resume, resume_note = checked_launch(args)
     model_plan = blueprint(args)
     resolve_compile(args)
-    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args))
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args), model_plan.processor)
     if resume:  # the steps it will train are known once the data is
         checkpoints.check_steps_left(resume, planned_steps(args.training, len(data.train)))
     rewards = reward_parts(args, data)  # checked first: the plan reads a reward model's config
@@ -234,8 +234,8 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
                                                         preprocess_logits_for_metrics=preprocess_logits,
                                                         fused_loss=work.fused_head)  # fmt: skip
     return trainer_class(model=loaded.model, args=args.training, train_dataset=data.train, eval_dataset=data.eval,
-                         processing_class=loaded.tokenizer, **task_parts, arguments=args, param_counts=loaded.counts,
-                         load=loaded.load, prompts=data.prompts, data_note=data.note,
+                         processing_class=loaded.processor or loaded.tokenizer, **task_parts, arguments=args,
+                         param_counts=loaded.counts, load=loaded.load, prompts=data.prompts, data_note=data.note,
                          data_summary=data.summary())  # fmt: skip
 
 
@@ -297,7 +297,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"No recipe '{argv[0]}' in recipes/. Known: {', '.join(recipe_names())}.")
     args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)
     model_plan = blueprint(args)
-    data = prepare_data(args, model_plan.tokenizer, model_plan.packing)
+    data = prepare_data(args, model_plan.tokenizer, model_plan.packing, processor=model_plan.processor)
     rows = f"{len(data.train):,} training rows" + (f", {len(data.eval):,} held out" if data.eval is not None else "")
     print(f"{argv[0]}: {rows}{' (packed)' if model_plan.packing else ''} from {data.note}")
     return 0

@@ -13,6 +13,7 @@ from ..errors import DataError, warn
 from ..settings.arguments import DataArguments
 from ..settings.tasks import task
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
+from .image_rows import absolute_paths, image_columns, image_problem
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
 from .prompts import as_prompts, prompt_problem
 from .sources import check_hub_dataset, resolve
@@ -216,6 +217,9 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
                             f"turn); the {name} split of {source} has no column '{args.prompt_column}', it has "
                             f"{split.column_names}: name the prompts' column with --prompt_column.")  # fmt: skip
         columns, problem_of, keep = [args.prompt_column], prompt_problem, split.column_names  # rewards read them
+    elif task(args.task).images:  # image-and-text conversations, each image opened (image_rows.py)
+        columns = keep = image_columns(split.column_names, f"the {name} split of {source}")
+        problem_of = image_problem(columns, root := data_folder(source))
     elif data_format is not None:
         columns = columns_of(data_format, args.messages_column)
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
@@ -259,7 +263,15 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         return to_messages(split, data_format, args.messages_column)
     if args.task == "grpo":
         return as_prompts(split, args.prompt_column)
+    if task(args.task).images:
+        return absolute_paths(split.select_columns(keep), columns, root)
     return split.select_columns(keep)
+
+
+def data_folder(source: str) -> Path | None:
+    """The folder a local data set's relative paths (its images) start from; None for a Hub data set."""
+    path = Path(resolve(source))
+    return path.parent if path.is_file() else path if path.is_dir() else None
 
 
 def require_columns(ds: Dataset, columns: list[str], flag: str) -> None:

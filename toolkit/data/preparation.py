@@ -29,9 +29,11 @@ from ..settings.mesh import sequence_split
 from ..settings.tasks import task
 from .conversations import IGNORE_INDEX, TurnLayout, apply_chat_template_setting
 from .formats import kind, tokenize_rows
+from .image_rows import measured
 from .length_grouping import LENGTH
 from .loading import load_data, require_columns
 from .packing import PackedCollator, pack
+from .vision import VisionCollator
 
 PER_WORKER = 2000  # conversations a tokenizing process should have to do, to be worth starting (~1 s of start-up)
 
@@ -184,12 +186,15 @@ def data_tokens(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bo
 
 
 def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first,
-            packing: bool = False) -> PreparedData:  # fmt: skip
+            packing: bool = False, processor: Any = None) -> PreparedData:  # fmt: skip
     """Tokenized (and packed) splits and their collator, from the cache when this exact preparation was made
-    before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there."""
+    before (by `python -m toolkit prepare`, or another run or rank), else made now and kept there. Image-text
+    rows (`processor`: the model's) are measured instead, and stay as read (image_rows.py)."""
     if len(ds["train"]) == 0:
         names = "', '".join(args.sources())
         raise DataError(f"The training split of '{names}' is empty.")
+    if task(args.task).images:
+        return prepared_images(ds, processor, args)
     if task(args.task).tokenized_by_trainer:  # TRL's trainers apply the chat template and tokenize themselves
         first = ds["train"][0]["chosen" if task(args.task).pairs else "prompt"]
         apply_chat_template_setting(tokenizer, args.chat_template, required=not isinstance(first, str))
@@ -224,6 +229,22 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
     return PreparedData(tokenized["train"], tokenized.get("eval"), collator, meta["label_names"], note)
 
 
+def prepared_images(ds: DatasetDict, processor: Any, args: DataArguments) -> PreparedData:
+    """Image-text rows as read, each measured by the processor (its tokens with its images'), those an image cut
+    would split left out and counted; the collator runs the processor on each batch."""
+    collator = VisionCollator(processor, args.max_seq_length)
+    start, splits, left_out = time.perf_counter(), {}, 0
+    for name, split in ds.items():
+        splits[name], dropped = measured(split, collator, name)
+        left_out += dropped
+    rows = sum(len(split) for split in ds.values())
+    note = f"{rows:,} image-text rows measured by the model's processor in {time.perf_counter() - start:.1f} s"
+    if left_out:
+        note += (f"; {left_out:,} left out, their images' tokens ending past --max_seq_length {args.max_seq_length} "
+                 "(raise it, or lower the image resolution)")  # fmt: skip
+    return PreparedData(splits["train"], splits.get("eval"), collator, None, note)
+
+
 def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
     """Written aside, then renamed: a reader finds the whole preparation or none."""
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
@@ -236,13 +257,13 @@ def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
 
 
 def prepare_data(args: Arguments, tokenizer: PreTrainedTokenizerBase, packing: bool,
-                 pad_to_multiple_of: int | None = None) -> PreparedData:  # fmt: skip
+                 pad_to_multiple_of: int | None = None, processor: Any = None) -> PreparedData:  # fmt: skip
     """The data room's entry: the recipe's data read and checked (loading.py), prepared for its task (tokenized,
     packed, cached), with the held-out prompts --generation_samples answers. `pad_to_multiple_of`: every batch's
     width is a multiple of it (what the attention kernel needs, models/attention.py's pad_multiple, and a sequence
     split, settings/mesh.py's split_multiple)."""
     raw, read = load_data(args.data)
-    data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing)
+    data = prepare(raw, tokenizer, args.data, args.training.main_process_first, packing, processor)
     data.packed = packing
     if packing:  # flash attention's varlen path needs the micro-batch as one flattened row (packing.py)
         data.collator.flatten = "flash" in str(args.model.attn_implementation)

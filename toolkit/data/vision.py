@@ -153,6 +153,8 @@ class VisionCollator:
     the assistant's tokens. A row longer than `max_length` is cut after its last image's tokens; one whose image
     the cut would split is a DataError (never a row with half an image)."""
 
+    pad_to_multiple_of: int | None = None  # the attention kernel's and a sequence split's (preparation.py)
+
     def __init__(self, processor, max_length: int):
         self.processor, self.max_length = processor, max_length
         self.renderer = _Renderer(processor)
@@ -167,8 +169,12 @@ class VisionCollator:
         batch = self.processor(text=texts, images=images if any(images) else None, **processor_kwargs)
         return batch, written
 
-    def __call__(self, rows: list[tuple[list[dict], list]]) -> dict[str, torch.Tensor]:
-        batch, written = self.encode(rows, padding=True, padding_side="right", return_tensors="pt")
+    def __call__(self, rows: list[tuple[list[dict], list] | dict]) -> dict[str, torch.Tensor]:
+        """A batch of (messages, images) pairs, or of rows as the data set holds them (read by vision_conversation,
+        their image paths absolute: image_rows.py)."""
+        rows = [vision_conversation(row) if isinstance(row, dict) else row for row in rows]
+        batch, written = self.encode(rows, padding=True, padding_side="right", return_tensors="pt",
+                                     pad_to_multiple_of=self.pad_to_multiple_of)  # fmt: skip
         labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
         width = 0
         for i, row in enumerate(written):
@@ -182,25 +188,21 @@ class VisionCollator:
             labels[i, :length] = torch.tensor(row_labels)
             width = max(width, min(length, self.max_length))
         batch["labels"] = labels
+        if self.pad_to_multiple_of:
+            width = min(-(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of, labels.shape[1])
         for key, value in batch.items():  # the text's columns cut to the longest kept row; the pixels stay whole
             if torch.is_tensor(value) and value.dim() == 2 and value.shape == labels.shape:
                 batch[key] = value[:, :width]
         return dict(batch)
 
 
-def image_ends(collator: VisionCollator, rows: list[tuple[list[dict], list]]) -> list[int]:
-    """Where each row's last image token ends in the processor's ids (0 without images): a row whose image ends
-    past --max_seq_length cannot be cut whole. Runs the processor on each row, as training will."""
-    ends = []
+def extents(collator: VisionCollator, rows: list[tuple[list[dict], list]]) -> list[tuple[int, int]]:
+    """Each row's (end of its last image's tokens, 0 without images; its tokens) in the processor's ids: a row
+    whose image ends past --max_seq_length cannot be cut whole. Runs the processor on each row, as training will."""
+    found = []
     for row in rows:
         batch, written = collator.encode([row])
-        _, added = aligned_labels(written[0], list(batch["input_ids"][0]))
-        ends.append(max((k + 1 for k, was_added in enumerate(added) if was_added), default=0))
-    return ends
-
-
-def whole_images(collator: VisionCollator, rows: list[tuple[list[dict], list]]) -> tuple[list[int], int]:
-    """The rows --max_seq_length can keep (cut after their images if long), and how many it cannot (the header
-    counts them): a row is never trained with part of an image."""
-    kept = [k for k, end in enumerate(image_ends(collator, rows)) if end <= collator.max_length]
-    return kept, len(rows) - len(kept)
+        ids = list(batch["input_ids"][0])
+        _, added = aligned_labels(written[0], ids)
+        found.append((max((k + 1 for k, was_added in enumerate(added) if was_added), default=0), len(ids)))
+    return found

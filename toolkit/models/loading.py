@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -16,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from ..data.conversations import stop_token_ids
 from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..metrics.memory import HostMemoryPeak
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
@@ -80,10 +81,6 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
             raise
         raise ConfigError(f"{args.model_name_or_path} has no usable tokenizer ({first_line(error)}): save it beside "
                           "the model with tokenizer.save_pretrained(folder).") from None  # fmt: skip
-
-
-def first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def load_config(args: ModelArguments) -> PretrainedConfig:
@@ -234,7 +231,7 @@ def load_model(
         # keep those that matched; save_pretrained reverts them all, so a BERT-family export under ZeRO-3 named its
         # LayerNorm weights by the legacy gamma/beta. Keep the ones that matched a checkpoint key.
         model._weight_conversions = [c for c in conversions if c.was_used()]
-    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+    if getattr(model.config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     return model
 
@@ -247,6 +244,7 @@ class Blueprint:
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     packing: bool
+    processor: Any = None  # an image-text model's (AutoProcessor): its image processor, tokenizer, chat template
 
 
 def blueprint(args: Arguments) -> Blueprint:
@@ -266,7 +264,14 @@ def blueprint(args: Arguments) -> Blueprint:
     m = args.model
     m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,
                                                                packing, on_gpu=torch.cuda.is_available())  # fmt: skip
-    return Blueprint(config, load_tokenizer(args.model), packing)
+    if not tasks.task(args.data.task).images:
+        return Blueprint(config, load_tokenizer(args.model), packing)
+    from .vision import check_parts, load_processor
+
+    if not args.model.use_lora:
+        check_parts(args.model.train_parts)
+    processor = load_processor(resolve(args.model.model_name_or_path), args.model.trust_remote_code)
+    return Blueprint(config, processor.tokenizer, packing, processor)
 
 
 @dataclass
@@ -275,6 +280,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     counts: ParameterCounts
     load: LoadRecord
+    processor: Any = None  # an image-text model's, saved beside it (the Trainer's processing_class)
 
 
 def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[str] | None, on_meta: bool = False,
@@ -288,13 +294,18 @@ def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[s
     load.host = load.memory.current() if load.memory else None  # what from_pretrained alone took
     if args.data.task in GENERATIVE and blueprint.tokenizer.chat_template:  # saved with it: generation stops there
         model.generation_config.eos_token_id = stop_token_ids(blueprint.tokenizer)
+    targets = None
+    if tasks.task(args.data.task).images:  # which of the image encoder, projector and language model train
+        from .vision import choose_trained
+
+        targets = choose_trained(model, args.model)
     if args.model.use_lora:
         set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
-        model = add_lora(model, args.model, args.data.task)
+        model = add_lora(model, args.model, args.data.task, targets)
     if (stages := launch_mesh().get("pp", 1)) > 1:  # this rank's stage: ranks are (stage, replica), stages outermost;
         # cut once LoRA's adapters are made (each then has the values it has in one process): what the rank keeps
         split_stage(model, int(os.environ.get("RANK", 0)) * stages // args.training.world_size, stages)
         load.param_bytes = ParameterCounts.of(model).held_bytes
     # no-op unless this rank loaded on the meta device (RAM-efficient FSDP loading)
     allocate_placeholders(model, upcast=upcast_placeholders)
-    return LoadedModel(model, blueprint.tokenizer, ParameterCounts.of(model), load)
+    return LoadedModel(model, blueprint.tokenizer, ParameterCounts.of(model), load, blueprint.processor)

@@ -16,8 +16,8 @@ from collections import Counter
 
 import torch
 
-from ..errors import ConfigError
-from .loading import first_line
+from ..errors import ConfigError, first_line
+from ..settings.arguments import ModelArguments
 
 PARTS = ("vision", "projector", "language")
 TRAINED_BY_DEFAULT = ("projector", "language")
@@ -57,9 +57,7 @@ def model_parts(model: torch.nn.Module) -> dict[str, list[str]]:
 
 def train_parts(model: torch.nn.Module, trained: tuple[str, ...] = TRAINED_BY_DEFAULT) -> dict[str, tuple[int, bool]]:
     """Freeze every part not in `trained`; each part's parameter count and whether it trains (the header's line)."""
-    unknown = [part for part in trained if part not in PARTS]
-    if unknown:
-        raise ConfigError(f"--train_parts {','.join(unknown)}: pick from {','.join(PARTS)}.")
+    check_parts(",".join(trained))
     prefixes = _prefixes(model)
     counts: Counter[str] = Counter()
     for name, parameter in model.named_parameters():
@@ -67,6 +65,36 @@ def train_parts(model: torch.nn.Module, trained: tuple[str, ...] = TRAINED_BY_DE
         parameter.requires_grad_(part in trained)
         counts[part] += parameter.numel()
     return {part: (counts[part], part in trained) for part in PARTS}
+
+
+def check_parts(setting: str) -> tuple[str, ...]:
+    """--train_parts as parts, refused in one line before any weight loads."""
+    trained = tuple(part.strip() for part in setting.split(",") if part.strip())
+    unknown = [part for part in trained if part not in PARTS]
+    if unknown or not trained:
+        raise ConfigError(f"--train_parts {setting!r}: pick one or more of {','.join(PARTS)} (comma-separated).")
+    return trained
+
+
+def choose_trained(model: torch.nn.Module, args: ModelArguments) -> str | list[str] | None:
+    """What trains in an image-text model, and the header's line for it (args.parts_note). A full fine-tune freezes
+    the parts --train_parts leaves out; LoRA adapts what --lora_target_modules names, the language model's linear
+    layers for all-linear (the return value: the adapter's targets, None without LoRA)."""
+    counts = Counter({part: 0 for part in PARTS})
+    prefixes = _prefixes(model)
+    for name, parameter in model.named_parameters():
+        counts[part_of(name, prefixes)] += parameter.numel()
+    said = lambda parts: ", ".join(f"{part} {counts[part]:,}" for part in parts)  # noqa: E731
+    if args.use_lora:
+        targets = args.lora_settings()["target_modules"]
+        where = "the language model's linear layers" if targets == "all-linear" else ", ".join(targets)
+        args.parts_note = f"LoRA on {where}; the weights of {said(PARTS)} frozen"
+        return language_lora_targets(model) if targets == "all-linear" else targets
+    trained = check_parts(args.train_parts)
+    train_parts(model, trained)
+    frozen = [part for part in PARTS if part not in trained]
+    args.parts_note = f"{said(trained)}" + (f"; {said(frozen)} frozen (--train_parts)" if frozen else "")
+    return None
 
 
 def language_lora_targets(model: torch.nn.Module) -> str:

@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..errors import ConfigError, command, description
+from ..errors import ConfigError, command, description, first_line
 from ..metrics.samples import EVAL_FILE
 from .card import CARD, CURVE, write_card
 from .record import check_export
@@ -54,11 +54,6 @@ def check_push(repo_id: str | None) -> str:
     if not token:
         raise PushError("no Hugging Face token: `hf auth login`, or set HF_TOKEN to a token with write access.")
     return token
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def files_to_push(folder: Path, merged: bool, scratch: Path) -> dict[str, Path]:

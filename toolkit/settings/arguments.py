@@ -110,6 +110,14 @@ class ModelArguments:
             "single_gpu/DDP get the toolkit's, FSDP accelerate's, DeepSpeed its own (docs/recipes.md)."
         },
     )
+    train_parts: str = field(
+        default="projector,language",
+        metadata={
+            "help": "vlm_sft, full fine-tuning: the parts of an image-text model that train, of vision (the image "
+            "encoder), projector, language; the others stay frozen. LoRA adapts the language model's linear layers."
+        },
+    )
+    parts_note: str = field(default="", init=False, repr=False)  # what trains, for the header (models/vision.py)
     load_in_4bit: bool = field(
         default=False,
         metadata={
@@ -161,7 +169,7 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    task: str = field(metadata={"help": "classification, sft, dpo, grpo or reward."})
+    task: str = field(metadata={"help": "classification, sft, dpo, grpo, reward or vlm_sft."})
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},

@@ -37,6 +37,7 @@ from .arguments import (
 from .compile import AUTO
 from .mesh import launch_mesh
 from .policy import PolicyArguments
+from .tasks import task
 
 AUTO_SETTINGS = ("torch_compile",)  # flags that take `auto` beside their type's values
 
@@ -278,6 +279,8 @@ def parse(
         raise ConfigError(f"max_completion_length {policy.max_completion_length} leaves no room for the prompt in "
                           f"max_seq_length {data.max_seq_length} (the longest prompt and completion, which the memory "
                           "plan sizes): raise --max_seq_length.")  # fmt: skip
+    if task(data.task).images:  # its collator reads the rows' conversations and images, which the model does not
+        training.remove_unused_columns = False
     # TRL's DPOTrainer and GRPOTrainer take their own configs: the TrainingArguments and these settings
     training = policy.trl_config(data.task, training, data.max_seq_length, model.trust_remote_code)
     return Arguments(model, data, run, training, recipe_name, policy, torch_compile=compile_setting)

@@ -38,6 +38,9 @@ class Task:
     reference: bool = False
     # Whether TRL's trainer applies the chat template and tokenizes (the data room checks the rows, keeps them).
     tokenized_by_trainer: bool = False
+    # Whether rows reach the collator as read (images and messages): it runs the model's processor on each batch,
+    # so the Trainer keeps the columns its model does not name (remove_unused_columns off).
+    images: bool = False
     # The model's outputs where the data does not say (a classifier's labels do): a reward model's one score.
     num_labels: int | None = None
     # What its evaluation reports, that --metric_for_best_model may name (besides the loss).
@@ -88,6 +91,17 @@ TASKS = {
         tokenized_by_trainer=True,
         metrics=("reward",),
     ),
+    # Image-and-text conversations (data/vision.py): the model's own processor expands each image into its tokens
+    # at batch time; the loss is the language model's next-token loss on the assistant's tokens, as sft's.
+    "vlm_sft": Task(
+        "AutoModelForImageTextToText",
+        "CAUSAL_LM",
+        "",  # peft has no Auto class for these: the base loads by auto_class, the adapter on it (models/lora.py)
+        token_normalised_loss=True,
+        images=True,
+        metrics=("perplexity", "token_accuracy"),
+        pipeline_tag="image-text-to-text",
+    ),
     # A reward model (TRL's RewardTrainer): a sequence classifier with one output, trained on preference pairs to
     # score the chosen answer above the rejected one (Bradley-Terry); a GRPO recipe names its folder as a reward.
     "reward": Task(
@@ -103,7 +117,7 @@ TASKS = {
     ),
 }
 
-GENERATIVE = ("sft", "dpo", "grpo")  # tasks that train a decoder's next-token head
+GENERATIVE = ("sft", "dpo", "grpo", "vlm_sft")  # tasks that train a decoder's next-token head
 
 
 def task(name: str) -> Task:
@@ -148,6 +162,10 @@ def check_task(config, name: str | None) -> None:
     """Refuse, in one line naming what works, a model the task cannot train: encoder-decoders for any task (the
     toolkit trains decoders with sft and encoders with classification), and encoders for sft (transformers'
     `...ForCausalLM` of an encoder is a decoder bolted on, not the model's pretraining)."""
+    if name is not None and task(name).images and architecture(config, name) is None and not config_has_code(config):
+        raise ConfigError(f"{config.model_type} is not an image-text model (transformers' {task(name).auto_class} "
+                          f"has no class for it): task {name} trains models such as Qwen2.5-VL, Gemma 3, SmolVLM "
+                          "and LLaVA; train this one on text with --task sft.")  # fmt: skip
     kind = kind_of_model(config)
     if kind == "encoder-decoder":
         raise ConfigError(f"{config.model_type} is an encoder-decoder (sequence-to-sequence) model, which the toolkit "
@@ -157,6 +175,11 @@ def check_task(config, name: str | None) -> None:
         raise ConfigError(f"{config.model_type} is an encoder (masked LM), not a chat model: fine-tune it with --task "
                           "classification (as recipes/bert.py --model_name_or_path ... does), or bring a decoder "
                           "for sft.")  # fmt: skip
+
+
+def config_has_code(config) -> bool:
+    """Whether the model brings its own classes (trust_remote_code): transformers' tables do not list them."""
+    return bool(getattr(config, "auto_map", None))
 
 
 def model_class(name: str):

@@ -204,7 +204,10 @@ class ToolkitTrainerMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.pipeline is not None:
             return self.pipeline.eval_step(self._prepare_inputs(model_inputs(inputs)), prediction_loss_only)
-        return super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
+        loss, logits, labels = super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
+        # The metrics read the logits alone: a model's other outputs (an image-text model's cache and image
+        # features, which hold None) are neither gathered across ranks nor kept.
+        return loss, logits[0] if isinstance(logits, tuple) else logits, labels
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -299,8 +302,9 @@ class ToolkitTrainerMixin:
         return stop
 
     def task_lines(self) -> tuple[str, ...]:
-        """The header's lines of the task's own (GRPO's sampling), after the batch line."""
-        return ()
+        """The header's lines of the task's own (GRPO's sampling; which parts of an image-text model train), after
+        the batch line."""
+        return (f"trains        {note}",) if (note := self.recipe.model.parts_note) else ()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state this rank really holds (its shard, under ZeRO-3 or FSDP)."""

@@ -1,0 +1,167 @@
+"""Task vlm_sft through the runner, one process, for each image-text family built offline at toy size: the rows read
+from a file with their images beside it, the header's line of what trains, the vision tower frozen by default and
+the rest trained, LoRA on the language model alone (merged on request), an export that reloads, and each mistake one
+clean line before any weight loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from test_bad_input import assert_one_clear_line
+from vision_processors import PROCESSORS, tiny_model
+
+from toolkit import run, train
+from toolkit.models import vision
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+QUESTION = "What colour is the square?"
+
+
+def colour_rows(folder: Path, count: int = 24, llava: bool = False) -> Path:
+    """A square of one colour per row, the question about it and its answer; images beside the data file, named
+    relative to it (as a user's data folder has them)."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for k in range(count):
+        name, image = list(COLOURS)[k % len(COLOURS)], f"images/{k}.png"
+        Image.fromarray(np.full((28, 28, 3), COLOURS[name], dtype="uint8")).save(folder / image)
+        if llava:
+            turns = [{"from": "human", "value": f"<image>\n{QUESTION}"}, {"from": "gpt", "value": f"It is {name}."}]
+            rows.append({"conversations": turns, "image": image})
+        else:
+            question = [{"type": "image"}, {"type": "text", "text": QUESTION}]
+            answer = [{"type": "text", "text": f"It is {name}."}]
+            turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            rows.append({"messages": turns, "images": [image]})
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data
+
+
+def model_folder(family: str, folder: Path, monkeypatch) -> Path:
+    """The family's tiny model and processor saved as a user's folder. The Qwen2-VL family's processors load only
+    with torchvision here (their video processor): the run is handed the images-only one the tests build."""
+    processor = PROCESSORS[family]()
+    tiny_model(family, processor).save_pretrained(folder)
+    if family.startswith("qwen"):
+        monkeypatch.setattr(vision, "load_processor", lambda name, trust_remote_code=False: processor)
+    else:
+        processor.save_pretrained(folder)
+    return folder
+
+
+def recipe(model: Path, data: Path) -> dict:
+    return {"model_name_or_path": str(model), "task": "vlm_sft", "dataset_name": str(data), "max_seq_length": 96,
+            "max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1,
+            "report_to": "none", "dtype": "float32", "eval_fraction": 0.25, "save_strategy": "no"}  # fmt: skip
+
+
+def weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """A saved model's parameters by their names in the model (a checkpoint's keys may be the legacy ones), and
+    each part's names."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    return {n: p.detach() for n, p in model.named_parameters()}, vision.model_parts(model)
+
+
+@pytest.mark.parametrize("family", sorted(PROCESSORS))
+def test_each_family_trains_its_language_model_and_projector_and_exports(family, tmp_path, monkeypatch, capsys):
+    """Full fine-tuning by default: the tower's weights come out as they went in, the projector's and the language
+    model's move; the held-out loss is scored on the image rows; the export reloads as the family's model."""
+    from transformers import AutoModelForImageTextToText
+
+    model = model_folder(family, tmp_path / "model", monkeypatch)
+    out = tmp_path / "out"
+    result = train(recipe(model, colour_rows(tmp_path / "data", llava=family == "llava")), ["--output_dir", str(out)],
+                   "vlm")  # fmt: skip
+    header = capsys.readouterr().out
+    assert "trains        projector " in header and "frozen (--train_parts)" in header, header
+    assert "24 image-text rows measured by the model's processor" in header
+    assert np.isfinite(result.metrics["eval_loss"]) and "eval_token_accuracy" in result.metrics
+    (before, parts), (after, _) = weights(model), weights(out)
+    assert parts["vision"] and all(torch.equal(before[n], after[n]) for n in parts["vision"])
+    for part in ("projector", "language"):
+        assert any(not torch.equal(before[n], after[n]) for n in parts[part]), part
+    assert type(AutoModelForImageTextToText.from_pretrained(out)) is type(result.trainer.model)
+
+
+def test_lora_adapts_the_language_model_alone_and_merges(tmp_path, monkeypatch, capsys):
+    """--use_lora: adapters on the decoder's linear layers only (peft's all-linear would adapt the tower's too), the
+    header says so; --merge_lora writes a standalone model and processor whose tower is the base's."""
+    from peft import PeftConfig
+    from transformers import AutoProcessor
+
+    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    out = tmp_path / "out"
+    train(recipe(model, colour_rows(tmp_path / "data")),
+          ["--output_dir", str(out), "--use_lora", "true", "--merge_lora", "true"], "vlm")  # fmt: skip
+    assert "trains        LoRA on the language model's linear layers" in capsys.readouterr().out
+    adapted = {n.split(".lora_A")[0] for n in load_file(out / "adapter_model.safetensors") if ".lora_A" in n}
+    assert adapted and all(".language_model." in n for n in adapted), sorted(adapted)
+    assert PeftConfig.from_pretrained(out).base_model_name_or_path == str(model)
+    AutoProcessor.from_pretrained(out / "merged")
+    (base, parts), (merged, _) = weights(model), weights(out / "merged")
+    assert all(torch.equal(base[n], merged[n]) for n in parts["vision"] + parts["projector"])
+    assert any(not torch.equal(base[n], merged[n]) for n in parts["language"])
+
+
+def text_model(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    processor = PROCESSORS["llava"]()
+    config = LlamaConfig(vocab_size=len(processor.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    processor.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def no_image(folder: Path) -> Path:
+    data = colour_rows(folder, count=4)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[2]["images"] = []
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data
+
+
+def broken_image(folder: Path) -> Path:
+    data = colour_rows(folder, count=4)
+    (folder / "images" / "1.png").write_bytes(b"not a png")
+    return data
+
+
+@pytest.mark.parametrize(
+    ("mistake", "flags", "key"),
+    [
+        ("text-only model", lambda tmp: ["--model_name_or_path", str(text_model(tmp / "llama"))],
+         "llama is not an image-text model"),
+        ("row without its image", lambda tmp: ["--dataset_name", str(no_image(tmp / "bad"))],
+         "row 2 of the train split"),
+        ("image that does not decode", lambda tmp: ["--dataset_name", str(broken_image(tmp / "bad"))],
+         "its image does not decode"),
+        ("text rows", lambda tmp: ["--dataset_name", str(text_rows(tmp))], "task vlm_sft trains on image-and-text"),
+        ("unknown part", lambda tmp: ["--train_parts", "vision,decoder"], "--train_parts 'vision,decoder': pick"),
+    ],
+)  # fmt: skip
+def test_each_mistake_is_one_line_before_any_weight_loads(mistake, flags, key, tmp_path, monkeypatch, capsys):
+    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(SystemExit) as exit_code:
+        run(recipe(model, colour_rows(tmp_path / "data")), ["--output_dir", str(tmp_path / "out"), *flags(tmp_path)],
+            "vlm")  # fmt: skip
+    assert exit_code.value.code == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, key)
+
+
+def text_rows(folder: Path) -> Path:
+    data = folder / "text.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).replace("messages", "chat") + "\n")
+    return data
