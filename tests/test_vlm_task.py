@@ -165,3 +165,15 @@ def text_rows(folder: Path) -> Path:
     data = folder / "text.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).replace("messages", "chat") + "\n")
     return data
+
+
+def test_the_recipes_stored_config_is_gemma_3_4bs_and_fsdp_wraps_both_towers_layers():
+    """The stored config gives the published size of google/gemma-3-4b-it (its Hub page: 4,300,079,472
+    parameters, tower included); FSDP wraps each decoder layer and each SigLIP encoder layer as a unit."""
+    from toolkit.data.sources import stored_config
+    from toolkit.distributed.strategy import layer_class
+    from toolkit.models.meta import meta_model
+
+    model = meta_model(stored_config("google/gemma-3-4b-it"), "vlm_sft")
+    assert sum(p.numel() for p in model.parameters()) == 4_300_079_472
+    assert layer_class(model) == "Gemma3DecoderLayer,SiglipEncoderLayer"

@@ -1,8 +1,11 @@
 """Tiny vision processors, built offline: transformers' own processor and image processor classes (their expansion
 of each image placeholder is what the tests exercise), a byte-level BPE tokenizer trained in a second with the
-family's special tokens, and chat templates written in each family's format (the Hub's are not reachable here)."""
+family's special tokens, and chat templates written in each family's format (the Hub's are not reachable here):
+tiny mode's for its families (toolkit/models/tiny_vision.py), and the Qwen2-VL family's for images only."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import torch
@@ -10,70 +13,19 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
 from toolkit.models.tiny import train_tokenizer
+from toolkit.models.tiny_vision import FAMILIES, Family, with_special_tokens
 
 TEXT = "What colour is the square? It is red. And the circle? Blue, on a green ground. Describe the picture. " * 20
 
-GEMMA3 = (
-    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
-    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<start_of_image>{% else %}{{ part['text'] | trim }}{% endif %}{% endfor %}"
-    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-IDEFICS3 = (
-    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
-    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-LLAVA = (
-    "{% for message in messages %}{{ message['role'].upper() + ': ' }}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{{ '</s>' if message['role'] == 'assistant' else ' ' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
-)
-
 
 def tokenizer(named: dict[str, str], more: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    base = train_tokenizer(False, [TEXT])
-    base.add_special_tokens({"additional_special_tokens": [*named.values(), *more]})
-    specials = {"bos_token": base.bos_token, "eos_token": base.eos_token, "pad_token": base.pad_token}
-    return PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, extra_special_tokens=named, **specials)
+    return with_special_tokens(train_tokenizer(False, [TEXT]), Family(named, more, "", None, None))
 
 
-def gemma3():
-    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
-
-    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    tok = tokenizer(named, ("<start_of_turn>", "<end_of_turn>"))
-    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
-    return Gemma3Processor(image_processor=images, tokenizer=tok, chat_template=GEMMA3, image_seq_length=4)
-
-
-def idefics3():
-    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
-
-    tiles = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
-    tok = tokenizer({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-                     "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
-                    ("<|im_start|>", *tiles))  # fmt: skip
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
-    return Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=IDEFICS3, image_seq_len=4)
-
-
-def llava():
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
-
-    tok = tokenizer({"image_token": "<image>"}, ("</s>",))
-    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    return LlavaProcessor(
-        image_processor=images,
-        tokenizer=tok,
-        chat_template=LLAVA,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-    )  # CLIP's CLS dropped
+def tiny_mode_processor(family: str):
+    """The processor tiny mode builds for the family (toolkit/models/tiny_vision.py), its tokenizer trained here."""
+    spec = FAMILIES[family]
+    return spec.processor(tokenizer(spec.named, spec.more))
 
 
 QWEN2_VL = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
@@ -110,7 +62,8 @@ def qwen2_5_vl():
     return qwen_vl(Qwen2_5_VLProcessor)
 
 
-PROCESSORS = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl}
+PROCESSORS = {**{name: partial(tiny_mode_processor, name) for name in FAMILIES}, "qwen2_vl": qwen2_vl,
+              "qwen2_5_vl": qwen2_5_vl}  # fmt: skip
 
 
 def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:

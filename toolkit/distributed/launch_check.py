@@ -143,8 +143,9 @@ def check_wrap_class(config: dict, path: Path, recipe: str) -> None:
     missing = [c for c in str(wrap).split(",") if c.strip() not in classes]
     if missing:
         raise ConfigError(f"{path}: fsdp_transformer_layer_cls_to_wrap names {missing}, which "
-                          f"{values['model_name_or_path']} does not have; its layers are ['{layer_class(model)}']. Set "
-                          "it to null to let the toolkit take the model's layer class.")  # fmt: skip
+                          f"{values['model_name_or_path']} does not have; its layers are "
+                          f"{layer_class(model).split(',')}. Set it to null to let the toolkit take the model's layer "
+                          "class.")  # fmt: skip
 
 
 def check_parallelism_values(section: dict, path: Path) -> None:

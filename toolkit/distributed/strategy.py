@@ -203,12 +203,27 @@ def check_hybrid_mesh(accelerator: Accelerator) -> None:
 
 
 def layer_class(model) -> str:
-    """The model's repeated block (LlamaDecoderLayer, BertLayer): the class of its longest layer list."""
+    """The model's repeated blocks (LlamaDecoderLayer, BertLayer): the class of its longest layer list, and an
+    image-text model's tower's too (Gemma3DecoderLayer,SiglipEncoderLayer), as FSDP_TRANSFORMER_CLS_TO_WRAP lists
+    them: each encoder layer a unit of its own, not the whole tower one unit with the model's root."""
+    from ..models.vision import image_encoder
+
+    classes = [longest_list_class(model)]
+    tower = image_encoder(model)
+    if tower is not None and (inner := longest_list_class(tower, required=False)) not in (None, *classes):
+        classes.append(inner)
+    return ",".join(classes)
+
+
+def longest_list_class(model, required: bool = True) -> str | None:
+    """The class of the longest list of identical modules in `model`."""
     import torch
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     blocks = [m for m in lists if len({type(x) for x in m}) == 1]
     if not blocks:
+        if not required:
+            return None
         raise StrategyMismatch(f"{type(model).__name__} has no list of identical layers for FSDP to wrap.")
     return type(max(blocks, key=len)[0]).__name__
 
@@ -227,7 +242,7 @@ def set_fsdp_wrap_class(model) -> None:
     if missing:
         raise StrategyMismatch(
             f"fsdp_transformer_layer_cls_to_wrap names {missing}, which {type(model).__name__} does not have. "
-            f"Set it to {layer_class(model)} or to null (the model's own layer class)."
+            f"Set it to {layer_class(model)} or to null (the model's own layer classes)."
         )
     if not configured:
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = layer_class(model)

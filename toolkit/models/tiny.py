@@ -29,6 +29,7 @@ from ..project import cache_root, looks_like_path, recipe_writing
 from ..settings import tasks as task_table
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
+from . import tiny_vision
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -148,7 +149,8 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
             )
         values = dict(TINY_TRAINING, **on_cpu)  # that folder as it is: tiny mode shortens the run, brings the data
     else:
-        values = dict(TINY_TRAINING, **on_cpu, model_name_or_path=str(tiny_checkpoint(model_name, task)))
+        checkpoint = tiny_image_checkpoint if task_table.task(task).images else tiny_checkpoint
+        values = dict(TINY_TRAINING, **on_cpu, model_name_or_path=str(checkpoint(model_name, task)))
     values.update(dataset_name=str(write_tiny_dataset(task)), dataset_mixture=None, data_format=None,
                   dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
@@ -160,7 +162,7 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
         values.update(chat_template="llama3", prompt_column="prompt", reward_funcs="accuracy,format",
                       reward_weights=None, format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
                       per_device_train_batch_size=8)  # fmt: skip
-    else:
+    elif not task_table.task(task).images:  # an image-text model's chat template is its processor's
         values.update(messages_column="messages", chat_template="llama3")
     return values
 
@@ -247,6 +249,8 @@ TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": pre
 
 
 def write_tiny_dataset(task: str) -> Path:
+    if task_table.task(task).images:
+        return write_tiny_images()
     rows = TINY_ROWS[task]()
     text = "".join(json.dumps(r) + "\n" for r in rows)
     path = cache_dir() / f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.jsonl"
@@ -256,6 +260,21 @@ def write_tiny_dataset(task: str) -> Path:
         tmp.write_text(text)
         tmp.replace(path)
     return path
+
+
+def write_tiny_images() -> Path:
+    """The image-text tiny data (tiny_vision.image_rows): its JSON lines beside their images, in a folder named by
+    its content (written aside, then renamed: concurrent ranks write the same files)."""
+    scratch = cache_dir() / f"images.{os.getpid()}.tmp"
+    shutil.rmtree(scratch, ignore_errors=True)
+    text = "".join(json.dumps(r) + "\n" for r in tiny_vision.image_rows(scratch))
+    (scratch / "data.jsonl").write_text(text)
+    folder = cache_dir() / f"vlm_sft-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    if (folder / "data.jsonl").is_file():
+        shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        _save_atomically(folder, lambda tmp: scratch.replace(tmp))
+    return folder / "data.jsonl"
 
 
 # ------------------------------------------------------------------------------------------ tokenizer
@@ -322,6 +341,30 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
     torch.manual_seed(0)
     model = model_class(task).from_config(config)
     _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return path
+
+
+def tiny_image_checkpoint(model_name: str, task: str) -> Path:
+    """An image-text recipe's family at toy size (tiny_vision.py): its stored config with the text side shrunk as
+    any model's and the tower as tiny_vision's, a tokenizer trained on the tiny data with the family's special
+    tokens, and the family's processor; saved as a model folder with its processor."""
+    config = stored_config(model_name)
+    spec = tiny_vision.family(config)
+    tokenizer = tiny_vision.with_special_tokens(train_tokenizer(False, tiny_vision.image_texts()), spec)
+    text = shrunk_config(config.text_config, len(tokenizer))
+    tiny_vision.shrink_vision(config)
+    spec.adapt(config, tokenizer)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        for part in (config, text):
+            if hasattr(part, name) or part is text:
+                setattr(part, name, getattr(tokenizer, name))
+    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:8]
+    path = cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '--', model_name)}-{task}-{digest}"
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    model, processor = model_class(task).from_config(config), spec.processor(tokenizer)
+    _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
     return path
 
 

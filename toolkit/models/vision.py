@@ -24,11 +24,19 @@ TRAINED_BY_DEFAULT = ("projector", "language")
 LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def image_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """An image-text model's vision tower (transformers' `get_encoder(modality="image")`); None for a model without
+    one (a text model's get_encoder gives itself or its base)."""
+    vision = model.get_encoder(modality="image") if hasattr(model, "get_encoder") else model
+    inside = any(vision is module for module in model.modules())
+    return None if vision is model or not inside or vision is getattr(model, "base_model", None) else vision
+
+
 def _prefixes(model: torch.nn.Module) -> tuple[str, str, str]:
     """The qualified names of the vision encoder, the decoder and the output head."""
     names = {id(module): name for name, module in model.named_modules()}
-    vision = model.get_encoder(modality="image") if hasattr(model, "get_encoder") else model
-    if vision is model or id(vision) not in names or vision is getattr(model, "base_model", None):
+    vision = image_encoder(model)
+    if vision is None:
         raise ConfigError(f"{type(model).__name__} has no image encoder transformers can find (vision_tower, visual, "
                           "vision_model): a text-only model cannot take images. Use an image-text model "
                           "(AutoModelForImageTextToText), or drop the images from the data.")  # fmt: skip
