@@ -21,7 +21,8 @@ def test_every_shipped_config_passes_with_every_recipe(config):
     4-bit base is replicated), and under tensor parallelism the encoders' (transformers has no TP plan for them)
     and SmolLM2's (heads that 2 ranks cannot split); under a sequence split the recipes that are not SFT, and
     SmolLM2's 9 heads over 8 Ulysses ranks; FP8 on this machine (no FP8 tensor cores), QLoRA's first; under
-    pipeline stages all but the SFT recipes of untied decoders in 16 or 32 bits; GRPO under any of those axes."""
+    pipeline stages all but the SFT recipes of untied decoders in 16 or 32 bits; GRPO under any of those axes; the
+    image-text recipe under any of them (Gemma 3's composite model has no tensor-parallel plan of its own)."""
     text = config.read_text()
     pipeline = "parallelism_config_pp_size" in text
     tensor = "parallelism_config_tp_size" in text
@@ -35,7 +36,8 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif (pipeline or tensor or split) and recipe in ("smollm2_grpo", "qwen3_grpo"):
             with pytest.raises(ConfigError, match="under grpo: TRL's GRPOTrainer samples completions"):
                 check(config, recipe)
-        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward"):
+        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
+                                     "gemma3_vlm_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="run a causal language model's SFT loss on the last stage"):
                 check(config, recipe)
         elif pipeline and recipe == "llama3_qlora":
@@ -44,7 +46,8 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif pipeline and recipe == "smollm2_chat":  # tied embeddings: on the first and the last stage
             with pytest.raises(ConfigError, match="ties its output head to its input embeddings"):
                 check(config, recipe)
-        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward"):
+        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
+                                  "gemma3_vlm_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
                 check(config, recipe)
         elif split and recipe == "smollm2_chat" and "sp_size" in text:  # 9 heads over 8 ranks
@@ -53,7 +56,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif recipe == "llama3_qlora" and sharding:
             with pytest.raises(ConfigError, match="QLoRA \\(--load_in_4bit\\) trains under single_gpu.yaml or ddp"):
                 check(config, recipe)
-        elif recipe in ("bert", "minilm_bbc") and tensor:
+        elif recipe in ("bert", "minilm_bbc", "gemma3_vlm_lora") and tensor:
             with pytest.raises(ConfigError, match="has no tensor-parallel plan in transformers"):
                 check(config, recipe)
         elif recipe == "smollm2_chat" and tensor:  # SmolLM2-135M: 9 heads, 3 key/value heads
@@ -149,7 +152,7 @@ def test_make_finetune_checks_before_launching(tmp_path):
     result = subprocess.run(["make", "-s", "finetune", "MODEL=bertt", "CONFIG=ddp"], cwd=ROOT, capture_output=True,
                             text=True)  # fmt: skip
     assert result.returncode != 0
-    assert "error: No recipe 'bertt' in recipes/. Known: bert, llama3_dpo" in result.stderr
+    assert "error: No recipe 'bertt' in recipes/. Known: bert, gemma3_vlm_lora, llama3_dpo" in result.stderr
     assert "No such file" not in result.stderr  # accelerate never started the missing script
 
 

@@ -536,7 +536,8 @@ def test_plan_unknown_model_names_the_fix(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["nosuch-org/nosuch-model"])
     err = capsys.readouterr().err
-    assert "'nosuch-org/nosuch-model' is not a recipe (bert, llama3_dpo" in err and "hub_configs" in err
+    assert "'nosuch-org/nosuch-model' is not a recipe (bert, gemma3_vlm_lora, llama3_dpo" in err
+    assert "hub_configs" in err
 
 
 def test_plan_when_nothing_fits_says_what_would(capsys):

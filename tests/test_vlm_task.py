@@ -177,3 +177,17 @@ def test_the_recipes_stored_config_is_gemma_3_4bs_and_fsdp_wraps_both_towers_lay
     model = meta_model(stored_config("google/gemma-3-4b-it"), "vlm_sft")
     assert sum(p.numel() for p in model.parameters()) == 4_300_079_472
     assert layer_class(model) == "Gemma3DecoderLayer,SiglipEncoderLayer"
+    # The recipe's LoRA, r=16, on the decoder alone (as the run adapts it), by hand: per layer q 2560->2048,
+    # k and v 2560->1024, o 2048->2560, gate and up 2560->10240, down 10240->2560; 34 layers.
+    per_layer = 16 * ((2560 + 2048) * 2 + (2560 + 1024) * 2 + (2560 + 10240) * 3)
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    adapted = meta_model(stored_config("google/gemma-3-4b-it"), "vlm_sft", lora)
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 34 * per_layer == 29_802_496
+
+
+def test_the_plan_says_what_it_leaves_out_of_an_image_text_run(capsys):
+    from toolkit.planner.cli import main
+
+    assert main(["gemma3_vlm_lora", "--gpu", "H100-80GB"]) == 0
+    plan = capsys.readouterr().out
+    assert "29,802,496 trainable" in plan and "left out    the vision tower's activations" in plan

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from ..settings.tasks import TASKS, check_task, model_class, peft_task_type
+from .vision import adapter_targets
 
 
 def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
@@ -28,7 +29,8 @@ def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
 
             with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question: noise in `plan`
                 warnings.simplefilter("ignore", FutureWarning)
-                model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
+                lora = dict(lora, target_modules=adapter_targets(model, lora["target_modules"]))
+            model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
     return model
 
 

@@ -97,12 +97,18 @@ def choose_trained(model: torch.nn.Module, args: ModelArguments) -> str | list[s
         targets = args.lora_settings()["target_modules"]
         where = "the language model's linear layers" if targets == "all-linear" else ", ".join(targets)
         args.parts_note = f"LoRA on {where}; the weights of {said(PARTS)} frozen"
-        return language_lora_targets(model) if targets == "all-linear" else targets
+        return adapter_targets(model, targets)
     trained = check_parts(args.train_parts)
     train_parts(model, trained)
     frozen = [part for part in PARTS if part not in trained]
     args.parts_note = f"{said(trained)}" + (f"; {said(frozen)} frozen (--train_parts)" if frozen else "")
     return None
+
+
+def adapter_targets(model: torch.nn.Module, targets: str | list[str]) -> str | list[str]:
+    """LoRA's targets for `model`: --lora_target_modules, but all-linear on an image-text model means the language
+    model's linear layers (the planner's meta model takes the same as the run)."""
+    return language_lora_targets(model) if targets == "all-linear" and image_encoder(model) is not None else targets
 
 
 def language_lora_targets(model: torch.nn.Module) -> str:

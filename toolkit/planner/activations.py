@@ -126,6 +126,11 @@ def scaled(config, ratio: float, layers: int | list | None, attention: str | Non
         text.pad_token_id = 0  # row's last token by it; the run takes the tokenizer's
     if hasattr(text, "use_cache"):
         text.use_cache = False
+    if getattr(config, "vision_config", None) is not None:  # an image-text model's tower: the text-only forward
+        vision = config.vision_config  # never runs it, so one layer, to build the instance in a moment
+        for key in ("num_hidden_layers", "depth"):
+            if isinstance(getattr(vision, key, None), int):
+                setattr(vision, key, 1)
     if attention is None:  # fused kernels (flash, memory-efficient) drop out without keeping the scores
         for key in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
             if isinstance(getattr(text, key, None), float):

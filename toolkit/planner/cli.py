@@ -31,6 +31,7 @@ from .estimate import (
     assumed_mfu,
     bubble,
     cost_from_throughput,
+    images_caveat,
     master_weights,
     reward_model_bytes,
     samples_per_second_at_mfu,
@@ -179,6 +180,7 @@ def build_plan(args) -> dict:
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
+        "left_out": images_caveat(task),
         "data": data if samples or online else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).reference),
         "configs": results,
@@ -267,6 +269,7 @@ def render(plan: dict) -> str:
         f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",
         *([f"upper bound {plan['conservative']}"] if plan.get("conservative") else []),
+        *([f"left out    {plan['left_out']}"] if plan.get("left_out") else []),
     ]
     if plan["data"] and not task_table(plan["task"]).samples_online:
         d = plan["data"]

@@ -89,6 +89,14 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                                     arguments.policy.beta or 0.0))  # fmt: skip
 
 
+def images_caveat(task: str) -> str:
+    """What the plan of an image-text run leaves out, said where its figures are."""
+    if task not in TASKS or not task_table(task).images:
+        return ""
+    return ("the vision tower's activations and FLOPs on each image (the decoder's are counted, image tokens as "
+            "text); a full fine-tune's frozen tower is counted as trained")  # fmt: skip
+
+
 def reward_model_bytes(task: str, policy) -> int:
     """The weights of an online-RL run's learned rewards (settings/policy.py's reward_models), as TRL loads them."""
     if task not in TASKS or not task_table(task).samples_online:

@@ -22,7 +22,7 @@ from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
 from ..models.pipeline import schedule_note
 from ..planner.activations import measured_activations
-from ..planner.estimate import assumed_mfu, training_flops_per_token, workload_for
+from ..planner.estimate import assumed_mfu, images_caveat, training_flops_per_token, workload_for
 from ..planner.layout import Layout
 from ..planner.memory import Memory, Workload, plan_memory
 from ..planner.sampling import grpo_step_time
@@ -98,7 +98,9 @@ class RunPlan:
             plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
-        plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative) if c]
+        left_out = images_caveat(arguments.data.task)
+        plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative,
+                                    left_out and f"left out: {left_out}") if c]  # fmt: skip
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
