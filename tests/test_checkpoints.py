@@ -356,3 +356,32 @@ def test_a_resume_on_another_length_says_the_schedule_changes(tmp_path, capsys):
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 5, "max_steps": 10}))
     check_steps_left(checkpoint, 10)
     assert capsys.readouterr().err == ""
+
+
+def test_a_model_whose_checkpoint_names_are_converted_resumes_its_weights(tmp_path, monkeypatch):
+    """transformers 5 saves Mixtral's fused experts as per-expert matrices (w1, w2, w3) and loads them back
+    converted; the Trainer's resume matched the saved names against the model's, loaded none of them (a warning)
+    and trained on from the first weights with the checkpoint's optimizer. Preempted after checkpoint-2 and resumed,
+    the run now ends on the uninterrupted run's weights, bit for bit. (Image-text models: test_vlm_strategies.py.)"""
+    import os
+
+    from toolkit.models import tiny
+    from toolkit.training.stopping import PREEMPTED, SafeStop
+
+    mixtral = str(tiny.tiny_checkpoint("mistralai/Mixtral-8x7B-v0.1", "sft"))
+    flags = [*EVERY_2, "--max_steps", "4", "--model_name_or_path", mixtral]
+    whole = weights(train(LLAMA, [*flags, "--output_dir", str(tmp_path / "whole")], "llama3_fft").trainer)
+
+    class KilledAtStep2(SafeStop):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    with pytest.raises(SystemExit) as exit_info:
+        run(LLAMA, [*flags, "--output_dir", str(tmp_path / "cut")], "llama3_fft")
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED
+    resumed = train(LLAMA, [*flags, "--output_dir", str(tmp_path / "cut"), "--resume", "auto"], "llama3_fft").trainer
+    assert all(torch.equal(value, weights(resumed)[name]) for name, value in whole.items())

@@ -2,16 +2,21 @@
 each data-parallel engine, as the docs launch it: each step's loss and the exported weights equal one process's on
 the same global batches. LoRA (the recipe) under DDP and ZeRO-2, a full fine-tune of the projector and language
 model under FSDP2 (the tower's encoder layers and the decoder's layers each wrapped; RAM-efficient loading on) and
-ZeRO-3 (its partitioned loading of a composite model)."""
+ZeRO-3 (its partitioned loading of a composite model). Preempted, a run resumes bit-identically."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import check, launch, rank_reports, reference_run
 from safetensors.torch import load_file
+
+from toolkit import run, train
+from toolkit.project import load_recipe
 
 RECIPE = "gemma3_vlm_lora"
 FULL = ("--use_lora", "false")
@@ -53,3 +58,26 @@ def test_two_processes_train_the_vlm_as_one(config, full, one_process, tmp_path)
     assert sorted(ours) == sorted(reference)
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
+def test_a_preempted_vlm_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
+    """SIGTERM at step 2: checkpoint-2, exit 75; resumed with --resume auto, the same losses and bit-identical
+    weights as the uninterrupted run (the image rows' order and the optimizer come back)."""
+    from toolkit.training.stopping import PREEMPTED, SafeStop
+
+    class KilledAtStep2(SafeStop):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(load_recipe(RECIPE), flags(out, 8, *FULL), RECIPE)
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    train(load_recipe(RECIPE), [*flags(out, 8, *FULL), "--resume", "auto"], RECIPE)
+    full, resumed = rank_reports(one_process(True))[0], rank_reports(out)[0]
+    assert resumed["losses"] == full["losses"] and resumed["weights_sha256"] == full["weights_sha256"]

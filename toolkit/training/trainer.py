@@ -69,6 +69,7 @@ from ..settings.arguments import Arguments, global_batch_size, scale_learning_ra
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh, untied
+from .converted import load_converted
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
@@ -254,7 +255,10 @@ class ToolkitTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.pipeline is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            engine = self.is_fsdp_enabled or self.is_deepspeed_enabled  # their checkpoints use the model's names
+            if engine or not load_converted(model or self.model, resume_from_checkpoint):  # (converted.py)
+                super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
         self.pipeline.load_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:

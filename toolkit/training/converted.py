@@ -1,0 +1,45 @@
+"""Resuming the weights of a model whose checkpoint names are not its modules' names.
+
+transformers 5 renames and reshapes weights as it loads them (an image-text model's legacy layout,
+`language_model.model.layers...` into `model.language_model.layers...`; a mixture of experts' per-expert
+matrices into fused ones) and reverts that on every `save_pretrained`, checkpoints included. The Trainer resumes a
+single process or DDP run with `model.load_state_dict(saved, strict=False)`: no saved name matches, nothing loads,
+a warning is logged, and the run goes on from its first weights with the checkpoint's optimizer state. Here such a
+checkpoint is read as `from_pretrained` reads it, conversions applied, and copied in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PreTrainedModel
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+
+def saved_names(checkpoint: Path) -> set[str] | None:
+    """The tensor names of a checkpoint's full safetensors weights (one file or an index); None without them."""
+    if (checkpoint / SAFE_WEIGHTS_NAME).is_file():
+        with safe_open(checkpoint / SAFE_WEIGHTS_NAME, "pt") as weights:
+            return set(weights.keys())
+    if (checkpoint / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        return set(json.loads((checkpoint / SAFE_WEIGHTS_INDEX_NAME).read_text())["weight_map"])
+    return None
+
+
+def load_converted(model: torch.nn.Module, checkpoint: str | Path) -> bool:
+    """Load `checkpoint`'s weights into `model` through transformers' conversions where its names are not the
+    model's own; False where the Trainer's own load fits (the names match, or the weights are an adapter's)."""
+    checkpoint = Path(checkpoint)
+    names = saved_names(checkpoint)
+    own = model.state_dict()
+    if not isinstance(model, PreTrainedModel) or names is None or names <= set(own):
+        return False
+    dtype = next(model.parameters()).dtype
+    loaded = type(model).from_pretrained(checkpoint, config=model.config, dtype=dtype).state_dict()
+    missing = model.load_state_dict(loaded, strict=False).missing_keys
+    if missing:  # the same class and config: a name missing would be transformers' own mistake, said at once
+        raise RuntimeError(f"{checkpoint}: {len(missing)} of the model's weights not read back, e.g. {missing[0]}")
+    return True
