@@ -385,3 +385,21 @@ def test_a_model_whose_checkpoint_names_are_converted_resumes_its_weights(tmp_pa
     assert exit_info.value.code == PREEMPTED
     resumed = train(LLAMA, [*flags, "--output_dir", str(tmp_path / "cut"), "--resume", "auto"], "llama3_fft").trainer
     assert all(torch.equal(value, weights(resumed)[name]) for name, value in whole.items())
+
+
+def test_the_best_checkpoint_of_a_converted_model_is_the_one_kept(tmp_path):
+    """--load_best_model_at_end on Mixtral (its checkpoint names converted, as above): the best checkpoint, here the
+    first (the highest held-out loss counts as best), is what the run ends with, not the last step's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import tiny
+
+    mixtral = str(tiny.tiny_checkpoint("mistralai/Mixtral-8x7B-v0.1", "sft"))
+    out = tmp_path / "run"
+    trainer = train(LLAMA, [*EVERY_2, "--max_steps", "4", "--model_name_or_path", mixtral, "--eval_fraction", "0.1",
+                            "--eval_strategy", "steps", "--eval_steps", "2", "--load_best_model_at_end", "true",
+                            "--metric_for_best_model", "loss", "--greater_is_better", "true",
+                            "--output_dir", str(out)], "llama3_fft").trainer  # fmt: skip
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    best = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").state_dict()
+    assert all(torch.equal(best[name], value) for name, value in weights(trainer).items())

@@ -263,7 +263,10 @@ class ToolkitTrainerMixin:
 
     def _load_best_model(self) -> None:
         if self.pipeline is None:
-            return super()._load_best_model()
+            engine = self.is_fsdp_enabled or self.is_deepspeed_enabled
+            if engine or not load_converted(self.model, self.state.best_model_checkpoint):  # as a resume's
+                super()._load_best_model()
+            return
         self.pipeline.load_weights(self.state.best_model_checkpoint)
 
     def _get_output_dir(self, trial) -> str:
