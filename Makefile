@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft demo-grpo chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install demo demo-sft demo-grpo demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -40,6 +40,13 @@ demo-sft:
 # reasoning-gym's checker; held-out accuracy of the base and the tuned model, greedy, on the same problems.
 demo-grpo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo.py $(ARGS)
+
+# Offline: the image-text recipe's architecture (Gemma 3) at toy size, random init, full fine-tune, taught to name
+# the colour of a square it sees in generated pictures; held-out answer accuracy before and after. No VLM's weights
+# ship on PyPI: this shows images being learnt from, not a real model's skill (docs/vision.md).
+demo-vlm:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/gemma3_vlm_lora.py --tiny --use_lora false --learning_rate 3e-3 \
+		--max_steps 300 --eval_fraction 0.2 --eval_after_training true --output_dir runs/demo_vlm $(ARGS)
 
 # Talk to a trained chat model (its output folder, merged/ folder or checkpoint): make chat RUN=runs/smollm2_chat
 chat:

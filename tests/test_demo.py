@@ -233,3 +233,16 @@ def test_push_to_a_hub_stand_in(demo_sft, monkeypatch, capsys):
     finally:
         hub.close()
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # the local export, untouched
+
+
+def test_make_demo_vlm(tmp_path):
+    """`make demo-vlm`: the toy Gemma 3 learns to name the colour it sees; on held-out pictures its answers go from
+    never right to right well above chance (1 in 8 colours), each greedy answer scored whole."""
+    out = tmp_path / "demo_vlm"
+    result = check(run_cmd(["make", "-s", "demo-vlm", f"BIN={BIN}", f"ARGS=--output_dir {out}"], cwd=ROOT,
+                           timeout=900))  # fmt: skip
+    rows = {row["metric"]: row for row in json.loads((out / "eval_results.json").read_text())["results"]}
+    answers = rows["answer_accuracy"]
+    assert answers["base"] == 0 and answers["tuned"] > 0.5, answers
+    assert re.search(rf"held-out +answer_accuracy +0 +{answers['tuned']:.4g} +\+", result.stdout)
+    assert "trains        projector" in result.stdout

@@ -1,8 +1,9 @@
-"""An image-text recipe (gemma3_vlm_lora, tiny: Gemma 3's architecture with its SigLIP tower) on 2 processes under
-each data-parallel engine, as the docs launch it: each step's loss and the exported weights equal one process's on
-the same global batches. LoRA (the recipe) under DDP and ZeRO-2, a full fine-tune of the projector and language
-model under FSDP2 (the tower's encoder layers and the decoder's layers each wrapped; RAM-efficient loading on) and
-ZeRO-3 (its partitioned loading of a composite model). Preempted, a run resumes bit-identically."""
+"""An image-text recipe (gemma3_vlm_lora, tiny: Gemma 3's architecture with its SigLIP tower) launched under
+single_gpu.yaml and on 2 processes under each data-parallel engine, as the docs launch it: each step's loss and
+the exported weights equal one process's on the same global batches. LoRA (the recipe) under single_gpu, DDP and
+ZeRO-2, a full fine-tune of the projector and language model under FSDP2 (the tower's encoder layers and the
+decoder's layers each wrapped; RAM-efficient loading on) and ZeRO-3 (its partitioned loading of a composite
+model). Preempted, a run resumes bit-identically."""
 
 from __future__ import annotations
 
@@ -47,11 +48,15 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize(("config", "full"), [("ddp", False), ("zero2", False), ("fsdp2", True), ("zero3", True)])
-def test_two_processes_train_the_vlm_as_one(config, full, one_process, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "full"), [("single_gpu", False), ("ddp", False), ("zero2", False), ("fsdp2", True), ("zero3", True)]
+)
+def test_each_engine_trains_the_vlm_as_one_process(config, full, one_process, tmp_path):
     one = one_process(full)
     out = tmp_path / "run"
-    result = check(launch(config, RECIPE, *flags(out, 4, *(FULL if full else ())), cwd=tmp_path))
+    processes = 1 if config == "single_gpu" else 2
+    more = FULL if full else ()
+    result = check(launch(config, RECIPE, *flags(out, 8 // processes, *more), cwd=tmp_path, num_processes=processes))
     assert "trains        " in result.stdout
     assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(one)[0]["losses"], rel=1e-5)
     ours, reference = exported(out), exported(one)

@@ -229,7 +229,7 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
 
         trainer_class, task_parts = RecipeRewardTrainer, {}
     else:
-        compute_metrics, preprocess_logits = metrics_for(args.data.task)
+        compute_metrics, preprocess_logits = metrics_for(args.data.task, data.packed)
         trainer_class, task_parts = RecipeTrainer, dict(data_collator=data.collator, compute_metrics=compute_metrics,
                                                         preprocess_logits_for_metrics=preprocess_logits,
                                                         fused_loss=work.fused_head)  # fmt: skip

@@ -22,6 +22,7 @@ DEFAULT_TASKS = {
     "dpo": (),
     "grpo": (HELD_OUT,),
     "reward": (HELD_OUT,),
+    "vlm_sft": (HELD_OUT,),
 }
 EVAL_FOLDER = "eval"  # RUN/eval/: the reply_choice task's files
 

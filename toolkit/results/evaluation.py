@@ -92,6 +92,7 @@ def held_out_data(record: RunRecord, tokenizer, model_config):
     from ..data.packing import use_packing
     from ..data.preparation import prepare
     from ..settings.arguments import DataArguments
+    from ..settings.tasks import task
 
     data_args = record.arguments(DataArguments)
     raw, _ = load_data(data_args)
@@ -99,7 +100,13 @@ def held_out_data(record: RunRecord, tokenizer, model_config):
         raise ConfigError(f"{record.folder}: the run held nothing out (eval_fraction 0, no eval_split): its held-out "
                           "evaluation has no rows. Name harness tasks with --tasks instead.")  # fmt: skip
     packing = use_packing(record.task, data_args.packing, model_config)
-    prepared = prepare(raw, tokenizer, data_args, lambda desc: contextlib.nullcontext(), packing)
+    processor = None
+    if task(record.task).images:  # the processor the run saved beside its model (images expand as they did)
+        from ..models.vision import load_processor
+
+        processor = load_processor(str(record.folder))
+    prepared = prepare(raw, tokenizer, data_args, lambda desc: contextlib.nullcontext(), packing, processor)
+    prepared.packed = packing
     conversations = raw["eval"][data_args.messages_column] if data_args.messages_column in raw["eval"].column_names \
         else []  # fmt: skip
     return prepared, conversations
@@ -114,19 +121,22 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
 
     from ..data.packing import model_inputs
     from ..settings.parser import computes_bf16
-    from ..training.evaluation import metrics_for
+    from ..settings.tasks import task
+    from ..training.evaluation import first_output, metrics_for
 
     class HeldOut(Trainer):
         def prediction_step(self, model, inputs, *args, **kwargs):  # the collator's bookkeeping kept from the model
-            return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
+            loss, logits, labels = super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
+            return loss, first_output(logits), labels
 
     settings = record.settings
-    compute, preprocess = metrics_for(record.task)
+    compute, preprocess = metrics_for(record.task, prepared.packed)
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=settings["per_device_eval_batch_size"],
                                  bf16=bool(settings.get("bf16")) and computes_bf16(),
                                  fp16=bool(settings.get("fp16")), report_to=[],
-                                 use_cpu=not torch.cuda.is_available(), disable_tqdm=False)  # fmt: skip
+                                 use_cpu=not torch.cuda.is_available(), disable_tqdm=False,
+                                 remove_unused_columns=not task(record.task).images)  # fmt: skip
         trainer = HeldOut(model=model, args=args, eval_dataset=prepared.eval, data_collator=prepared.collator,
                           processing_class=tokenizer, compute_metrics=compute,
                           preprocess_logits_for_metrics=preprocess)  # fmt: skip
@@ -136,7 +146,7 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
 
 # Token-level figures (the Trainer's eval_loss is a mean of batch means: it moves with how rows are batched), and
 # a reward model's over its pairs (results/held_out_pairs.py)
-HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_accuracy", "eval_margin")
+HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_answer_accuracy", "eval_accuracy", "eval_margin")
 
 
 def held_out_fingerprint(rows) -> str:
@@ -144,8 +154,9 @@ def held_out_fingerprint(rows) -> str:
     itself (GRPO's prompts, a reward model's pairs)."""
     if "input_ids" in rows.column_names:
         scored = [list(ids) for ids in rows["input_ids"]]
-    else:
-        scored = [rows[c] for c in ("prompt", "chosen", "rejected") if c in rows.column_names]
+    else:  # image-text rows: their conversations and images (paths, or the bytes)
+        columns = ("prompt", "chosen", "rejected", "messages", "images", "conversations", "image")
+        scored = [rows[c] for c in columns if c in rows.column_names]
     return hashlib.sha256(json.dumps(scored, default=str).encode()).hexdigest()
 
 

@@ -2,6 +2,9 @@
 
 classification  accuracy: the share of held-out examples whose argmax class is the label
 sft             token_accuracy: the share of trained (assistant) tokens whose next-token argmax is right
+                answer_accuracy: the share of held-out rows whose every trained token's argmax is right, which is
+                whether greedy decoding writes the answers exactly (each token follows a right prefix); not for
+                packed rows, which hold several conversations
                 perplexity: exp of the mean negative log-likelihood over those tokens, every token weighing the
                 same. The Trainer's eval_loss is a mean of batch means, so it moves with how the held-out rows
                 are batched and spread over processes (2 processes gave 6.318 where 1 gave 6.219, the same
@@ -12,6 +15,7 @@ ranks (`preprocess_logits_for_metrics`): two numbers per token, not the vocabula
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -36,16 +40,28 @@ def next_token_scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return logits.argmax(-1), nll
 
 
-def sft_metrics(eval_pred) -> dict[str, float]:
+def sft_metrics(eval_pred, answers: bool = True) -> dict[str, float]:
     (predicted, nll), labels = eval_pred.predictions, eval_pred.label_ids
     labels = labels[:, 1:]
     trained = labels != IGNORE_INDEX
     if not trained.any():
         return {}
-    return {"token_accuracy": float((predicted[trained] == labels[trained]).mean()),
-            "perplexity": math.exp(min(float(nll[trained].astype(np.float64).mean()), 100.0))}  # fmt: skip
+    figures = {"token_accuracy": float((predicted[trained] == labels[trained]).mean()),
+               "perplexity": math.exp(min(float(nll[trained].astype(np.float64).mean()), 100.0))}  # fmt: skip
+    if answers:  # rows of one conversation each (not packed)
+        wrong = (predicted != labels) & trained
+        figures["answer_accuracy"] = float((~wrong.any(axis=1))[trained.any(axis=1)].mean())
+    return figures
 
 
-def metrics_for(task: str) -> tuple[Callable, Callable | None]:
-    """(compute_metrics, preprocess_logits_for_metrics) for the Trainer."""
-    return (accuracy, None) if task == "classification" else (sft_metrics, next_token_scores)
+def first_output(logits):
+    """The logits among a model's outputs: an image-text model's come with its cache and image features (which
+    hold None: neither gathered across ranks nor kept)."""
+    return logits[0] if isinstance(logits, tuple) else logits
+
+
+def metrics_for(task: str, packed: bool = False) -> tuple[Callable, Callable | None]:
+    """(compute_metrics, preprocess_logits_for_metrics) for the Trainer; `packed`: rows hold several examples."""
+    if task == "classification":
+        return accuracy, None
+    return functools.partial(sft_metrics, answers=not packed), next_token_scores

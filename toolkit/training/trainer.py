@@ -70,6 +70,7 @@ from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh, untied
 from .converted import load_converted
+from .evaluation import first_output
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .order import LengthGroupedOrder
@@ -206,9 +207,7 @@ class ToolkitTrainerMixin:
         if self.pipeline is not None:
             return self.pipeline.eval_step(self._prepare_inputs(model_inputs(inputs)), prediction_loss_only)
         loss, logits, labels = super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
-        # The metrics read the logits alone: a model's other outputs (an image-text model's cache and image
-        # features, which hold None) are neither gathered across ranks nor kept.
-        return loss, logits[0] if isinstance(logits, tuple) else logits, labels
+        return loss, first_output(logits), labels  # the metrics read the logits alone
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
