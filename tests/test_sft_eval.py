@@ -41,12 +41,13 @@ def one_process(tmp_path_factory):
 
 def test_token_accuracy_and_perplexity_are_what_they_say(one_process):
     """eval_token_accuracy: the share of label tokens the model's argmax predicts; eval_perplexity: exp of the mean
-    negative log-likelihood over those tokens. Both recomputed here row by row from the saved model."""
+    negative log-likelihood over those tokens; eval_answer_accuracy: the share of rows whose every label token the
+    argmax predicts. All recomputed here row by row from the saved model."""
     result, out = one_process
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    right = total = 0
+    right = total = answered = rows = 0
     nll = 0.0
     for row in result.trainer.eval_dataset:
         with torch.no_grad():
@@ -56,7 +57,10 @@ def test_token_accuracy_and_perplexity_are_what_they_say(one_process):
         right += int((logits.argmax(-1)[trained] == labels[trained]).sum())
         nll += float(torch.nn.functional.cross_entropy(logits[trained], labels[trained], reduction="sum"))
         total += int(trained.sum())
+        answered += bool((logits.argmax(-1)[trained] == labels[trained]).all())
+        rows += 1
     metrics = result.metrics
+    assert metrics["eval_answer_accuracy"] == pytest.approx(answered / rows, abs=1e-9)
     assert metrics["eval_token_accuracy"] == pytest.approx(right / total, abs=1e-9)
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(nll / total), rel=1e-5)
 
