@@ -183,6 +183,20 @@ def reference_run(recipe: str, flags: list[str] | tuple[str, ...], out: Path) ->
     return out
 
 
+def preempt_at(monkeypatch, step: int) -> None:
+    """Runs started after this send their own process SIGTERM at the end of `step`, as a scheduler's preemption
+    would (the toolkit's SafeStop, subclassed where the trainer looks it up); `monkeypatch.undo()` ends it."""
+    from toolkit.training.stopping import SafeStop
+
+    class Preempted(SafeStop):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kwargs)
+
+    monkeypatch.setattr("toolkit.training.trainer.SafeStop", Preempted)
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from bert import RECIPE as BERT
-from conftest import ROOT, run_cmd
+from conftest import ROOT, preempt_at, run_cmd
 from llama3_fft import RECIPE as LLAMA
 
 from toolkit import run, train
@@ -134,16 +134,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
     import os
     import signal
 
-    from toolkit.training.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED
 
     flags = ["--tiny", "--max_steps", "8", "--report_to", "none"]
     reference = train(BERT, [*flags, "--output_dir", str(tmp_path / "reference")], "bert").trainer
-
-    class KilledAtStep3(SafeStop):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kwargs)
 
     save_optimizer = RecipeTrainer._save_optimizer_and_scheduler
 
@@ -151,7 +145,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_75(tmp_path, monkeypatch, cap
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while the checkpoint is being written
         save_optimizer(self, output_dir)
 
-    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep3)
+    preempt_at(monkeypatch, 3)
     monkeypatch.setattr(RecipeTrainer, "_save_optimizer_and_scheduler", signalled_again)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -363,22 +357,14 @@ def test_a_model_whose_checkpoint_names_are_converted_resumes_its_weights(tmp_pa
     converted; the Trainer's resume matched the saved names against the model's, loaded none of them (a warning)
     and trained on from the first weights with the checkpoint's optimizer. Preempted after checkpoint-2 and resumed,
     the run now ends on the uninterrupted run's weights, bit for bit. (Image-text models: test_vlm_strategies.py.)"""
-    import os
-
     from toolkit.models import tiny
-    from toolkit.training.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED
 
     mixtral = str(tiny.tiny_checkpoint("mistralai/Mixtral-8x7B-v0.1", "sft"))
     flags = [*EVERY_2, "--max_steps", "4", "--model_name_or_path", mixtral]
     whole = weights(train(LLAMA, [*flags, "--output_dir", str(tmp_path / "whole")], "llama3_fft").trainer)
 
-    class KilledAtStep2(SafeStop):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kwargs)
-
-    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    preempt_at(monkeypatch, 2)
     with pytest.raises(SystemExit) as exit_info:
         run(LLAMA, [*flags, "--output_dir", str(tmp_path / "cut")], "llama3_fft")
     monkeypatch.undo()

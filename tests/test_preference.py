@@ -5,13 +5,11 @@ reference with the adapter off, a preempted run resumes bit-identically, and bad
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, launch, logged, rank_reports
+from conftest import check, launch, logged, preempt_at, rank_reports
 from llama3_dpo import RECIPE as DPO
 from llama3_dpo_lora import RECIPE as DPO_LORA
 from llama3_fft import RECIPE as SFT
@@ -98,15 +96,9 @@ def test_dpo_lora_scores_the_reference_with_the_adapter_off(tmp_path):
 def test_preempted_dpo_run_resumes_bit_identically(one_process, tmp_path, monkeypatch, capsys):
     """SIGTERM at step 3: checkpoint-3, exit 75; resumed, the same losses and bit-identical weights as the
     uninterrupted run (the reference, its log-probabilities and the data order all come back)."""
-    from toolkit.training.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED
 
-    class KilledAtStep3(SafeStop):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kwargs)
-
-    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep3)
+    preempt_at(monkeypatch, 3)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         run(DPO, dpo_flags(out, 8), "llama3_dpo")

@@ -7,13 +7,11 @@ on) is one line."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, logged, rank_reports, reference_run
+from conftest import ROOT, check, launch, logged, preempt_at, rank_reports, reference_run
 from safetensors.torch import load_file
 from smollm2_grpo import RECIPE as GRPO
 
@@ -99,15 +97,9 @@ def test_eval_compares_base_and_tuned_on_the_same_held_out_prompts(one_process):
 def test_preempted_grpo_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
     """SIGTERM at step 2: checkpoint-2, exit 75; resumed, the same losses and bit-identical weights as the
     uninterrupted run: the prompts' order and the sampling's random state come back with the checkpoint."""
-    from toolkit.training.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED
 
-    class KilledAtStep2(SafeStop):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kwargs)
-
-    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    preempt_at(monkeypatch, 2)
     out = tmp_path / "run"
     flags = grpo_flags(out, 4, "--eval_fraction", "0.02", "--save_steps", "2", "--beta", "0.04")
     with pytest.raises(SystemExit) as exit_info:

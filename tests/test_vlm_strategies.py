@@ -7,13 +7,11 @@ model). Preempted, a run resumes bit-identically."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, launch, rank_reports, reference_run
+from conftest import check, launch, preempt_at, rank_reports, reference_run
 from safetensors.torch import load_file
 
 from toolkit import run, train
@@ -68,15 +66,9 @@ def test_each_engine_trains_the_vlm_as_one_process(config, full, one_process, tm
 def test_a_preempted_vlm_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
     """SIGTERM at step 2: checkpoint-2, exit 75; resumed with --resume auto, the same losses and bit-identical
     weights as the uninterrupted run (the image rows' order and the optimizer come back)."""
-    from toolkit.training.stopping import PREEMPTED, SafeStop
+    from toolkit.training.stopping import PREEMPTED
 
-    class KilledAtStep2(SafeStop):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kwargs)
-
-    monkeypatch.setattr("toolkit.training.trainer.SafeStop", KilledAtStep2)
+    preempt_at(monkeypatch, 2)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         run(load_recipe(RECIPE), flags(out, 8, *FULL), RECIPE)
