@@ -90,6 +90,8 @@ def test_each_family_trains_its_language_model_and_projector_and_exports(family,
     for part in ("projector", "language"):
         assert any(not torch.equal(before[n], after[n]) for n in parts[part]), part
     assert type(AutoModelForImageTextToText.from_pretrained(out)) is type(result.trainer.model)
+    card = (out / "README.md").read_text()
+    assert "full fine-tune of the parts below" in card and "| trained | projector " in card
 
 
 def test_lora_adapts_the_language_model_alone_and_merges(tmp_path, monkeypatch, capsys):

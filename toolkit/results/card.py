@@ -130,8 +130,10 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
     plan, cost_plan = config.get("memory_plan") or {}, config.get("cost_plan") or {}
     name, base = record.folder.name, record.base_model
     lora = f"r {settings.get('lora_r')}, alpha {settings.get('lora_alpha')}, {settings.get('lora_target_modules')}"
+    parts = settings.get("parts_note")  # an image-text model's parts, trained or frozen (models/vision.py)
+    whole = "full fine-tune of the parts below" if parts else "full fine-tune (every weight)"
     adapted = f"LoRA ({lora}) merged into the base weights: a full model" if merged else \
-        f"LoRA adapter ({lora})" if record.lora else "full fine-tune (every weight)"  # fmt: skip
+        f"LoRA adapter ({lora})" if record.lora else whole  # fmt: skip
     lines = [
         f"# {name}",
         "",
@@ -144,6 +146,7 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
                 ("recipe", settings["recipe"]),
                 ("task", record.task),
                 ("base model", base),
+                *([("trained", parts)] if parts else []),
                 ("learning rate", figure(settings.get("learning_rate"))),
                 (
                     "batch",
