@@ -193,3 +193,27 @@ def test_the_plan_says_what_it_leaves_out_of_an_image_text_run(capsys):
     assert main(["gemma3_vlm_lora", "--gpu", "H100-80GB"]) == 0
     plan = capsys.readouterr().out
     assert "29,802,496 trainable" in plan and "left out    the vision tower's activations" in plan
+
+
+def test_generate_answers_about_an_image_and_refuses_one_for_a_text_model(tmp_path, monkeypatch, capsys):
+    """`toolkit generate RUN --image PATH`: an image-text run (here LoRA on LLaVA, the adapter on its base) answers
+    with the picture in the first user turn; a picture that is not there, or given to a text run, is one line."""
+    from llama3_fft import RECIPE as LLAMA
+
+    from toolkit.generate import generate_main
+
+    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    data = colour_rows(tmp_path / "data", count=8)
+    out = tmp_path / "out"
+    train(recipe(model, data), ["--output_dir", str(out), "--use_lora", "true", "--max_steps", "1"], "vlm")
+    capsys.readouterr()
+    picture = str(tmp_path / "data" / "images" / "0.png")
+    assert generate_main([str(out), "--prompt", QUESTION, "--image", picture, "--max_new_tokens", "3"]) == 0
+    assert f"> {QUESTION}" in capsys.readouterr().out
+    text = tmp_path / "text"
+    train(LLAMA, ["--tiny", "--max_steps", "1", "--report_to", "none", "--output_dir", str(text)], "llama3_fft")
+    for run_folder, image, key in [(out, str(tmp_path / "nope.png"), "--image"), (text, picture, "is a text model")]:
+        with pytest.raises(SystemExit):
+            generate_main([str(run_folder), "--prompt", QUESTION, "--image", image])
+        captured = capsys.readouterr()
+        assert_one_clear_line(captured.out + captured.err, key)

@@ -3,7 +3,8 @@
 RUN is a run's output folder, its `merged/` folder (`--merge_lora true`), or one of its checkpoints: a full model
 (config.json and weights), or a LoRA adapter (adapter_config.json) loaded on the base model its config names.
 The chat template is the one saved with the run's tokenizer, the one the run trained with. Answers stream as
-they are generated; `--temperature 0` (the default) is greedy, so the same prompt gives the same answer.
+they are generated; `--temperature 0` (the default) is greedy, so the same prompt gives the same answer. An
+image-text run (task vlm_sft) answers with its processor, `--image PATH` in the first user turn.
 """
 
 from __future__ import annotations
@@ -55,10 +56,18 @@ def load_model_and_tokenizer(folder: Path, dtype: str):
     heads = " ".join(config.architectures or [])
     if "ForSequenceClassification" in heads or "ForTokenClassification" in heads:
         raise ConfigError(f"{folder} is a classification model ({heads}): it labels text, it does not write it.")
-    if adapter.is_file():
-        from peft import AutoPeftModelForCausalLM
+    from .models.lora import adapted_model
+    from .settings.tasks import architecture
 
-        model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    processed = any((folder / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
+    if processed and architecture(config, "vlm_sft") is not None:  # an image-text run: its model and processor
+        from .models.vision import load_processor
+
+        model = adapted_model(folder, "vlm_sft", dtype=torch_dtype) if adapter.is_file() else \
+            architecture(config, "vlm_sft").from_pretrained(folder, dtype=torch_dtype)  # fmt: skip
+        return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), load_processor(str(folder))
+    if adapter.is_file():
+        model = adapted_model(folder, "sft", dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     from .models.loading import TOKENIZER_FILES
@@ -74,14 +83,22 @@ def load_model_and_tokenizer(folder: Path, dtype: str):
 
 
 def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Namespace, stream: bool = True) -> str:
-    """The model's next assistant message after `messages`, printed token by token as it comes when `stream`."""
+    """The model's next assistant message after `messages`, printed token by token as it comes when `stream`.
+    `tokenizer` is an image-text run's processor where it has one: --image then goes in the first user turn."""
     import torch
     from transformers import TextStreamer
 
     from .data.conversations import stop_token_ids
 
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True).to(model.device)  # fmt: skip
+    if getattr(tokenizer, "image_processor", None) is not None:
+        from .data.vision import prompt_batch
+
+        batch, stops = prompt_batch(tokenizer, messages, getattr(args, "image", None))
+        inputs, tokenizer = batch.to(model.device), tokenizer.tokenizer
+    else:
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True).to(model.device)  # fmt: skip
+        stops = stop_token_ids(tokenizer)
     sampling = {"do_sample": False}
     if args.temperature > 0:
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -89,7 +106,7 @@ def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Name
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, streamer=streamer,
-                             eos_token_id=stop_token_ids(tokenizer), **sampling)  # fmt: skip
+                             eos_token_id=stops, **sampling)  # fmt: skip
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
@@ -104,6 +121,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--repetition_penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="for sampling (--temperature > 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--image", help="an image-text run: a picture (a path) for the first user turn to ask about")
     return p
 
 
@@ -115,8 +133,13 @@ def start(args: argparse.Namespace):
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}.")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError("--temperature must be 0 (greedy) or more, and --top_p in (0, 1].")
+    if args.image is not None and not Path(args.image).is_file():
+        raise ConfigError(f"--image {args.image} is not a file: pass a picture's path.")
     set_seed(args.seed)
-    return load(args.run, args.dtype)
+    model, tokenizer = load(args.run, args.dtype)
+    if args.image is not None and getattr(tokenizer, "image_processor", None) is None:
+        raise ConfigError(f"--image: {args.run} is a text model; a picture needs an image-text run (task vlm_sft).")
+    return model, tokenizer
 
 
 def opening(args: argparse.Namespace) -> list[dict[str, str]]:

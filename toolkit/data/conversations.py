@@ -84,13 +84,13 @@ def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: st
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, layout: TurnLayout | None = None) -> list[int]:
     """What ends an answer: the end of sequence, and the special token that ends a turn in the chat template
     (<|eot_id|>, <|im_end|>), which is what a chat model emits when it is done. A base Llama 3's end of sequence is
     <|end_of_text|> (128001) while its turns end with <|eot_id|> (128009): stopping at the first alone, a chat
     fine-tune of it rambles on past its answer. (Meta's own code stops at both: llama_models' `stop_tokens`.)"""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    layout = TurnLayout.of(tokenizer) if tokenizer.chat_template else None
+    layout = layout or (TurnLayout.of(tokenizer) if tokenizer.chat_template else None)  # a processor's: vision.py
     if layout is not None and layout.ending:
         first = tokenizer(layout.ending, add_special_tokens=False)["input_ids"][:1]
         special = first and tokenizer.decode(first, skip_special_tokens=True) == ""

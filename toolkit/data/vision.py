@@ -130,6 +130,23 @@ class _Renderer:
         return self.processor.tokenizer(*args, **kwargs)
 
 
+def prompt_batch(processor, messages: list[dict], image=None) -> tuple[dict, list[int]]:
+    """A conversation to answer (`toolkit generate`, `chat`) as the processor's batch, `image` (a path) placed in the
+    first user turn, and the ids that end the answer (the end of sequence and the template's turn ending)."""
+    from .conversations import stop_token_ids
+
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    images = None
+    if image is not None:
+        first = next(m for m in parts if m["role"] == "user")
+        first["content"].insert(0, {"type": "image"})
+        images = [[open_image(str(image))]]
+    text = processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[text], images=images, return_tensors="pt")
+    renderer = _Renderer(processor)
+    return batch, stop_token_ids(processor.tokenizer, TurnLayout.of(renderer, parts=True))
+
+
 def aligned_labels(written: dict, expanded: list[int]) -> tuple[list[int], list[bool]]:
     """`written`'s labels carried onto the processor's `expanded` ids, and which expanded tokens no written token
     matches (what the processor added: the images' tokens). A labelled token the alignment cannot place is a
