@@ -13,13 +13,13 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
 from toolkit.models.tiny import train_tokenizer
-from toolkit.models.tiny_vision import FAMILIES, Family, with_special_tokens
+from toolkit.models.tiny_vision import FAMILIES, with_special_tokens
 
 TEXT = "What colour is the square? It is red. And the circle? Blue, on a green ground. Describe the picture. " * 20
 
 
 def tokenizer(named: dict[str, str], more: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    return with_special_tokens(train_tokenizer(False, [TEXT]), Family(named, more, "", None, None))
+    return with_special_tokens(train_tokenizer(False, [TEXT]), named, more)
 
 
 def tiny_mode_processor(family: str):

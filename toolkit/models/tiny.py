@@ -350,7 +350,9 @@ def tiny_image_checkpoint(model_name: str, task: str) -> Path:
     tokens, and the family's processor; saved as a model folder with its processor."""
     config = stored_config(model_name)
     spec = tiny_vision.family(config)
-    tokenizer = tiny_vision.with_special_tokens(train_tokenizer(False, tiny_vision.image_texts()), spec)
+    tokenizer = tiny_vision.with_special_tokens(
+        train_tokenizer(False, tiny_vision.image_texts()), spec.named, spec.more
+    )
     text = shrunk_config(config.text_config, len(tokenizer))
     tiny_vision.shrink_vision(config)
     spec.adapt(config, tokenizer)

@@ -109,13 +109,14 @@ def family(config) -> Family:
     return FAMILIES[config.model_type]
 
 
-def with_special_tokens(base, spec: Family):
-    """A fast tokenizer over `base`'s vocabulary with the family's special tokens, named as its processor reads."""
+def with_special_tokens(base, named: dict[str, str], more: tuple[str, ...] = ()):
+    """A fast tokenizer over `base`'s vocabulary with a family's special tokens: `named` as its processor reads them
+    (image_token, ...), and `more` (turn markers, tiles)."""
     from transformers import PreTrainedTokenizerFast
 
-    base.add_special_tokens({"additional_special_tokens": [*spec.named.values(), *spec.more]})
+    base.add_special_tokens({"additional_special_tokens": [*named.values(), *more]})
     specials = {"bos_token": base.bos_token, "eos_token": base.eos_token, "pad_token": base.pad_token}
-    return PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, extra_special_tokens=spec.named, **specials)
+    return PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, extra_special_tokens=named, **specials)
 
 
 def shrink_vision(config) -> None:

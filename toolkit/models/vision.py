@@ -67,12 +67,19 @@ def train_parts(model: torch.nn.Module, trained: tuple[str, ...] = TRAINED_BY_DE
     """Freeze every part not in `trained`; each part's parameter count and whether it trains (the header's line)."""
     check_parts(",".join(trained))
     prefixes = _prefixes(model)
-    counts: Counter[str] = Counter()
     for name, parameter in model.named_parameters():
-        part = part_of(name, prefixes)
-        parameter.requires_grad_(part in trained)
-        counts[part] += parameter.numel()
+        parameter.requires_grad_(part_of(name, prefixes) in trained)
+    counts = part_sizes(model, prefixes)
     return {part: (counts[part], part in trained) for part in PARTS}
+
+
+def part_sizes(model: torch.nn.Module, prefixes: tuple[str, str, str] | None = None) -> Counter[str]:
+    """Each part's parameters, counted."""
+    prefixes = prefixes or _prefixes(model)
+    counts = Counter({part: 0 for part in PARTS})
+    for name, parameter in model.named_parameters():
+        counts[part_of(name, prefixes)] += parameter.numel()
+    return counts
 
 
 def check_parts(setting: str) -> tuple[str, ...]:
@@ -88,10 +95,7 @@ def choose_trained(model: torch.nn.Module, args: ModelArguments) -> str | list[s
     """What trains in an image-text model, and the header's line for it (args.parts_note). A full fine-tune freezes
     the parts --train_parts leaves out; LoRA adapts what --lora_target_modules names, the language model's linear
     layers for all-linear (the return value: the adapter's targets, None without LoRA)."""
-    counts = Counter({part: 0 for part in PARTS})
-    prefixes = _prefixes(model)
-    for name, parameter in model.named_parameters():
-        counts[part_of(name, prefixes)] += parameter.numel()
+    counts = part_sizes(model)
     said = lambda parts: ", ".join(f"{part} {counts[part]:,}" for part in parts)  # noqa: E731
     if args.use_lora:
         targets = args.lora_settings()["target_modules"]

@@ -33,9 +33,9 @@ def load_converted(model: torch.nn.Module, checkpoint: str | Path) -> bool:
     """Load `checkpoint`'s weights into `model` through transformers' conversions where its names are not the
     model's own; False where the Trainer's own load fits (the names match, or the weights are an adapter's)."""
     checkpoint = Path(checkpoint)
-    names = saved_names(checkpoint)
-    own = model.state_dict()
-    if not isinstance(model, PreTrainedModel) or names is None or names <= set(own):
+    if not isinstance(model, PreTrainedModel) or (names := saved_names(checkpoint)) is None:
+        return False
+    if names <= set(model.state_dict()):
         return False
     dtype = next(model.parameters()).dtype
     loaded = type(model).from_pretrained(checkpoint, config=model.config, dtype=dtype).state_dict()

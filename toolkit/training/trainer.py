@@ -254,16 +254,20 @@ class ToolkitTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.pipeline is None:
-            engine = self.is_fsdp_enabled or self.is_deepspeed_enabled  # their checkpoints use the model's names
-            if engine or not load_converted(model or self.model, resume_from_checkpoint):  # (converted.py)
+            if not self._loaded_converted(resume_from_checkpoint, model or self.model):
                 super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         self.pipeline.load_weights(resume_from_checkpoint)
 
+    def _loaded_converted(self, checkpoint: str, model) -> bool:
+        """Whether the weights of `checkpoint` were loaded here because transformers saved them under converted
+        names (converted.py); FSDP's and DeepSpeed's own checkpoints use the model's names and keep their load."""
+        engine = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        return not engine and load_converted(model, checkpoint)
+
     def _load_best_model(self) -> None:
         if self.pipeline is None:
-            engine = self.is_fsdp_enabled or self.is_deepspeed_enabled
-            if engine or not load_converted(self.model, self.state.best_model_checkpoint):  # as a resume's
+            if not self._loaded_converted(self.state.best_model_checkpoint, self.model):
                 super()._load_best_model()
             return
         self.pipeline.load_weights(self.state.best_model_checkpoint)
