@@ -74,3 +74,22 @@ def measured(split, collator: VisionCollator, name: str) -> tuple[Any, int]:
         raise DataError(f"No row of the {name} split fits --max_seq_length {collator.max_length} with its images' "
                         "tokens: raise it, or lower the image resolution.")  # fmt: skip
     return split.select(kept).add_column(LENGTH, lengths), len(split) - len(kept)
+
+
+def images_per_row(split, sample: int = 256) -> float:
+    """The images a row holds, on average over the first `sample` rows (none decoded), for the plan's image path;
+    1 for a split without rows."""
+    if split is None or not len(split):
+        return 1.0
+    rows = split.select(range(min(sample, len(split))))
+    columns = image_columns(rows.column_names, "the training split")
+    counts = [0] * len(rows)
+    if len(columns) > 1:  # as stored: an image column's values are not opened
+        for k, value in enumerate(rows.select_columns(columns[1:]).with_format("arrow")[columns[1]].to_pylist()):
+            counts[k] += len(value) if isinstance(value, list) else value is not None
+    if columns[0] == "messages":  # images held by their parts
+        for k, messages in enumerate(rows["messages"]):
+            counts[k] += sum(isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None
+                             for message in messages if isinstance(message["content"], list)
+                             for part in message["content"])  # fmt: skip
+    return sum(counts) / len(counts)

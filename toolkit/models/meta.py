@@ -9,11 +9,12 @@ import torch
 
 from ..errors import ConfigError
 from ..settings.tasks import TASKS, check_task, model_class, peft_task_type
-from .vision import adapter_targets
+from .vision import adapter_targets, check_parts, image_encoder, train_parts
 
 
-def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
-    """The architecture with every tensor on the meta device: exact shapes, no memory, no download."""
+def meta_model(config, task: str, lora: dict | None = None, parts: str | None = None) -> torch.nn.Module:
+    """The architecture with every tensor on the meta device: exact shapes, no memory, no download. An image-text
+    model's full fine-tune trains the `parts` (--train_parts) and freezes the rest, as the run does."""
     check_task(config, task)
     auto = model_class(task)
     if type(config) not in auto._model_mapping and not getattr(config, "auto_map", None):
@@ -31,6 +32,8 @@ def meta_model(config, task: str, lora: dict | None = None) -> torch.nn.Module:
                 warnings.simplefilter("ignore", FutureWarning)
                 lora = dict(lora, target_modules=adapter_targets(model, lora["target_modules"]))
             model = get_peft_model(model, LoraConfig(task_type=peft_task_type(task), **lora))
+        elif parts and image_encoder(model) is not None:
+            train_parts(model, check_parts(parts))
     return model
 
 

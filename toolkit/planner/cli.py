@@ -43,6 +43,7 @@ from .layout import Layout
 from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
 from .sampling import grpo_step_time
 from .shape import Shape
+from .vision import measured_image_cost
 
 
 def recipe_values(model: str) -> dict:
@@ -81,7 +82,8 @@ def build_plan(args) -> dict:
     task = args.task or values.get("task") or infer_task(config)
     model_fields = {f.name for f in fields(ModelArguments)}
     lora = ModelArguments(**{k: v for k, v in values.items() if k in model_fields}).lora_settings()
-    shape = Shape.of(meta_model(config, task, lora), config)
+    parts = values.get("train_parts", ModelArguments.train_parts)
+    shape = Shape.of(meta_model(config, task, lora, parts), config)
     low_precision = values.get("dtype") in ("bfloat16", "float16")
     mixed = values.get("bf16") or values.get("fp16")
     precision = args.precision or ("bf16" if low_precision else "bf16-mixed" if mixed else "fp32")
@@ -107,7 +109,11 @@ def build_plan(args) -> dict:
     )
     fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,
                                                  lora, bool(mixed))  # fmt: skip
-    shape = replace(shape, activations=fit)
+    image, image_note = None, ""
+    if task_table(task).images:
+        image, image_note = measured_image_cost(config, task, lora, parts, work.precision, bool(mixed),
+                                                args.images_per_sample)  # fmt: skip
+    shape = replace(shape, activations=fit, image=image)
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     online = task_table(task).samples_online  # GRPO: each step samples, then trains (sampling.py)
     samples = args.samples or stored_split_size(values)
@@ -180,7 +186,8 @@ def build_plan(args) -> dict:
         "workload": asdict(work),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
-        "left_out": images_caveat(task),
+        "images": image_note if image else None,
+        "left_out": images_caveat(task, image, image_note),
         "data": data if samples or online else None,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).reference),
         "configs": results,
@@ -268,6 +275,7 @@ def render(plan: dict) -> str:
         f"activation checkpointing {'on' if w['activation_checkpointing'] else 'off'}, "
         f"CUDA context {w['cuda_context_gib']} GiB",
         f"activations {plan['activations']}",
+        *([f"images      {plan['images']}"] if plan.get("images") else []),
         *([f"upper bound {plan['conservative']}"] if plan.get("conservative") else []),
         *([f"left out    {plan['left_out']}"] if plan.get("left_out") else []),
     ]
@@ -378,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=float, help="default: the recipe's num_train_epochs")
     parser.add_argument("--tokens_per_sample", type=int, help="default: measured on the recipe's data where it "
                         "can be read (toolkit prepare makes it exact), else the sequence length")  # fmt: skip
+    parser.add_argument(
+        "--images_per_sample", type=float, default=1.0, help="an image-text run's images per training row (default 1)"
+    )
     parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")

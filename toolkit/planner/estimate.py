@@ -19,6 +19,7 @@ from ..settings.tasks import task as task_table
 from .layout import Layout
 from .memory import Workload, plan_memory
 from .shape import Shape
+from .vision import ImageCost
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,13 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                                     arguments.policy.beta or 0.0))  # fmt: skip
 
 
-def images_caveat(task: str) -> str:
-    """What the plan of an image-text run leaves out, said where its figures are."""
-    if task not in TASKS or not task_table(task).images:
+def images_caveat(task: str, image: ImageCost | None, why: str) -> str:
+    """What the plan of an image-text run leaves out, said where its figures are: the image path, where it could
+    not be measured (vision.py)."""
+    if task not in TASKS or not task_table(task).images or image is not None:
         return ""
-    return ("the vision tower's activations and FLOPs on each image (the decoder's are counted, image tokens as "
-            "text); a full fine-tune's frozen tower is counted as trained")  # fmt: skip
+    return (f"the vision tower's activations and FLOPs on each image, {why} (the decoder's are counted, image "
+            "tokens as text)")  # fmt: skip
 
 
 def reward_model_bytes(task: str, policy) -> int:
@@ -153,12 +155,19 @@ def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = Fa
     count FLOPs by active parameters; a frozen weight LoRA adapts in place (Shape.merged_frozen) has its gradient
     computed (6), the factors of that update multiply once per forward pass, not per token (none counted). Embedding
     tables that are only looked up cost nothing (a tied output head's weights count as the head's matmul), as in
-    torchtitan's MFU. `reference`: DPO's forward of the reference model too (2N + 4LHT)."""
+    torchtitan's MFU. `reference`: DPO's forward of the reference model too (2N + 4LHT). An image-text model's
+    tower and projector run per image, not per token: their measured FLOPs (Shape.image) spread over the row's
+    tokens."""
     layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
     attention = 12 * layers * shape.hidden_size * seq_length
     trainable = shape.trainable - shape.lookups_trainable - shape.inactive_trainable - shape.merged_adapters
     frozen = shape.frozen - (shape.lookups - shape.lookups_trainable) - (shape.inactive - shape.inactive_trainable)
-    flops = 6 * trainable + 4 * frozen + 2 * shape.merged_frozen + attention
+    images = 0.0
+    if shape.image is not None:
+        trainable -= shape.image.trainable
+        frozen -= shape.image.parameters - shape.image.trainable
+        images = shape.image.flops_per_sample / seq_length
+    flops = 6 * trainable + 4 * frozen + 2 * shape.merged_frozen + attention + images
     return flops + (2 * (shape.active - shape.lookups) + attention / 3 if reference else 0)
 
 

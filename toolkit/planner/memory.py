@@ -353,6 +353,12 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     mem.device["lora_dropout"] = lora_dropout_bytes(shape, sequences)
     mem.device["recomputed_layer"] = layer_activation_bytes(shape, sequences) if work.activation_checkpointing else 0
     mem.device["fused_head" if work.fused_head else "logits"] = logits_bytes(shape, sequences)
+    if shape.image is not None:  # the tower's and projector's, per image (vision.py); alive at backward's start
+        images = work.micro_batch * shape.image.per_sample
+        mem.device["image_activations"] = int(images * shape.image.saved(work.activation_checkpointing))
+        if work.activation_checkpointing:  # a trained tower's layer, recomputed once the decoder's gradients exist
+            tower = int(images * shape.image.layer_bytes)
+            mem.device["recomputed_layer"] = max(mem.device["recomputed_layer"], tower)
     if work.generates:  # the peak is the larger phase's: sampling's, where it holds more than the step
         step = sum(mem.device.get(k, 0) for k in STEP_ONLY)
         step += mem.device["gradients"] if layout.engine == "torch" else 0  # set to None between steps
@@ -366,7 +372,7 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
 
 
 # What a training step holds only while it runs (the sampling phase before it holds none of it)
-STEP_ONLY = ("activations", "lora_dropout", "recomputed_layer", "fused_head", "logits")
+STEP_ONLY = ("activations", "lora_dropout", "recomputed_layer", "fused_head", "logits", "image_activations")
 
 
 def plan_pipeline(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int, nodes: int = 1) -> Memory:

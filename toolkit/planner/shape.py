@@ -9,6 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from .activations import ActivationFit
+    from .vision import ImageCost
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Shape:
     # factors multiply once per forward pass into B A (not per token): none per token.
     merged_frozen: int = 0
     merged_adapters: int = 0
+    # An image-text model's image path (vision.py), measured per image: its tower and projector run on patches,
+    # not on the text tokens FLOPs per token count.
+    image: ImageCost | None = None
 
     @property
     def frozen(self) -> int:

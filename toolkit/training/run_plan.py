@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..data.image_rows import images_per_row
 from ..data.length_grouping import sample_lengths
 from ..distributed.strategy import describe
 from ..errors import ConfigError, ToolkitError
@@ -27,6 +28,7 @@ from ..planner.layout import Layout
 from ..planner.memory import Memory, Workload, plan_memory
 from ..planner.sampling import grpo_step_time
 from ..planner.shape import Shape
+from ..planner.vision import measured_image_cost
 from ..settings.arguments import Arguments, global_batch_size
 from ..settings.mesh import data_parallel_replicas, launch_mesh, pipeline_schedule
 from ..settings.mesh import describe as describe_mesh
@@ -80,7 +82,8 @@ class RunPlan:
                                  overhead=run.cost_overhead)  # fmt: skip
         model = trainer.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        shape = Shape.of(meta_model(base.config, arguments.data.task, arguments.model.lora_settings()), base.config)
+        task_name, lora = arguments.data.task, arguments.model.lora_settings()
+        shape = Shape.of(meta_model(base.config, task_name, lora, arguments.model.train_parts), base.config)
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
         # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
@@ -88,7 +91,12 @@ class RunPlan:
         fit, why = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention,
                                         work.fused_head, arguments.model.lora_settings(),
                                         trainer.args.bf16 or trainer.args.fp16)  # fmt: skip
-        shape = replace(shape, activations=fit)  # else the formula
+        image, image_note = None, ""
+        if task(task_name).images:
+            image, image_note = measured_image_cost(base.config, task_name, lora, arguments.model.train_parts,
+                                                    work.precision, bool(trainer.args.bf16 or trainer.args.fp16),
+                                                    images_per_row(trainer.train_dataset))  # fmt: skip
+        shape = replace(shape, activations=fit, image=image)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
@@ -98,7 +106,7 @@ class RunPlan:
             plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
-        left_out = images_caveat(arguments.data.task)
+        left_out = images_caveat(task_name, image, image_note)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative,
                                     left_out and f"left out: {left_out}") if c]  # fmt: skip
         return plan

@@ -1,0 +1,193 @@
+"""An image-text model's image path: what its vision tower and projector cost per image, measured on the
+architecture itself at full size without computing anything.
+
+The tower runs once per image, before the decoder, over the image's patches: its weights are passed through by
+patches, not by the text tokens the rest of the plan counts per token. The run's model (its parts trained or frozen,
+its LoRA adapters) is built on the meta device, made fake tensors (torch's FakeTensorMode: shapes and dtypes, no
+storage, no arithmetic; the CPU's kernels are chosen, sdpa's fused one among them), and one image goes through
+`get_image_features` as a training forward sends it:
+  - the bytes autograd saves for backward: none in a frozen tower, the input of a trained projector, every layer's
+    tensors in a trained tower, or with activation checkpointing each tower layer's input instead;
+  - the FLOPs of that forward and of its backward (torch's FlopCounterMode; the backward is run, so only the
+    gradients the run computes are counted).
+One image is one input at the tower's own size (vision_config.image_size, square, as SigLIP's and CLIP's
+processors resize to). A family whose tower takes other inputs (Qwen2-VL's flattened patches, tiles with their
+sizes) is not measured, and the plan says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from ..models.meta import meta_model
+from ..models.vision import image_encoder, model_parts
+from ..project import cache_root
+from .activations import mixed
+
+VERSION = 4  # bump when the measurement changes: the cache key includes it
+
+
+@dataclass(frozen=True)
+class ImageCost:
+    """Per image: bytes saved for backward (without and with activation checkpointing) and FLOPs; the image
+    path's parameters (tower and projector), which FLOPs per text token leave out."""
+
+    saved_bytes: int
+    checkpointed_bytes: int
+    layer_bytes: int  # the largest tower layer's, recomputed in its backward under activation checkpointing
+    forward_flops: int
+    backward_flops: int
+    parameters: int
+    trainable: int
+    image_size: int
+    per_sample: float = 1.0  # images a training row holds, on average
+
+    def saved(self, checkpointing: bool) -> int:
+        return self.checkpointed_bytes if checkpointing else self.saved_bytes
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.per_sample * (self.forward_flops + self.backward_flops)
+
+    @property
+    def note(self) -> str:
+        trained = "trained" if self.backward_flops else "frozen: forward only"
+        return (f"measured per {self.image_size}x{self.image_size} image ({self.per_sample:g} a row): "
+                f"{self.forward_flops / 1e12:.3g} TFLOP forward, image path {trained}")  # fmt: skip
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The image features `get_image_features` returns, as a list: a tensor, a list of them (one per image), or a
+    model output whose pooled features are the projected ones."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    pooled = getattr(output, "pooler_output", None)
+    return _tensors(pooled if pooled is not None else output[0])
+
+
+def _features(model: torch.nn.Module, pixels: torch.Tensor) -> list[torch.Tensor]:
+    """One image through the image path, as a 4-d batch of images, else a 5-d batch of rows of images (Idefics3)."""
+    try:
+        return _tensors(model.get_image_features(pixel_values=pixels))
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return _tensors(model.get_image_features(pixel_values=pixels.unsqueeze(0)))
+
+
+def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """sdpa's FLOPs in the CPU's fused kernel, which FlopCounterMode does not count (its CUDA kernels it does)."""
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+
+def measure(model: torch.nn.Module, dtype: torch.dtype, autocast: bool) -> ImageCost:
+    """One image through `model`'s image path (a meta-device model, made fake tensors in place): ImageCost at
+    per_sample 1."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.vision_config
+    size, channels = config.image_size, getattr(config, "num_channels", 3)
+    parts = model_parts(base)
+    names = set(parts["vision"] + parts["projector"])
+    parameters = sum(p.numel() for name, p in base.named_parameters() if name in names)
+    trainable = sum(p.numel() for name, p in base.named_parameters() if name in names and p.requires_grad)
+    base.to(torch.float32 if autocast else dtype)  # the weights as the run holds them (not the config's dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = base.to_empty(device="cpu")
+        fake.train()
+        pixels = torch.empty(1, channels, size, size, dtype=dtype if not autocast else torch.float32)
+        saved, inputs = _saved_by_layer(fake, pixels, dtype, autocast)
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+            with mixed(dtype, autocast):
+                features = _features(fake, pixels)
+            forward = counter.get_total_flops()
+            trained = [f.float().sum() for f in features if f.requires_grad]
+            if trained:
+                sum(trained).backward()
+            backward = counter.get_total_flops() - forward
+    outside = saved.pop(None, 0)
+    checkpointed = outside + sum(inputs[i] for i, size_ in saved.items() if size_)
+    return ImageCost(saved_bytes=outside + sum(saved.values()), checkpointed_bytes=checkpointed,
+                     layer_bytes=max(saved.values(), default=0),
+                     forward_flops=forward, backward_flops=backward, parameters=parameters,
+                     trainable=trainable, image_size=size)  # fmt: skip
+
+
+def _saved_by_layer(model, pixels, dtype, autocast) -> tuple[dict, dict]:
+    """Bytes saved for backward by each tower layer (None: outside them), once per storage; and each layer's
+    input's bytes (what activation checkpointing keeps of it)."""
+    layers = max((m for m in image_encoder(model).modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    storages: dict[int, tuple[int, int | None]] = {}
+    alive: list[torch.Tensor] = []  # held through the forward, as autograd would: no storage is reused
+    running: list = [None]
+    inputs: dict[int, int] = {}
+
+    def entering(index, module, args, kwargs):
+        running[0] = index
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        inputs[index] = hidden.untyped_storage().nbytes() if isinstance(hidden, torch.Tensor) else 0
+
+    hooks = [h for i, layer in enumerate(layers) for h in (
+        layer.register_forward_pre_hook(lambda m, a, k, i=i: entering(i, m, a, k), with_kwargs=True),
+        layer.register_forward_hook(lambda m, a, o: running.__setitem__(0, None)))]  # fmt: skip
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters and storage._cdata not in storages:
+            storages[storage._cdata] = (storage.nbytes(), running[0])
+        alive.append(tensor)
+        return None
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), mixed(dtype, autocast):
+            _features(model, pixels)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    saved: dict = {}
+    for size, layer in storages.values():
+        saved[layer] = saved.get(layer, 0) + size
+    return saved, inputs
+
+
+def measured_image_cost(config, task: str, lora: dict | None, parts: str, precision: str, autocast: bool,
+                        per_sample: float = 1.0) -> tuple[ImageCost | None, str]:  # fmt: skip
+    """The image path's cost for the run's model (its parts trained, or its LoRA adapters, as the run trains
+    them), from the cache or measured now; (None, why) where it cannot be."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    lora = {**lora, "lora_dropout": 0.0} if lora else None
+    key = [config.to_dict(), task, lora, parts, precision, autocast, VERSION]
+    text = json.dumps(key, sort_keys=True, default=str)
+    path = cache_root() / "activations" / f"image-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if path.is_file() and path.stat().st_size:
+        cost = ImageCost(**json.loads(path.read_text()))
+    else:
+        try:
+            cost = measure(meta_model(config, task, lora, parts), dtype, autocast)
+        except Exception as error:  # noqa: BLE001 - a family whose tower takes other inputs: say so, plan the rest
+            return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once each write their own, then rename
+        tmp.write_text(json.dumps(asdict(cost)))
+        tmp.replace(path)
+    cost = ImageCost(**{**asdict(cost), "per_sample": per_sample})
+    return cost, cost.note
