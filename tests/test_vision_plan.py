@@ -5,6 +5,7 @@ malloc holds after any op); and the image path's measured FLOPs against a hand c
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,11 +50,13 @@ def batch(config, rows: int, length: int) -> dict:
     return dict(input_ids=ids, token_type_ids=image, pixel_values=pixels, labels=ids.masked_fill(image.bool(), -100))
 
 
+# (parts trained, activation checkpointing, (rows, tokens) of each step measured)
+STEPS = [("vision,projector,language", False, [(2, 192), (1, 384)]), ("vision,projector,language", True, [(2, 192)]),
+         ("projector,language", False, [(2, 192)])]  # fmt: skip
+
+
 @pytest.mark.skipif(not _glibc_mallinfo2(), reason="measures through glibc 2.33+'s mallinfo2")
-@pytest.mark.parametrize(("parts", "checkpointing"), [("vision,projector,language", False),
-                                                      ("vision,projector,language", True),
-                                                      ("projector,language", False)])  # fmt: skip
-def test_a_vlm_step_peaks_where_the_plan_says_with_its_tower(parts, checkpointing, request):
+def test_a_vlm_step_peaks_where_the_plan_says_with_its_tower(request):
     """A whole step (forward with the images, loss, backward), the tower trained or frozen, with and without
     activation checkpointing: the plan's components at the peak within 5% of what malloc held (10% checkpointed).
     Without checkpointing the peak is at backward's start: the step's components less the gradients, made after
@@ -65,48 +68,49 @@ def test_a_vlm_step_peaks_where_the_plan_says_with_its_tower(parts, checkpointin
     from transformers import AutoModelForImageTextToText
 
     config = narrow_gemma3()
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    train_parts(model, tuple(parts.split(",")))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     fit, _ = measured_activations(config, "vlm_sft", "fp32", True)
-    image, note = measured_image_cost(config, "vlm_sft", None, parts, "fp32", False)
-    assert image is not None, note
-    shape = Shape.of(model, config)
-    for rows, length in [(2, 192), (1, 384)]:
-        inputs = batch(config, rows, length)
-        model(**inputs).loss.backward()  # a first step creates the optimizer states
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        before, mode = live_heap_bytes(), _PeakLiveBytes()
-        with mode:
-            outputs = model(**inputs)  # kept through backward, as in the Trainer
-            outputs.loss.backward()
-        del outputs
-        optimizer.zero_grad(set_to_none=True)
-        measured = mode.peak - before
-        work = Workload(precision="fp32", micro_batch=rows, seq_length=length, activation_checkpointing=checkpointing,
-                        cuda_context_gib=0.0, dropout_mask_bytes=4)  # fmt: skip
-        planned = plan_memory(replace_image(shape, fit, image), layout("single_gpu"), work, 1).device
-        step = sum(v for k, v in planned.items() if k not in ("parameters", "optimizer_states"))
-        at_peak = step - planned["gradients"] - planned["recomputed_layer"]
-        if checkpointing:  # the peak moves to the tower's backward: every other gradient made, a layer recomputed
-            at_peak = max(at_peak, planned["gradients"] + planned["image_activations"] + planned["recomputed_layer"])
-        # checkpointed: within 10%, the recomputed layer's own gradients in its backward (an MLP-wide one) unplanned
-        assert measured == pytest.approx(at_peak, rel=0.10 if checkpointing else 0.05), (rows, length, planned)
-        if parts.startswith("vision") and not checkpointing:
-            assert planned["image_activations"] > 0.25 * at_peak
+    for parts, checkpointing, inputs in STEPS:
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model.config.use_cache = False
+        train_parts(model, tuple(parts.split(",")))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        image, note = measured_image_cost(config, "vlm_sft", None, parts, "fp32", False)
+        assert image is not None, note
+        shape = replace(Shape.of(model, config), activations=fit, image=image)
+        for rows, length in inputs:
+            measured = step_peak(model, optimizer, batch(config, rows, length))
+            work = Workload(precision="fp32", micro_batch=rows, seq_length=length, cuda_context_gib=0.0,
+                            activation_checkpointing=checkpointing, dropout_mask_bytes=4)  # fmt: skip
+            planned = plan_memory(shape, layout("single_gpu"), work, 1).device
+            step = sum(v for k, v in planned.items() if k not in ("parameters", "optimizer_states"))
+            at_peak = step - planned["gradients"] - planned["recomputed_layer"]
+            if checkpointing:  # the peak moves to the tower's backward: every other gradient made, a layer recomputed
+                tower = planned["gradients"] + planned["image_activations"] + planned["recomputed_layer"]
+                at_peak = max(at_peak, tower)
+            # checkpointed: within 10%, the recomputed layer's own gradients in its backward (MLP-wide) unplanned
+            assert measured == pytest.approx(at_peak, rel=0.10 if checkpointing else 0.05), (parts, rows, planned)
+            if parts.startswith("vision") and not checkpointing:
+                assert planned["image_activations"] > 0.25 * at_peak
+        del model, optimizer
 
 
-def replace_image(shape, fit, image):
-    from dataclasses import replace
-
-    return replace(shape, activations=fit, image=image)
+def step_peak(model, optimizer, inputs: dict) -> int:
+    """The most bytes malloc held above the weights and optimizer states during a step (the test_planner.py way)."""
+    model(**inputs).loss.backward()  # a first step creates the optimizer states
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    before, mode = live_heap_bytes(), _PeakLiveBytes()
+    with mode:
+        outputs = model(**inputs)  # kept through backward, as in the Trainer
+        outputs.loss.backward()
+    del outputs
+    optimizer.zero_grad(set_to_none=True)
+    return mode.peak - before
 
 
 def test_the_image_paths_flops_are_the_towers_matmuls_and_attention():
@@ -134,8 +138,6 @@ def test_the_image_paths_flops_are_the_towers_matmuls_and_attention():
     assert frozen.backward_flops == pytest.approx(2 * projector, rel=0.01)
     model_shape = Shape(total=10**9, trainable=10**9, largest_module=1, largest_unit=1, num_layers=1,
                         hidden_size=256, num_heads=4, vocab_size=8192)  # fmt: skip
-    from dataclasses import replace
-
     with_image = replace(model_shape, image=frozen)
     text_only = training_flops_per_token(model_shape, 100)
     expected = (
