@@ -37,7 +37,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
             with pytest.raises(ConfigError, match="under grpo: TRL's GRPOTrainer samples completions"):
                 check(config, recipe)
         elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
-                                     "gemma3_vlm_lora"):  # fmt: skip
+                                     "gemma3_vlm_lora", "qwen2_5_vl_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="run a causal language model's SFT loss on the last stage"):
                 check(config, recipe)
         elif pipeline and recipe == "llama3_qlora":
@@ -47,7 +47,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
             with pytest.raises(ConfigError, match="ties its output head to its input embeddings"):
                 check(config, recipe)
         elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
-                                  "gemma3_vlm_lora"):  # fmt: skip
+                                  "gemma3_vlm_lora", "qwen2_5_vl_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
                 check(config, recipe)
         elif split and recipe == "smollm2_chat" and "sp_size" in text:  # 9 heads over 8 ranks
@@ -56,7 +56,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif recipe == "llama3_qlora" and sharding:
             with pytest.raises(ConfigError, match="QLoRA \\(--load_in_4bit\\) trains under single_gpu.yaml or ddp"):
                 check(config, recipe)
-        elif recipe in ("bert", "minilm_bbc", "gemma3_vlm_lora") and tensor:
+        elif recipe in ("bert", "minilm_bbc", "gemma3_vlm_lora", "qwen2_5_vl_lora") and tensor:
             with pytest.raises(ConfigError, match="has no tensor-parallel plan in transformers"):
                 check(config, recipe)
         elif recipe == "smollm2_chat" and tensor:  # SmolLM2-135M: 9 heads, 3 key/value heads

@@ -5,7 +5,7 @@ model alone, and a text-only model refused in one line."""
 from __future__ import annotations
 
 import pytest
-from vision_processors import PROCESSORS, tiny_model
+from vision_processors import PROCESSORS, picture, tiny_model
 
 from toolkit.errors import ConfigError
 from toolkit.models.vision import language_lora_targets, model_parts, train_parts
@@ -77,12 +77,12 @@ def test_a_text_only_model_is_refused_in_one_line():
 
 def test_the_processor_loads_from_its_folder_and_each_refusal_is_one_line(tmp_path):
     """A saved processor loads as the model's own (chat template included); a Qwen2-VL folder on a machine without
-    torchvision (its video processor needs it, in transformers 5) and a folder with no image processor are each
-    one line naming the fix."""
+    torchvision (its video processor needs it, in transformers 5) loads for images alone, and expands an image as
+    the family does; a folder with no image processor is one line naming the fix."""
     import importlib.util
     import json
 
-    from toolkit.models.vision import load_processor
+    from toolkit.models.processors import load_processor
 
     gemma3 = PROCESSORS["gemma3"]()
     gemma3.save_pretrained(tmp_path / "gemma3")
@@ -91,18 +91,17 @@ def test_the_processor_loads_from_its_folder_and_each_refusal_is_one_line(tmp_pa
 
     qwen = tmp_path / "qwen2_vl"  # as the Hub's folders are: a Qwen2VLProcessor with its video processor's config
     PROCESSORS["qwen2_vl"]().save_pretrained(qwen)
-    for file in qwen.glob("*.json"):
-        file.write_text(file.read_text().replace("ImagesOnly", "Qwen2VLProcessor"))
     video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
              "merge_size": 2}  # fmt: skip
     (qwen / "video_preprocessor_config.json").write_text(json.dumps(video))
-    if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(ConfigError, match=r"processor needs torchvision \(Qwen2VLVideoProcessor requires it\): "
-                                              r"pip install torchvision") as refused:  # fmt: skip
-            load_processor(str(qwen))
-        assert "\n" not in str(refused.value)
-    else:
-        assert type(load_processor(str(qwen))).__name__ == "Qwen2VLProcessor"
+    loaded = load_processor(str(qwen))
+    assert type(loaded).__name__ == "Qwen2VLProcessor"
+    assert loaded.chat_template == PROCESSORS["qwen2_vl"]().chat_template
+    if importlib.util.find_spec("torchvision") is None:  # images alone: the video processor needs torchvision
+        assert "video_processor" not in type(loaded).get_attributes()
+        batch = loaded(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[picture(0)], return_tensors="pt")
+        tokens = int((batch["input_ids"] == loaded.tokenizer.image_token_id).sum())
+        assert tokens == int(batch["image_grid_thw"].prod()) // 4  # its patches merged 2 x 2
 
     gemma3.tokenizer.save_pretrained(tmp_path / "no_images")  # its config names Gemma3Processor
     with pytest.raises(ConfigError, match=r"has no image processor \(transformers found no preprocessor_config.json"

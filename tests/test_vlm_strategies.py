@@ -63,6 +63,22 @@ def test_each_engine_trains_the_vlm_as_one_process(config, full, one_process, tm
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
 
 
+@pytest.mark.launch
+def test_qwen2_5_vl_trains_under_fsdp2_as_one_process(tmp_path):
+    """The Qwen2.5-VL recipe, tiny (M-RoPE positions from each image's grid; a tower deeper than the decoder, whose
+    layers FSDP wraps by the decoder's own list, not the longest one: test_vlm_task.py), a full fine-tune on 2
+    processes under FSDP2: each step's loss and the exported weights equal one process's."""
+    recipe = "qwen2_5_vl_lora"
+    one = reference_run(recipe, flags(tmp_path / "one", 8, *FULL), tmp_path / "one")
+    out = tmp_path / "run"
+    check(launch("fsdp2", recipe, *flags(out, 4, *FULL), cwd=tmp_path))
+    assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(one)[0]["losses"], rel=1e-5)
+    ours, reference = exported(out), exported(one)
+    assert sorted(ours) == sorted(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
 def test_a_preempted_vlm_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
     """SIGTERM at step 2: checkpoint-2, exit 75; resumed with --resume auto, the same losses and bit-identical
     weights as the uninterrupted run (the image rows' order and the optimizer come back)."""

@@ -44,15 +44,12 @@ def colour_rows(folder: Path, count: int = 24, llava: bool = False) -> Path:
     return data
 
 
-def model_folder(family: str, folder: Path, monkeypatch) -> Path:
-    """The family's tiny model and processor saved as a user's folder. The Qwen2-VL family's processors load only
-    with torchvision here (their video processor): the run is handed the images-only one the tests build."""
+def model_folder(family: str, folder: Path) -> Path:
+    """The family's tiny model and processor saved as a user's folder (the Qwen2-VL family's processor loads back
+    for images alone: its video processor needs torchvision)."""
     processor = PROCESSORS[family]()
     tiny_model(family, processor).save_pretrained(folder)
-    if family.startswith("qwen"):
-        monkeypatch.setattr(vision, "load_processor", lambda name, trust_remote_code=False: processor)
-    else:
-        processor.save_pretrained(folder)
+    processor.save_pretrained(folder)
     return folder
 
 
@@ -77,7 +74,7 @@ def test_each_family_trains_its_language_model_and_projector_and_exports(family,
     model's move; the held-out loss is scored on the image rows; the export reloads as the family's model."""
     from transformers import AutoModelForImageTextToText
 
-    model = model_folder(family, tmp_path / "model", monkeypatch)
+    model = model_folder(family, tmp_path / "model")
     out = tmp_path / "out"
     result = train(recipe(model, colour_rows(tmp_path / "data", llava=family == "llava")), ["--output_dir", str(out)],
                    "vlm")  # fmt: skip
@@ -100,7 +97,7 @@ def test_lora_adapts_the_language_model_alone_and_merges(tmp_path, monkeypatch, 
     from peft import PeftConfig
     from transformers import AutoProcessor
 
-    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    model = model_folder("llava", tmp_path / "model")
     out = tmp_path / "out"
     train(recipe(model, colour_rows(tmp_path / "data")),
           ["--output_dir", str(out), "--use_lora", "true", "--merge_lora", "true"], "vlm")  # fmt: skip
@@ -153,7 +150,7 @@ def broken_image(folder: Path) -> Path:
     ],
 )  # fmt: skip
 def test_each_mistake_is_one_line_before_any_weight_loads(mistake, flags, key, tmp_path, monkeypatch, capsys):
-    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    model = model_folder("llava", tmp_path / "model")
     monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(SystemExit) as exit_code:
         run(recipe(model, colour_rows(tmp_path / "data")), ["--output_dir", str(tmp_path / "out"), *flags(tmp_path)],
@@ -187,6 +184,24 @@ def test_the_recipes_stored_config_is_gemma_3_4bs_and_fsdp_wraps_both_towers_lay
     assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 34 * per_layer == 29_802_496
 
 
+def test_the_qwen2_5_vl_recipes_stored_config_is_the_published_models():
+    """Qwen/Qwen2.5-VL-7B-Instruct's stored config gives its published size (its safetensors index: 16,584,333,312
+    bytes in bf16, 8,292,166,656 parameters); the recipe's LoRA on the decoder, by hand: per layer q 3584->3584,
+    k and v 3584->512, o 3584->3584, gate and up 3584->18944, down 18944->3584, r=16, 28 layers; FSDP wraps the
+    decoder's layers and the tower's blocks (the tower is the deeper: 32 blocks to 28 layers)."""
+    from toolkit.data.sources import stored_config
+    from toolkit.distributed.strategy import layer_class
+    from toolkit.models.meta import meta_model
+
+    config = stored_config("Qwen/Qwen2.5-VL-7B-Instruct")
+    model = meta_model(config, "vlm_sft")
+    assert sum(p.numel() for p in model.parameters()) == 8_292_166_656
+    assert layer_class(model) == "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock"
+    per_layer = 16 * ((3584 + 3584) * 2 + (3584 + 512) * 2 + (3584 + 18944) * 3)
+    adapted = meta_model(config, "vlm_sft", {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 28 * per_layer == 40_370_176
+
+
 def test_the_plan_counts_each_image_through_the_tower(capsys):
     """The recipe's plan: LoRA on the decoder, so the tower runs forward only, its FLOPs per 896-pixel image those
     of SigLIP-So400m's 27 layers over 4,096 patches (2 x patches x each layer's linear weights, 4 x patches^2 x
@@ -208,7 +223,7 @@ def test_generate_answers_about_an_image_and_refuses_one_for_a_text_model(tmp_pa
 
     from toolkit.generate import generate_main
 
-    model = model_folder("llava", tmp_path / "model", monkeypatch)
+    model = model_folder("llava", tmp_path / "model")
     data = colour_rows(tmp_path / "data", count=8)
     out = tmp_path / "out"
     train(recipe(model, data), ["--output_dir", str(out), "--use_lora", "true", "--max_steps", "1"], "vlm")

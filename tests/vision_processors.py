@@ -1,7 +1,7 @@
 """Tiny vision processors, built offline: transformers' own processor and image processor classes (their expansion
 of each image placeholder is what the tests exercise), a byte-level BPE tokenizer trained in a second with the
 family's special tokens, and chat templates written in each family's format (the Hub's are not reachable here):
-tiny mode's for its families (toolkit/models/tiny_vision.py), and the Qwen2-VL family's for images only."""
+tiny mode's for its families (toolkit/models/tiny_vision.py; the Qwen2-VL family's for images only)."""
 
 from __future__ import annotations
 
@@ -28,42 +28,7 @@ def tiny_mode_processor(family: str):
     return spec.processor(tokenizer(spec.named, spec.more))
 
 
-QWEN2_VL = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
-            "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
-            "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-            "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
-            "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-            "{% endif %}")  # fmt: skip
-
-
-def qwen_vl(processor_class):
-    """A Qwen2-VL-style processor for images only: transformers 5.24 builds these processors only with a video
-    processor, which needs torchvision (not installable beside this CPU build of torch)."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
-    images_only = type("ImagesOnly", (processor_class,), {"get_attributes": attributes})
-    tok = tokenizer({"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
-                    ("<|im_start|>", "<|im_end|>"))  # fmt: skip
-    pixels = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
-    return images_only(image_processor=pixels, tokenizer=tok, chat_template=QWEN2_VL)
-
-
-def qwen2_vl():
-    from transformers import Qwen2VLProcessor
-
-    return qwen_vl(Qwen2VLProcessor)
-
-
-def qwen2_5_vl():
-    from transformers import Qwen2_5_VLProcessor
-
-    return qwen_vl(Qwen2_5_VLProcessor)
-
-
-PROCESSORS = {**{name: partial(tiny_mode_processor, name) for name in FAMILIES}, "qwen2_vl": qwen2_vl,
-              "qwen2_5_vl": qwen2_5_vl}  # fmt: skip
+PROCESSORS = {name: partial(tiny_mode_processor, name) for name in FAMILIES}
 
 
 def picture(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:

@@ -61,7 +61,7 @@ def load_model_and_tokenizer(folder: Path, dtype: str):
 
     processed = any((folder / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
     if processed and architecture(config, "vlm_sft") is not None:  # an image-text run: its model and processor
-        from .models.vision import load_processor
+        from .models.processors import load_processor
 
         model = adapted_model(folder, "vlm_sft", dtype=torch_dtype) if adapter.is_file() else \
             architecture(config, "vlm_sft").from_pretrained(folder, dtype=torch_dtype)  # fmt: skip

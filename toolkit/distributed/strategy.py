@@ -208,8 +208,10 @@ def layer_class(model) -> str:
     them: each encoder layer a unit of its own, not the whole tower one unit with the model's root."""
     from ..models.vision import image_encoder
 
-    classes = [longest_list_class(model)]
     tower = image_encoder(model)
+    # an image-text model's decoder layers by its decoder's list: Qwen2.5-VL's tower has the longest (32 to 28)
+    decoder = model.get_decoder() if tower is not None and hasattr(model, "get_decoder") else model
+    classes = [longest_list_class(decoder)]
     if tower is not None and (inner := longest_list_class(tower, required=False)) not in (None, *classes):
         classes.append(inner)
     return ",".join(classes)

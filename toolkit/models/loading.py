@@ -266,7 +266,8 @@ def blueprint(args: Arguments) -> Blueprint:
                                                                packing, on_gpu=torch.cuda.is_available())  # fmt: skip
     if not tasks.task(args.data.task).images:
         return Blueprint(config, load_tokenizer(args.model), packing)
-    from .vision import check_parts, load_processor
+    from .processors import load_processor
+    from .vision import check_parts
 
     if not args.model.use_lora:
         check_parts(args.model.train_parts)

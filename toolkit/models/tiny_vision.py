@@ -4,8 +4,8 @@ classes at toy size (the placeholder's expansion is the family's), and its confi
 a 2-layer tower of 28-pixel images in 14-pixel patches. tiny.py builds the checkpoint; the tiny data is colour
 squares and the question what colour each is (image_rows).
 
-Families whose processors need torchvision in transformers 5 (the Qwen2-VL family's video processor, Pixtral's
-image processor) are not here: tiny mode names the ones it builds.
+The Qwen2-VL family's processors are built for images alone (processors.py: their video processor needs
+torchvision). Tiny mode names the families it builds.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ LLAVA = (
     "{% if part['type'] == 'image' %}{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
     "{{ '</s>' if message['role'] == 'assistant' else ' ' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
+)
+QWEN2_VL = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
 )
 IDEFICS3_TILES = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
 # A tower's sizes at toy scale: 28-pixel images, 14-pixel patches (2 x 2 of them), 2 layers.
@@ -89,6 +97,38 @@ def _llava_config(config, tokenizer) -> None:  # CLIP's class token dropped ("de
     config.vision_feature_select_strategy, config.vision_feature_layer = "default", -1
 
 
+def _qwen_processor(class_name: str):
+    def build(tokenizer):  # 28-pixel pictures made 56 x 56: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
+        from transformers import Qwen2VLImageProcessorPil
+        from transformers.models.auto.processing_auto import processor_class_from_name
+
+        from .processors import images_only_class
+
+        images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+        processor = images_only_class(processor_class_from_name(class_name))
+        return processor(image_processor=images, tokenizer=tokenizer, chat_template=QWEN2_VL)
+
+    return build
+
+
+def _qwen_config(config, tokenizer) -> None:  # the tower 2 blocks deep, its merger into the text width
+    config.image_token_id, config.video_token_id = tokenizer.image_token_id, tokenizer.video_token_id
+    config.vision_start_token_id = tokenizer.vision_bos_token_id
+    config.vision_end_token_id = tokenizer.vision_eos_token_id
+    vision, text = config.vision_config, config.text_config
+    vision.depth, vision.num_heads = 2, 4
+    for key in ("out_hidden_size", "embed_dim"):  # Qwen2.5-VL's merger output, Qwen2-VL's tower width
+        if hasattr(vision, key):
+            setattr(vision, key, text.hidden_size if key == "out_hidden_size" else TINY_VISION["hidden_size"])
+    if hasattr(vision, "fullatt_block_indexes"):
+        vision.fullatt_block_indexes = [1]
+    half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+    rope = text.rope_parameters  # M-RoPE's sections (time, height, width) cover half the head, as 16/24/24 of 64
+    rope["mrope_section"] = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+
+
+QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
+               "vision_eos_token": "<|vision_end|>"}  # fmt: skip
 FAMILIES = {
     "gemma3": Family({"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                       "image_token": "<image_soft_token>"}, ("<start_of_turn>", "<end_of_turn>"), GEMMA3,
@@ -97,6 +137,10 @@ FAMILIES = {
                         "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
                        ("<|im_start|>", *IDEFICS3_TILES), IDEFICS3, _idefics3_processor, _idefics3_config),
     "llava": Family({"image_token": "<image>"}, ("</s>",), LLAVA, _llava_processor, _llava_config),
+    "qwen2_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL, _qwen_processor("Qwen2VLProcessor"),
+                       _qwen_config),
+    "qwen2_5_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL,
+                         _qwen_processor("Qwen2_5_VLProcessor"), _qwen_config),
 }  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from ..errors import ConfigError, first_line
+from ..errors import ConfigError
 from ..settings.arguments import ModelArguments
 
 PARTS = ("vision", "projector", "language")
@@ -120,30 +120,3 @@ def language_lora_targets(model: torch.nn.Module) -> str:
     names with): peft's "all-linear" would adapt the vision tower's too."""
     _, language, _ = _prefixes(model)
     return rf"{language}\..*\.({'|'.join(LORA_LAYERS)})"
-
-
-def load_processor(name: str, trust_remote_code: bool = False):
-    """The model's own processor (AutoProcessor): its image processor, tokenizer and chat template. One line for a
-    processor that needs torchvision where it is missing (the Qwen2-VL family's video processor, Pixtral's image
-    processor, in transformers 5) and for a model that has no image processor."""
-    from transformers import AutoProcessor
-
-    def lacking(why: str) -> str:
-        return (f"{name} has no image processor ({why}): it is not an image-text model, or its folder lacks "
-                "preprocessor_config.json: save it with processor.save_pretrained(folder).")  # fmt: skip
-
-    try:
-        processor = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except OSError as error:  # a processor class named, its image processor's files absent
-        if "image processor" not in str(error):
-            raise
-        raise ConfigError(lacking("transformers found no preprocessor_config.json")) from None
-    except ImportError as error:
-        if "torchvision" not in str(error).lower():
-            raise
-        raise ConfigError(f"{name}'s processor needs torchvision ({first_line(error).split(' requires')[0]} "
-                          "requires it): pip install torchvision, the build that matches your torch "
-                          "(for a CPU torch, from https://download.pytorch.org/whl/cpu).") from None  # fmt: skip
-    if getattr(processor, "image_processor", None) is None:
-        raise ConfigError(lacking(f"AutoProcessor gave a {type(processor).__name__}"))
-    return processor

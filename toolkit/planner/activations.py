@@ -112,6 +112,12 @@ def scaled(config, ratio: float, layers: int | list | None, attention: str | Non
     head_dim = getattr(text, "head_dim", None)
     if head_dim and not isinstance(getattr(type(text), "head_dim", None), property):
         text.head_dim = max(2, round(head_dim * ratio))
+    rope = getattr(text, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("mrope_section"):  # M-RoPE's sections cover half the (narrowed) head
+        half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+        sections = [max(1, round(x * half / sum(rope["mrope_section"]))) for x in rope["mrope_section"]]
+        sections[0] += half - sum(sections)
+        text.rope_parameters = {**rope, "mrope_section": sections}
     if isinstance(layers, list):
         text.num_hidden_layers, text.layer_types = len(layers), layers
     elif layers is not None:

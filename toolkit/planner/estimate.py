@@ -95,7 +95,7 @@ def images_caveat(task: str, image: ImageCost | None, why: str) -> str:
     not be measured (vision.py)."""
     if task not in TASKS or not task_table(task).images or image is not None:
         return ""
-    return (f"the vision tower's activations and FLOPs on each image, {why} (the decoder's are counted, image "
+    return (f"the vision tower's activations and FLOPs on each image ({why}; the decoder's are counted, image "
             "tokens as text)")  # fmt: skip
 
 

@@ -104,6 +104,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, autocast: bool) -> Image
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.vision_config
+    if not isinstance(getattr(config, "image_size", None), int):
+        raise ValueError(f"{type(config).__name__} takes images of any size, no one image to plan")
     size, channels = config.image_size, getattr(config, "num_channels", 3)
     parts = model_parts(base)
     names = set(parts["vision"] + parts["projector"])
@@ -184,7 +186,8 @@ def measured_image_cost(config, task: str, lora: dict | None, parts: str, precis
         try:
             cost = measure(meta_model(config, task, lora, parts), dtype, autocast)
         except Exception as error:  # noqa: BLE001 - a family whose tower takes other inputs: say so, plan the rest
-            return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+            said = str(error).splitlines()[0][:120] if str(error) else ""
+            return None, f"not measured: {said if isinstance(error, ValueError) else f'{type(error).__name__}: {said}'}"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once each write their own, then rename
         tmp.write_text(json.dumps(asdict(cost)))

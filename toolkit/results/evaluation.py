@@ -102,7 +102,7 @@ def held_out_data(record: RunRecord, tokenizer, model_config):
     packing = use_packing(record.task, data_args.packing, model_config)
     processor = None
     if task(record.task).images:  # the processor the run saved beside its model (images expand as they did)
-        from ..models.vision import load_processor
+        from ..models.processors import load_processor
 
         processor = load_processor(str(record.folder))
     prepared = prepare(raw, tokenizer, data_args, lambda desc: contextlib.nullcontext(), packing, processor)
