@@ -27,6 +27,8 @@ TRAINED = {
     "llava": " It is red.</s> Blue, on a green ground.</s>",  # "ASSISTANT: It": the header's space joins "It"
     "qwen2_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
     "qwen2_5_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
+    "qwen3_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
+    "llava_onevision": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
 }
 
 

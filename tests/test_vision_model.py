@@ -15,8 +15,18 @@ WHERE = {
     "gemma3": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
     "idefics3": ("model.vision_model.", "model.connector.", "model.text_model."),
     "llava": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
+    "llava_onevision": (
+        "model.vision_tower.",
+        ("model.multi_modal_projector.", "model.image_newline"),
+        "model.language_model.",
+    ),  # fmt: skip
     "qwen2_vl": ("model.visual.", "model.visual.merger.", "model.language_model."),  # the merger: in the tower
     "qwen2_5_vl": ("model.visual.", "model.visual.merger.", "model.language_model."),
+    "qwen3_vl": (
+        "model.visual.",
+        ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+        "model.language_model.",
+    ),  # fmt: skip
 }
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
 from toolkit.models.tiny import train_tokenizer
-from toolkit.models.tiny_vision import FAMILIES, with_special_tokens
+from toolkit.models.tiny_vision import FAMILIES, ONEVISION_GRID, with_special_tokens
 
 TEXT = "What colour is the square? It is red. And the circle? Blue, on a green ground. Describe the picture. " * 20
 
@@ -43,8 +43,10 @@ def tiny_model(family: str, processor):
         Gemma3Config,
         Idefics3Config,
         LlavaConfig,
+        LlavaOnevisionConfig,
         Qwen2_5_VLConfig,
         Qwen2VLConfig,
+        Qwen3VLConfig,
     )
 
     tok = processor.tokenizer
@@ -65,6 +67,21 @@ def tiny_model(family: str, processor):
     elif family == "idefics3":  # each 28-pixel tile's 4 patches kept (no pixel shuffle), as image_seq_len=4 says
         config = Idefics3Config(text_config={"model_type": "llama", **text}, vision_config=vision,
                                 image_token_id=tok.image_token_id, scale_factor=1)  # fmt: skip
+    elif family == "llava_onevision":  # AnyRes: the base image and its tiles, every patch kept ("full")
+        config = LlavaOnevisionConfig(text_config={"model_type": "qwen2", **text},
+                                      vision_config={"model_type": "siglip_vision_model", **vision},
+                                      image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+                                      image_grid_pinpoints=ONEVISION_GRID, vision_feature_select_strategy="full",
+                                      vision_feature_layer=-1)  # fmt: skip
+    elif family == "qwen3_vl":  # 16-pixel patches merged 2x2, a learnt position grid, interleaved M-RoPE
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True,
+                                   "rope_theta": 10000.0}  # fmt: skip
+        tower = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32,
+                 "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+                 "deepstack_visual_indexes": [0]}  # fmt: skip
+        config = Qwen3VLConfig(text_config=text, vision_config=tower, image_token_id=tok.image_token_id,
+                               video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_bos_token_id,
+                               vision_end_token_id=tok.vision_eos_token_id)  # fmt: skip
     else:  # Qwen2-VL, Qwen2.5-VL: 14-pixel patches merged 2x2 into a token, M-RoPE over (time, height, width)
         qwen = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig}[family]
         tower = {"depth": 2, "hidden_size": 32, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,

@@ -63,7 +63,19 @@ def images_only(name: str, trust_remote_code: bool, why: str):
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     pixels = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
     log.warning("%s: images only (its video processor cannot load: %s)", name, why)
-    return images(image_processor=pixels, tokenizer=tokenizer, chat_template=_chat_template(name, tokenizer))
+    return images(image_processor=pixels, tokenizer=tokenizer, chat_template=_chat_template(name, tokenizer),
+                  **_settings(name, found))
+
+
+def _settings(name: str, found: type) -> dict:
+    """The processor's own settings its processor_config.json keeps (LLaVA-OneVision's num_image_tokens, ...):
+    those its class takes, the parts' own configs and the template left out."""
+    import inspect
+
+    text = _read(name, "processor_config.json")
+    taken = inspect.signature(found.__init__).parameters
+    parts = {"image_processor", "video_processor", "tokenizer", "chat_template", "processor_class"}
+    return {k: v for k, v in (json.loads(text) if text else {}).items() if k in taken and k not in parts}
 
 
 def images_only_class(found: type) -> type:

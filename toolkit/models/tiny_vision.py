@@ -45,6 +45,11 @@ QWEN2_VL = (
     "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% endif %}"
 )
+ONEVISION = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 IDEFICS3_TILES = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
 # A tower's sizes at toy scale: 28-pixel images, 14-pixel patches (2 x 2 of them), 2 layers.
 TINY_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -97,18 +102,47 @@ def _llava_config(config, tokenizer) -> None:  # CLIP's class token dropped ("de
     config.vision_feature_select_strategy, config.vision_feature_layer = "default", -1
 
 
-def _qwen_processor(class_name: str):
-    def build(tokenizer):  # 28-pixel pictures made 56 x 56: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
+# LLaVA-OneVision's AnyRes at toy size: a 28-pixel base image and up to 2 x 2 tiles of it
+ONEVISION_GRID = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def _onevision_processor(tokenizer):
+    from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+
+    from .processors import images_only_class
+
+    images = LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, crop_size={"height": 28, "width": 28},
+                                             image_grid_pinpoints=ONEVISION_GRID)  # fmt: skip
+    return images_only_class(LlavaOnevisionProcessor)(image_processor=images, tokenizer=tokenizer,
+                                                      chat_template=ONEVISION, num_image_tokens=4,
+                                                      vision_feature_select_strategy="full")  # fmt: skip
+
+
+def _onevision_config(config, tokenizer) -> None:  # every patch kept ("full"), the processor's tiles
+    config.image_token_id, config.video_token_id = tokenizer.image_token_id, tokenizer.video_token_id
+    config.image_grid_pinpoints, config.vision_feature_select_strategy = ONEVISION_GRID, "full"
+
+
+def _qwen_processor(class_name: str, patch: int = 14):
+    def build(tokenizer):  # pictures made 4 x 4 patches (of 14 pixels; Qwen3-VL's of 16), merged 2 x 2: 4 tokens
         from transformers import Qwen2VLImageProcessorPil
         from transformers.models.auto.processing_auto import processor_class_from_name
 
         from .processors import images_only_class
 
-        images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+        side = 4 * patch
+        images = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, min_pixels=side * side,
+                                          max_pixels=side * side)  # fmt: skip
         processor = images_only_class(processor_class_from_name(class_name))
         return processor(image_processor=images, tokenizer=tokenizer, chat_template=QWEN2_VL)
 
     return build
+
+
+def _qwen3_config(config, tokenizer) -> None:  # 16-pixel patches; a learnt 4 x 4 position grid; one deepstack layer
+    _qwen_config(config, tokenizer)
+    vision = config.vision_config
+    vision.patch_size, vision.num_position_embeddings, vision.deepstack_visual_indexes = 16, 16, [0]
 
 
 def _qwen_config(config, tokenizer) -> None:  # the tower 2 blocks deep, its merger into the text width
@@ -137,10 +171,14 @@ FAMILIES = {
                         "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
                        ("<|im_start|>", *IDEFICS3_TILES), IDEFICS3, _idefics3_processor, _idefics3_config),
     "llava": Family({"image_token": "<image>"}, ("</s>",), LLAVA, _llava_processor, _llava_config),
+    "llava_onevision": Family({"image_token": "<image>", "video_token": "<video>"}, ("<|im_start|>", "<|im_end|>"),
+                              ONEVISION, _onevision_processor, _onevision_config),
     "qwen2_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL, _qwen_processor("Qwen2VLProcessor"),
                        _qwen_config),
     "qwen2_5_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL,
                          _qwen_processor("Qwen2_5_VLProcessor"), _qwen_config),
+    "qwen3_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL, _qwen_processor("Qwen3VLProcessor", 16),
+                       _qwen3_config),
 }  # fmt: skip
 
 

@@ -47,8 +47,8 @@ def _prefixes(model: torch.nn.Module) -> tuple[str, str, str]:
 def part_of(name: str, prefixes: tuple[str, str, str]) -> str:
     """The part a parameter's qualified name belongs to."""
     vision, language, head = prefixes
-    if name.startswith(vision + "."):
-        return "projector" if ".merger." in name else "vision"
+    if name.startswith(vision + "."):  # a merger inside the tower maps into the decoder (Qwen3-VL's deepstack ones too)
+        return "projector" if any("merger" in piece for piece in name.split(".")) else "vision"
     if name.startswith(language + ".") or (head and name.startswith(head + ".")):
         return "language"
     return "projector"
