@@ -29,6 +29,7 @@ TRAINED = {
     "qwen2_5_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
     "qwen3_vl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
     "llava_onevision": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
+    "internvl": "It is red.<|im_end|>\nBlue, on a green ground.<|im_end|>\n",
 }
 
 

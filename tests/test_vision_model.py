@@ -15,6 +15,7 @@ WHERE = {
     "gemma3": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
     "idefics3": ("model.vision_model.", "model.connector.", "model.text_model."),
     "llava": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
+    "internvl": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
     "llava_onevision": (
         "model.vision_tower.",
         ("model.multi_modal_projector.", "model.image_newline"),
@@ -88,7 +89,8 @@ def test_a_text_only_model_is_refused_in_one_line():
 def test_the_processor_loads_from_its_folder_and_each_refusal_is_one_line(tmp_path):
     """A saved processor loads as the model's own (chat template included); a Qwen2-VL folder on a machine without
     torchvision (its video processor needs it, in transformers 5) loads for images alone, and expands an image as
-    the family does; a folder with no image processor is one line naming the fix."""
+    the family does; a processor class that itself needs torchvision (Mistral 3's PixtralProcessor) and a folder
+    with no image processor are each one line naming the fix."""
     import importlib.util
     import json
 
@@ -112,6 +114,16 @@ def test_the_processor_loads_from_its_folder_and_each_refusal_is_one_line(tmp_pa
         batch = loaded(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[picture(0)], return_tensors="pt")
         tokens = int((batch["input_ids"] == loaded.tokenizer.image_token_id).sum())
         assert tokens == int(batch["image_grid_thw"].prod()) // 4  # its patches merged 2 x 2
+
+    if importlib.util.find_spec("torchvision") is None:  # Mistral 3's processor class itself needs it: one line
+        pixtral = tmp_path / "pixtral"
+        PROCESSORS["llava"]().save_pretrained(pixtral)
+        for file in pixtral.glob("*.json"):
+            file.write_text(file.read_text().replace("LlavaProcessor", "PixtralProcessor"))
+        with pytest.raises(ConfigError, match=r"processor needs torchvision \(PixtralProcessor requires it\): pip "
+                                              r"install torchvision") as refused:  # fmt: skip
+            load_processor(str(pixtral))
+        assert "\n" not in str(refused.value)
 
     gemma3.tokenizer.save_pretrained(tmp_path / "no_images")  # its config names Gemma3Processor
     with pytest.raises(ConfigError, match=r"has no image processor \(transformers found no preprocessor_config.json"

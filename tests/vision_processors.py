@@ -42,6 +42,7 @@ def tiny_model(family: str, processor):
         AutoModelForImageTextToText,
         Gemma3Config,
         Idefics3Config,
+        InternVLConfig,
         LlavaConfig,
         LlavaOnevisionConfig,
         Qwen2_5_VLConfig,
@@ -73,6 +74,11 @@ def tiny_model(family: str, processor):
                                       image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                                       image_grid_pinpoints=ONEVISION_GRID, vision_feature_select_strategy="full",
                                       vision_feature_layer=-1)  # fmt: skip
+    elif family == "internvl":  # 56-pixel tiles, 4 x 4 patches pixel-shuffled 2 x 2 into 4 tokens
+        tower = {**vision, "image_size": [56, 56], "patch_size": [14, 14]}
+        config = InternVLConfig(text_config={"model_type": "qwen2", **text}, vision_config=tower,
+                                image_token_id=tok.context_image_token_id, image_seq_length=4,
+                                downsample_ratio=0.5)  # fmt: skip
     elif family == "qwen3_vl":  # 16-pixel patches merged 2x2, a learnt position grid, interleaved M-RoPE
         text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True,
                                    "rope_theta": 10000.0}  # fmt: skip

@@ -63,8 +63,12 @@ def images_only(name: str, trust_remote_code: bool, why: str):
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     pixels = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
     log.warning("%s: images only (its video processor cannot load: %s)", name, why)
-    return images(image_processor=pixels, tokenizer=tokenizer, chat_template=_chat_template(name, tokenizer),
-                  **_settings(name, found))
+    return images(
+        image_processor=pixels,
+        tokenizer=tokenizer,
+        chat_template=_chat_template(name, tokenizer),
+        **_settings(name, found),
+    )
 
 
 def _settings(name: str, found: type) -> dict:

@@ -50,6 +50,7 @@ ONEVISION = (
     "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+INTERNVL = ONEVISION.replace("<image>", "<IMG_CONTEXT>")
 IDEFICS3_TILES = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
 # A tower's sizes at toy scale: 28-pixel images, 14-pixel patches (2 x 2 of them), 2 layers.
 TINY_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -123,6 +124,21 @@ def _onevision_config(config, tokenizer) -> None:  # every patch kept ("full"), 
     config.image_grid_pinpoints, config.vision_feature_select_strategy = ONEVISION_GRID, "full"
 
 
+def _internvl_processor(tokenizer):  # a 56-pixel tile: 4 x 4 patches, pixel-shuffled 2 x 2 into 4 tokens
+    from transformers import GotOcr2ImageProcessorPil, InternVLProcessor
+
+    from .processors import images_only_class
+
+    images = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=False)
+    return images_only_class(InternVLProcessor)(image_processor=images, tokenizer=tokenizer, chat_template=INTERNVL,
+                                                image_seq_length=4)  # fmt: skip
+
+
+def _internvl_config(config, tokenizer) -> None:
+    config.image_token_id, config.image_seq_length, config.downsample_ratio = tokenizer.context_image_token_id, 4, 0.5
+    config.vision_config.image_size, config.vision_config.patch_size = [56, 56], [14, 14]
+
+
 def _qwen_processor(class_name: str, patch: int = 14):
     def build(tokenizer):  # pictures made 4 x 4 patches (of 14 pixels; Qwen3-VL's of 16), merged 2 x 2: 4 tokens
         from transformers import Qwen2VLImageProcessorPil
@@ -173,6 +189,9 @@ FAMILIES = {
     "llava": Family({"image_token": "<image>"}, ("</s>",), LLAVA, _llava_processor, _llava_config),
     "llava_onevision": Family({"image_token": "<image>", "video_token": "<video>"}, ("<|im_start|>", "<|im_end|>"),
                               ONEVISION, _onevision_processor, _onevision_config),
+    "internvl": Family({"start_image_token": "<img>", "end_image_token": "</img>",
+                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+                       ("<|im_start|>", "<|im_end|>"), INTERNVL, _internvl_processor, _internvl_config),
     "qwen2_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL, _qwen_processor("Qwen2VLProcessor"),
                        _qwen_config),
     "qwen2_5_vl": Family(QWEN_TOKENS, ("<|im_start|>", "<|im_end|>"), QWEN2_VL,
