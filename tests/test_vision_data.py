@@ -167,3 +167,23 @@ def test_rows_an_image_cut_would_split_are_counted_and_left_out(family):
     assert batch["input_ids"].shape[1] == collate.max_length
     with pytest.raises(DataError, match="the cut would split an image"):
         collate([rows[1]])
+
+
+def test_image_max_pixels_scales_each_image_down_before_the_processor():
+    """--image_max_pixels: an image above it reaches the processor scaled down, its aspect kept; one within it,
+    untouched. LLaVA-OneVision picks its AnyRes grid by the image's size: a 56-pixel picture is its base view's 4
+    tokens and 2 x 2 tiles' 4 x 4 patches with a newline a row (24), at 28 x 28 pixels one tile's 2 x 2 (10)."""
+    from toolkit.data.vision import within
+
+    processor = PROCESSORS["llava_onevision"]()
+    rows = [(TWO_TURNS[:2], [picture(0, (56, 56))])]
+    image_tokens = processor.tokenizer.image_token_id
+
+    def tokens(collator) -> int:
+        return int((collator(rows)["input_ids"] == image_tokens).sum())
+
+    assert (tokens(VisionCollator(processor, 4096)), tokens(VisionCollator(processor, 4096, 28 * 28))) == (24, 10)
+    wide = within(picture(1, (56, 84)), 28 * 28)  # 84 x 56 pixels, 3:2
+    assert wide.size[0] * wide.size[1] <= 28 * 28 and wide.size[0] / wide.size[1] == pytest.approx(1.5, rel=0.05)
+    small = picture(2, (20, 20))
+    assert within(small, 28 * 28) is small and within(picture(0, (56, 56)), None).size == (56, 56)

@@ -232,7 +232,7 @@ def prepare(ds: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArgum
 def prepared_images(ds: DatasetDict, processor: Any, args: DataArguments) -> PreparedData:
     """Image-text rows as read, each measured by the processor (its tokens with its images'), those an image cut
     would split left out and counted; the collator runs the processor on each batch."""
-    collator = VisionCollator(processor, args.max_seq_length)
+    collator = VisionCollator(processor, args.max_seq_length, args.image_max_pixels)
     start, splits, left_out = time.perf_counter(), {}, 0
     for name, split in ds.items():
         splits[name], dropped = measured(split, collator, name)

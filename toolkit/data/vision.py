@@ -165,6 +165,16 @@ def aligned_labels(written: dict, expanded: list[int]) -> tuple[list[int], list[
     return labels, added
 
 
+def within(image, max_pixels: int | None):
+    """The image scaled down, its aspect kept, to at most `max_pixels` pixels (--image_max_pixels); as it is when
+    it has no more, or without the setting."""
+    width, height = image.size
+    if not max_pixels or width * height <= max_pixels:
+        return image
+    scale = (max_pixels / (width * height)) ** 0.5
+    return image.resize((max(1, int(width * scale)), max(1, int(height * scale))), resample=3)  # bicubic
+
+
 class VisionCollator:
     """Rows of (messages, images) -> the processor's batch (pixel values in the family's own layout) with labels on
     the assistant's tokens. A row longer than `max_length` is cut after its last image's tokens; one whose image
@@ -172,8 +182,8 @@ class VisionCollator:
 
     pad_to_multiple_of: int | None = None  # the attention kernel's and a sequence split's (preparation.py)
 
-    def __init__(self, processor, max_length: int):
-        self.processor, self.max_length = processor, max_length
+    def __init__(self, processor, max_length: int, max_pixels: int | None = None):
+        self.processor, self.max_length, self.max_pixels = processor, max_length, max_pixels
         self.renderer = _Renderer(processor)
         self.layout = TurnLayout.of(self.renderer, parts=True)
 
@@ -182,7 +192,7 @@ class VisionCollator:
         conversations = [messages for messages, _ in rows]
         texts = [self.processor.apply_chat_template(messages, tokenize=False) for messages in conversations]
         written = tokenize_conversations(self.renderer, conversations, 10**9, self.layout)
-        images = [row_images or None for _, row_images in rows]
+        images = [[within(image, self.max_pixels) for image in row_images] or None for _, row_images in rows]
         batch = self.processor(text=texts, images=images if any(images) else None, **processor_kwargs)
         return batch, written
 

@@ -214,6 +214,14 @@ class DataArguments:
             "Default: on where the model's attention supports it."
         },  # fmt: skip
     )
+    image_max_pixels: int | None = field(
+        default=None,
+        metadata={
+            "help": "vlm_sft: each image scaled down (aspect kept) to at most this many pixels before the processor "
+            "(e.g. 401408 = 784 x 512: Qwen2-VL's 512 tokens); fewer image tokens where the processor's count "
+            "follows the image's size. Default: as read."
+        },  # fmt: skip
+    )
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     text_encoding: str = field(default="utf-8", metadata={"help": "Encoding of .txt files in a class folder."})
