@@ -10,9 +10,9 @@ storage, no arithmetic; the CPU's kernels are chosen, sdpa's fused one among the
     tensors in a trained tower, or with activation checkpointing each tower layer's input instead;
   - the FLOPs of that forward and of its backward (torch's FlopCounterMode; the backward is run, so only the
     gradients the run computes are counted).
-One image is one input at the tower's own size (vision_config.image_size, square, as SigLIP's and CLIP's
-processors resize to). A family whose tower takes other inputs (Qwen2-VL's flattened patches, tiles with their
-sizes) is not measured, and the plan says so.
+One image is one input at the tower's own size (vision_config.image_size, square, as SigLIP's, CLIP's and
+InternViT's processors resize to). A tower that takes images of any size (the Qwen2-VL family's) is not measured,
+and the plan says so.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..models.vision import image_encoder, model_parts
 from ..project import cache_root
 from .activations import mixed
 
-VERSION = 4  # bump when the measurement changes: the cache key includes it
+VERSION = 5  # bump when the measurement changes: the cache key includes it
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ImageCost:
     backward_flops: int
     parameters: int
     trainable: int
-    image_size: int
+    image: str  # the image measured, "896x896"
     per_sample: float = 1.0  # images a training row holds, on average
 
     def saved(self, checkpointing: bool) -> int:
@@ -57,8 +57,9 @@ class ImageCost:
 
     @property
     def note(self) -> str:
-        trained = "trained" if self.backward_flops else "frozen: forward only"
-        return (f"measured per {self.image_size}x{self.image_size} image ({self.per_sample:g} a row): "
+        trained = ("frozen: forward only" if not self.trainable else "trained" if self.trainable == self.parameters
+                   else f"{self.trainable:,} of its {self.parameters:,} parameters trained")  # fmt: skip
+        return (f"measured per {self.image} image ({self.per_sample:g} a row): "
                 f"{self.forward_flops / 1e12:.3g} TFLOP forward, image path {trained}")  # fmt: skip
 
 
@@ -73,12 +74,25 @@ def _tensors(output) -> list[torch.Tensor]:
     return _tensors(pooled if pooled is not None else output[0])
 
 
-def _features(model: torch.nn.Module, pixels: torch.Tensor) -> list[torch.Tensor]:
-    """One image through the image path, as a 4-d batch of images, else a 5-d batch of rows of images (Idefics3)."""
+def _features(model: torch.nn.Module, inputs: dict) -> list[torch.Tensor]:
+    """One image through the image path: a batch of one image, else (Idefics3) a batch of one row of images."""
     try:
-        return _tensors(model.get_image_features(pixel_values=pixels))
+        return _tensors(model.get_image_features(**inputs))
     except (RuntimeError, ValueError, TypeError, IndexError):
-        return _tensors(model.get_image_features(pixel_values=pixels.unsqueeze(0)))
+        return _tensors(model.get_image_features(pixel_values=inputs["pixel_values"].unsqueeze(0)))
+
+
+def image_inputs(config, dtype: torch.dtype) -> tuple[dict, str]:
+    """One image as the tower takes it, and its size in words: a square at the tower's image_size (SigLIP, CLIP,
+    InternViT). A tower that takes any size (the Qwen2-VL family's patches with their grid, whose values it reads
+    to lay them out, which fake tensors cannot) has no one image to plan: ValueError."""
+    channels = getattr(config, "num_channels", None) or getattr(config, "in_channels", None) or 3
+    size = getattr(config, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if not isinstance(size, int):
+        raise ValueError(f"{type(config).__name__} takes images of any size, no one image to plan")
+    return {"pixel_values": torch.empty(1, channels, size, size, dtype=dtype)}, f"{size}x{size}"
 
 
 def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -103,37 +117,33 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, autocast: bool) -> Image
     from torch.utils.flop_counter import FlopCounterMode
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config.vision_config
-    if not isinstance(getattr(config, "image_size", None), int):
-        raise ValueError(f"{type(config).__name__} takes images of any size, no one image to plan")
-    size, channels = config.image_size, getattr(config, "num_channels", 3)
+    inputs, image = image_inputs(base.config.vision_config, dtype if not autocast else torch.float32)
     parts = model_parts(base)
     names = set(parts["vision"] + parts["projector"])
     parameters = sum(p.numel() for name, p in base.named_parameters() if name in names)
     trainable = sum(p.numel() for name, p in base.named_parameters() if name in names and p.requires_grad)
     base.to(torch.float32 if autocast else dtype)  # the weights as the run holds them (not the config's dtype)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = base.to_empty(device="cpu")
         fake.train()
-        pixels = torch.empty(1, channels, size, size, dtype=dtype if not autocast else torch.float32)
-        saved, inputs = _saved_by_layer(fake, pixels, dtype, autocast)
+        inputs["pixel_values"] = mode.from_tensor(inputs["pixel_values"])
+        saved, layer_inputs = _saved_by_layer(fake, inputs, dtype, autocast)
         with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
             with mixed(dtype, autocast):
-                features = _features(fake, pixels)
+                features = _features(fake, inputs)
             forward = counter.get_total_flops()
             trained = [f.float().sum() for f in features if f.requires_grad]
             if trained:
                 sum(trained).backward()
             backward = counter.get_total_flops() - forward
     outside = saved.pop(None, 0)
-    checkpointed = outside + sum(inputs[i] for i, size_ in saved.items() if size_)
+    checkpointed = outside + sum(layer_inputs[i] for i, size in saved.items() if size)
     return ImageCost(saved_bytes=outside + sum(saved.values()), checkpointed_bytes=checkpointed,
-                     layer_bytes=max(saved.values(), default=0),
-                     forward_flops=forward, backward_flops=backward, parameters=parameters,
-                     trainable=trainable, image_size=size)  # fmt: skip
+                     layer_bytes=max(saved.values(), default=0), forward_flops=forward, backward_flops=backward,
+                     parameters=parameters, trainable=trainable, image=image)  # fmt: skip
 
 
-def _saved_by_layer(model, pixels, dtype, autocast) -> tuple[dict, dict]:
+def _saved_by_layer(model, inputs: dict, dtype, autocast) -> tuple[dict, dict]:
     """Bytes saved for backward by each tower layer (None: outside them), once per storage; and each layer's
     input's bytes (what activation checkpointing keeps of it)."""
     layers = max((m for m in image_encoder(model).modules() if isinstance(m, torch.nn.ModuleList)), key=len)
@@ -141,12 +151,12 @@ def _saved_by_layer(model, pixels, dtype, autocast) -> tuple[dict, dict]:
     storages: dict[int, tuple[int, int | None]] = {}
     alive: list[torch.Tensor] = []  # held through the forward, as autograd would: no storage is reused
     running: list = [None]
-    inputs: dict[int, int] = {}
+    sizes: dict[int, int] = {}
 
     def entering(index, module, args, kwargs):
         running[0] = index
         hidden = args[0] if args else next(iter(kwargs.values()))
-        inputs[index] = hidden.untyped_storage().nbytes() if isinstance(hidden, torch.Tensor) else 0
+        sizes[index] = hidden.untyped_storage().nbytes() if isinstance(hidden, torch.Tensor) else 0
 
     hooks = [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, k, i=i: entering(i, m, a, k), with_kwargs=True),
@@ -161,14 +171,14 @@ def _saved_by_layer(model, pixels, dtype, autocast) -> tuple[dict, dict]:
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), mixed(dtype, autocast):
-            _features(model, pixels)
+            _features(model, inputs)
     finally:
         for hook in hooks:
             hook.remove()
     saved: dict = {}
     for size, layer in storages.values():
         saved[layer] = saved.get(layer, 0) + size
-    return saved, inputs
+    return saved, sizes
 
 
 def measured_image_cost(config, task: str, lora: dict | None, parts: str, precision: str, autocast: bool,
