@@ -194,6 +194,8 @@ def load_model(
     # auto not yet resolved (a caller without the runner, so no packing): the model's default, as for unpacked rows
     attention = None if args.attn_implementation == "auto" else args.attn_implementation
     common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
+    if args.experts_implementation is not None:  # else transformers' default (grouped_mm where it can run)
+        common["experts_implementation"] = args.experts_implementation
     if on_meta:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters

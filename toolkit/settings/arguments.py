@@ -69,6 +69,16 @@ def check_attention_name(name: str) -> None:
                           "(org/name): pass --attn_implementation sdpa, for example.")  # fmt: skip
 
 
+def check_experts_name(name: str) -> None:
+    """--experts_implementation: eager, or one in transformers' registry of expert kernels (ExpertsInterface)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+    if name not in known:
+        raise ConfigError(f"experts_implementation '{name}' is not one of {', '.join(known)}: pass "
+                          "--experts_implementation grouped_mm, for example.")  # fmt: skip
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(metadata={"help": "Hub id, local folder, or package:<module>/<path>."})
@@ -82,6 +92,14 @@ class ModelArguments:
         },
     )
     attention_note: str = field(default="", init=False, repr=False)  # why auto chose: the run's header
+    experts_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "A mixture of experts' expert kernel, as transformers names them: eager (one expert after "
+            "another), batched_mm, grouped_mm (one grouped matmul for all experts), or a kernel it registers. "
+            "Default: transformers' (grouped_mm where it can run)."
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
     fused_loss: bool | None = field(
         default=None,
@@ -134,6 +152,8 @@ class ModelArguments:
                               "pass --dtype bfloat16, for example.")  # fmt: skip
         if self.attn_implementation not in (None, "auto"):
             check_attention_name(self.attn_implementation)
+        if self.experts_implementation is not None:
+            check_experts_name(self.experts_implementation)
         at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")

@@ -69,6 +69,7 @@ class RunPlan:
     cost_plan: dict[str, float] | None  # None without a peak or a price
     budget: Budget | None
     attention: str = ""  # the kernel the model runs (config._attn_implementation)
+    experts: str = ""  # a mixture of experts' routing and expert kernel (config._experts_implementation)
     caveats: list[str] = field(default_factory=list)  # where the memory plan is not the model's own measurement
 
     @classmethod
@@ -106,6 +107,8 @@ class RunPlan:
             plan.cost_plan = plan.plan_cost(trainer.args, sample_lengths(trainer.train_dataset))
         plan.budget = plan.check_budget()
         plan.attention = str(base.config._attn_implementation)
+        if shape.routing:  # a mixture of experts: how it routes, and the expert kernel transformers dispatched
+            plan.experts = f"{shape.routing}, kernel {base.config._experts_implementation}"
         left_out = images_caveat(task_name, image, image_note)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative,
                                     left_out and f"left out: {left_out}") if c]  # fmt: skip
@@ -212,6 +215,7 @@ class RunPlan:
             f"precision     {s['mixed_precision']}, weights {recipe.model.dtype}"
             + (f", {master_weights}" if master_weights else ""),
             f"attention     {self.attention}" + (f" ({note})" if (note := recipe.model.attention_note) else ""),
+            *([f"experts       {self.experts}"] if self.experts else []),
             f"compile       {'on' if training.torch_compile else 'off'}"
             + (f" ({note})" if (note := recipe.compile_note) else ""),
             f"batch         {training.per_device_train_batch_size}{' pairs' if task(recipe.data.task).pairs else ''} "

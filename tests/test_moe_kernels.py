@@ -1,0 +1,70 @@
+"""A mixture of experts' expert kernels (transformers' `experts_implementation`, the toolkit's
+--experts_implementation): eager (each expert in turn), batched_mm and grouped_mm (one grouped matmul over every
+expert) compute the same training step on Mixtral's and Qwen3-MoE's architectures, logits and every gradient; the
+setting reaches the model and the run's header says which kernel ran; a name transformers does not register is one
+line before any weight loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_bad_input import assert_one_clear_line
+
+from toolkit import train
+from toolkit.models import tiny
+from toolkit.project import load_recipe
+
+MOES = ["mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-30B-A3B"]
+KERNELS = ["eager", "batched_mm", "grouped_mm"]
+
+
+def step(folder, kernel: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward of the tiny checkpoint with `kernel`: its logits and its parameters' gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation=kernel)
+    assert model.config._experts_implementation == kernel
+    outputs = model(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    return outputs.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", MOES)
+def test_every_expert_kernel_computes_the_same_step(name):
+    folder = tiny.tiny_checkpoint(name, "sft")
+    ids = torch.randint(1, 400, (2, 48), generator=torch.Generator().manual_seed(0))
+    reference_logits, reference_grads = step(folder, "eager", ids)
+    assert any("experts" in n for n in reference_grads)  # the experts' own weights are among them
+    for kernel in KERNELS[1:]:
+        logits, grads = step(folder, kernel, ids)
+        torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5, msg=kernel)
+        assert sorted(grads) == sorted(reference_grads)
+        for n, grad in reference_grads.items():
+            torch.testing.assert_close(grads[n], grad, rtol=1e-4, atol=1e-6, msg=f"{kernel} {n}")
+
+
+def test_the_kernel_set_is_the_one_the_header_names(tmp_path, capsys):
+    folder = tiny.tiny_checkpoint(MOES[0], "sft")
+    data = tiny.write_tiny_dataset("sft")
+    flags = ["--model_name_or_path", str(folder), "--dataset_name", str(data), "--train_split", "train",
+             "--eval_split", "none", "--max_steps", "1", "--max_seq_length", "64", "--report_to", "none",
+             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+             "--save_strategy", "no"]  # fmt: skip
+    for kernel in ("batched_mm", None):
+        more = ["--experts_implementation", kernel] if kernel else []
+        train(load_recipe("llama3_fft"), [*flags, *more, "--output_dir", str(tmp_path / str(kernel))], "llama3_fft")
+        header = capsys.readouterr().out
+        assert f"experts       2 of 4 routed experts, kernel {kernel or 'grouped_mm'}\n" in header  # its default
+
+
+def test_an_unknown_kernel_is_one_line_naming_transformers_own(monkeypatch, capsys):
+    from toolkit import run
+
+    monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(SystemExit):
+        run(load_recipe("llama3_fft"), ["--tiny", "--experts_implementation", "fast"], "llama3_fft")
+    captured = capsys.readouterr()
+    assert_one_clear_line(
+        captured.out + captured.err,
+        "experts_implementation 'fast' is not one of eager, deepgemm, batched_mm, grouped_mm",
+    )
