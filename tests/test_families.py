@@ -216,6 +216,15 @@ def test_families_train_sharded_as_on_one_process(family, config, one_process, t
     assert sorted(ours) == sorted(reference)  # Gemma-2's tied head stored by neither
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+    if family == "mixtral":  # the routers' balance: each rank's counts summed, the whole global batch's, as on one
+        assert router_health(out) == router_health(one) and router_health(one)
+
+
+def router_health(run: Path) -> list[tuple]:
+    """Each logged step's router figures (metrics/routing.py) from a run's own log."""
+    rows = [json.loads(line) for line in (run / "run_log.jsonl").read_text().splitlines()]
+    keys = ("router_imbalance", "router_imbalance_mean", "experts_idle")
+    return [tuple(row[k] for k in keys) for row in rows if "router_imbalance" in row]
 
 
 # ------------------------------------------------- families whose config the planner cannot read as uniform

@@ -59,6 +59,7 @@ from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..errors import ToolkitError
 from ..metrics.health import Health
 from ..metrics.memory import memory_fraction
+from ..metrics.routing import RouterStats
 from ..metrics.samples import RUN_LOG, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
 from ..metrics.wandb_run import finish_run, launch_environment, redacted_command, run_callback
@@ -105,6 +106,8 @@ class ToolkitTrainerMixin:
                                   self.plan.peak_flops, model_parallel_size(), launch_mesh().get("sp", 1))  # fmt: skip
         self.health = Health(assumed_mfu(self.plan.layout, self.args.gradient_accumulation_steps),
                              self.is_world_process_zero())  # fmt: skip
+        # A mixture of experts' router balance (metrics/routing.py); a pipeline stage holds only some of the layers
+        self.routing = RouterStats.of(self.model) if self.pipeline is None else None
         self.checkpoints = StagedCheckpoints(self)
         self.safe_stop = SafeStop(over_budget=self.over_budget)
         self.order = LengthGroupedOrder()
@@ -234,6 +237,9 @@ class ToolkitTrainerMixin:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         training = "loss" in logs
         logs.update(self.tracker.metrics(self.state, training))
+        if training and self.routing is not None:  # every rank logs: the counts are summed over them
+            reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum").cpu()  # noqa: E731
+            logs.update(self.routing.metrics(reduce if self.accelerator.num_processes > 1 else None))
         if training:
             self.health.check(logs, memory_fraction())
         super().log(logs, start_time)

@@ -1,8 +1,8 @@
-"""A mixture of experts' expert kernels (transformers' `experts_implementation`, the toolkit's
+"""A mixture of experts in a run: its expert kernels (transformers' `experts_implementation`, the toolkit's
 --experts_implementation): eager (each expert in turn), batched_mm and grouped_mm (one grouped matmul over every
 expert) compute the same training step on Mixtral's and Qwen3-MoE's architectures, logits and every gradient; the
 setting reaches the model and the run's header says which kernel ran; a name transformers does not register is one
-line before any weight loads."""
+line before any weight loads. Its routers' balance (metrics/routing.py) against the routers' own top-k."""
 
 from __future__ import annotations
 
@@ -68,3 +68,34 @@ def test_an_unknown_kernel_is_one_line_naming_transformers_own(monkeypatch, caps
         captured.out + captured.err,
         "experts_implementation 'fast' is not one of eager, deepgemm, batched_mm, grouped_mm",
     )
+
+
+@pytest.mark.parametrize("name", MOES)
+def test_router_health_counts_what_the_routers_chose(name):
+    """The tokens each expert receives, counted at the experts' input, equal the routers' own top-k choices (read
+    off each router's output here); the imbalance is the busiest expert's share times the experts, by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.metrics.routing import RouterStats
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint(name, "sft"), dtype=torch.float32)
+    stats = RouterStats.of(model)
+    chosen = []
+    routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]
+    assert len(routers) == len(stats.counts) == model.config.num_hidden_layers
+    for router in routers:
+        router.register_forward_hook(lambda module, args, out: chosen.append(out[-1]))  # (logits, scores, indices)
+    ids = torch.randint(1, 400, (2, 48), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids)
+    experts = stats.counts[0].numel()
+    counts = torch.stack([torch.bincount(c.reshape(-1), minlength=experts) for c in chosen])
+    k = model.config.num_experts_per_tok  # Mixtral's tiny 2 of 4; Qwen3-MoE's 8 capped at its tiny 4: all
+    assert torch.equal(torch.stack(stats.counts), counts) and int(counts.sum()) == len(routers) * 96 * k
+    imbalance = [experts * int(row.max()) / int(row.sum()) for row in counts]
+    figures = stats.metrics()
+    assert figures["router_imbalance"] == pytest.approx(max(imbalance))
+    assert figures["router_imbalance_mean"] == pytest.approx(sum(imbalance) / len(imbalance))
+    assert figures["experts_idle"] == int((counts == 0).sum())
+    assert stats.metrics() == {}  # cleared: nothing routed since
+    assert RouterStats.of(AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B",
+                                                                                    "sft"))) is None  # fmt: skip

@@ -1,0 +1,69 @@
+"""A mixture of experts' router health, per logging interval: how evenly the routers spread the tokens over the
+experts. Read off each fused experts module's own input (transformers 5 passes every one the indices its tokens
+were routed to: `top_k_index`), not off a family's router class:
+
+  router_imbalance       the most-loaded expert's share of the routed tokens times the experts: 1 when each expert
+                         gets its 1/E, E when one takes them all; the worst layer's
+  router_imbalance_mean  the same, averaged over the layers
+  experts_idle           experts no token reached in the interval, all layers together
+
+Counted on every rank and summed over them at each log. Tokens a layer recomputes under activation checkpointing
+count twice, as all of that layer's do: the shares stand. An index past the experts (transformers' mark of a
+token sent nowhere) is not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a fused experts module: 3-D weights stacking its `num_experts` experts (their full
+    shape: ZeRO-3 keeps it in ds_shape, the parameter itself a partition)."""
+    count = getattr(module, "num_experts", None)
+    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters(recurse=False)]
+    return isinstance(count, int) and any(len(shape) == 3 and shape[0] == count for shape in shapes)
+
+
+class RouterStats:
+    """Forward hooks on a model's fused experts modules, counting the tokens each expert receives."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in modules]
+        self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, m in enumerate(modules)]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> RouterStats | None:
+        """The stats of `model`'s fused experts (3-D weights stacking `num_experts`); None for a model without."""
+        modules = [m for m in model.modules() if fused_experts(m)]
+        return cls(modules) if modules else None
+
+    def _counter(self, layer: int):
+        def count(module, args, kwargs):
+            index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if isinstance(index, torch.Tensor):
+                experts = module.num_experts
+                hits = torch.bincount(index.detach().reshape(-1).to(torch.long), minlength=experts + 1)[:experts]
+                self.counts[layer] += hits.cpu()
+
+        return count
+
+    def metrics(self, reduce=None) -> dict[str, float]:
+        """The interval's figures (module docstring), its counts summed by `reduce` (a tensor -> the sum over the
+        ranks), then cleared."""
+        counts = torch.stack(self.counts)
+        if reduce is not None:
+            counts = reduce(counts)
+        for c in self.counts:
+            c.zero_()
+        totals = counts.sum(dim=1)
+        routed = totals > 0
+        if not routed.any():
+            return {}
+        imbalance = counts[routed].max(dim=1).values * counts.shape[1] / totals[routed]
+        return {"router_imbalance": float(imbalance.max()), "router_imbalance_mean": float(imbalance.mean()),
+                "experts_idle": int((counts[routed] == 0).sum())}  # fmt: skip
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
