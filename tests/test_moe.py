@@ -99,3 +99,65 @@ def test_router_health_counts_what_the_routers_chose(name):
     assert stats.metrics() == {}  # cleared: nothing routed since
     assert RouterStats.of(AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B",
                                                                                     "sft"))) is None  # fmt: skip
+
+
+def test_a_collapsed_router_warns_in_one_line(tmp_path, capsys):
+    """Mixtral's routers zeroed: every token's logits tie and go to experts 0 and 1, half of each layer's 4 idle.
+    The run's log holds the figures and stderr one warning naming the load-balancing loss, once."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint(MOES[0], "sft"), dtype=torch.float32)
+    for module in model.modules():
+        if type(module).__name__.endswith("Router"):
+            torch.nn.init.zeros_(module.weight)
+    model.save_pretrained(tmp_path / "collapsed")
+    tiny.tiny_tokenizer(MOES[0], "sft").save_pretrained(tmp_path / "collapsed")
+    saved = load_file(tmp_path / "collapsed" / "model.safetensors")  # under Mixtral's legacy names
+    assert not saved["model.layers.0.block_sparse_moe.gate.weight"].any()
+    flags = ["--model_name_or_path", str(tmp_path / "collapsed"), "--dataset_name", str(tiny.write_tiny_dataset("sft")),
+             "--train_split", "train", "--eval_split", "none", "--max_steps", "2", "--logging_steps", "1",
+             "--max_seq_length", "64", "--report_to", "none", "--per_device_train_batch_size", "2",
+             "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--learning_rate", "1e-9",
+             "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    train(load_recipe("llama3_fft"), flags, "llama3_fft")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "run_log.jsonl").read_text().splitlines()]
+    assert [row["experts_idle_share"] for row in rows if "loss" in row] == [0.5, 0.5]
+    err = capsys.readouterr().err  # the warning once, after the progress bar's carriage return
+    assert err.count("warning: router collapse") == 1
+    assert (
+        "warning: router collapse: 50% of one layer's experts got no token in the last logging interval: turn "
+        "on the load-balancing loss (--router_aux_loss_coef 0.001, say), or lower the learning rate\n"
+    ) in err
+
+
+def test_the_load_balancing_loss_is_a_setting_said_in_the_header(tmp_path, capsys, monkeypatch):
+    """--router_aux_loss_coef turns on the family's own load-balancing loss (its router logits requested) at that
+    coefficient: the header says so and the first step's loss is the same step's without it plus a positive term;
+    on a dense model the setting is one line before any weight loads."""
+    import json
+
+    from toolkit import run
+
+    folder, data = tiny.tiny_checkpoint(MOES[0], "sft"), tiny.write_tiny_dataset("sft")
+    flags = ["--model_name_or_path", str(folder), "--dataset_name", str(data), "--train_split", "train",
+             "--eval_split", "none", "--max_steps", "1", "--logging_steps", "1", "--max_seq_length", "64",
+             "--report_to", "none", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+             "--save_strategy", "no"]  # fmt: skip
+    losses = {}
+    for coef in ("0", "0.5"):
+        out = tmp_path / coef
+        train(load_recipe("llama3_fft"), [*flags, "--router_aux_loss_coef", coef, "--output_dir", str(out)],
+              "llama3_fft")  # fmt: skip
+        header = capsys.readouterr().out
+        assert ("load-balancing loss x 0.5\n" in header) == (coef == "0.5")
+        losses[coef] = json.loads((out / "run_log.jsonl").read_text().splitlines()[0])["loss"]
+    assert losses["0.5"] > losses["0"] + 0.1  # the balanced Switch loss of 2 of 4 experts is about 2
+
+    monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(SystemExit):
+        run(load_recipe("llama3_fft"), ["--tiny", "--router_aux_loss_coef", "0.01"], "llama3_fft")
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, "llama has no load-balancing loss")

@@ -4,6 +4,8 @@
   memory     the device more than 95% full (a GPU's reserved memory; the host's RAM on CPU)
   data       waiting for batches takes more than a fifth of the step
   nonfinite  the loss is NaN or infinite (the run stops: stopping.py)
+  router     a mixture of experts' router has collapsed: in one layer half its experts or more got no token in
+             the interval (metrics/routing.py)
 The first logging interval is not judged for speed: it includes start-up (first batches, kernel selection).
 """
 
@@ -14,6 +16,7 @@ import sys
 MEMORY_LIMIT = 0.95
 DATA_WAIT_LIMIT = 0.2
 MFU_FRACTION = 0.5
+COLLAPSED = 0.5  # the share of one layer's experts left idle
 
 
 class Health:
@@ -30,6 +33,11 @@ class Health:
             self.warn("memory", f"memory {100 * memory_fraction:.0f}% full (above {100 * MEMORY_LIMIT:.0f}%): an "
                       "OOM is near; lower the micro-batch, turn on gradient checkpointing, or shard more "
                       "(python -m toolkit plan)")  # fmt: skip
+        idle = metrics.get("experts_idle_share", 0.0)
+        if idle >= COLLAPSED:
+            self.warn("router", f"router collapse: {100 * idle:.0f}% of one layer's experts got no token in the last "
+                      "logging interval: turn on the load-balancing loss (--router_aux_loss_coef 0.001, say), "
+                      "or lower the learning rate")  # fmt: skip
         if self._intervals < 2:
             return
         share = metrics.get("data_wait_share", 0.0)

@@ -6,6 +6,8 @@ were routed to: `top_k_index`), not off a family's router class:
                          gets its 1/E, E when one takes them all; the worst layer's
   router_imbalance_mean  the same, averaged over the layers
   experts_idle           experts no token reached in the interval, all layers together
+  experts_idle_share     the largest share of one layer's experts that no token reached (health.py warns of a
+                         collapsed router from half)
 
 Counted on every rank and summed over them at each log. Tokens a layer recomputes under activation checkpointing
 count twice, as all of that layer's do: the shares stand. An index past the experts (transformers' mark of a
@@ -61,8 +63,9 @@ class RouterStats:
         if not routed.any():
             return {}
         imbalance = counts[routed].max(dim=1).values * counts.shape[1] / totals[routed]
+        idle = (counts[routed] == 0).sum(dim=1)
         return {"router_imbalance": float(imbalance.max()), "router_imbalance_mean": float(imbalance.mean()),
-                "experts_idle": int((counts[routed] == 0).sum())}  # fmt: skip
+                "experts_idle": int(idle.sum()), "experts_idle_share": float(idle.max()) / counts.shape[1]}  # fmt: skip
 
     def remove(self) -> None:
         for hook in self.hooks:

@@ -101,6 +101,10 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
         raise ConfigError(f"{cls.__name__} has no {attention} attention: pass --attn_implementation {has[0]} (it "
                           f"supports {', '.join(has)}).")  # fmt: skip
     check_installed(attention, on_gpu=torch.cuda.is_available())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if args.router_aux_loss_coef is not None and not hasattr(text, "router_aux_loss_coef"):
+        raise ConfigError(f"{config.model_type} has no load-balancing loss (its config has no router_aux_loss_coef: "
+                          "not a mixture of experts, or one without it): drop --router_aux_loss_coef.")  # fmt: skip
     lora = args.lora_settings()
     if cls is None or lora is None or lora["target_modules"] == "all-linear":
         return
@@ -196,6 +200,9 @@ def load_model(
     common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
     if args.experts_implementation is not None:  # else transformers' default (grouped_mm where it can run)
         common["experts_implementation"] = args.experts_implementation
+    if args.router_aux_loss_coef is not None:  # the family's load-balancing loss: its router logits requested
+        kwargs.update(output_router_logits=args.router_aux_loss_coef > 0,
+                      router_aux_loss_coef=args.router_aux_loss_coef)  # fmt: skip
     if on_meta:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters

@@ -2,10 +2,10 @@
 for images alone where the model's video processor cannot load.
 
 transformers 5 builds several families' processors (the Qwen2-VL family's, LLaVA-OneVision's, InternVL's) only
-with their video processor, which needs torchvision; a CPU build of torch has none beside it. Image-text training never calls the
-video processor, so where it is what fails, the processor is built from its image processor (the PIL one, which
-needs no torchvision) and tokenizer, as its own class less that attribute: the run trains, saves and reloads it
-the same way, and the log says so.
+with their video processor, which needs torchvision; a CPU build of torch has none beside it. Image-text training
+never calls the video processor, so where it is what fails, the processor is built from its image processor (the
+PIL one, which needs no torchvision) and tokenizer, as its own class less that attribute: the run trains, saves
+and reloads it the same way, and the log says so.
 """
 
 from __future__ import annotations

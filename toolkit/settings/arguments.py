@@ -92,6 +92,13 @@ class ModelArguments:
         },
     )
     attention_note: str = field(default="", init=False, repr=False)  # why auto chose: the run's header
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "A mixture of experts' load-balancing loss (its family's, added to the training loss): its "
+            "coefficient, 0.001-0.02 is usual; 0 turns it off. Default: the model's config (Mixtral's: off)."
+        },
+    )
     experts_implementation: str | None = field(
         default=None,
         metadata={
@@ -154,6 +161,9 @@ class ModelArguments:
             check_attention_name(self.attn_implementation)
         if self.experts_implementation is not None:
             check_experts_name(self.experts_implementation)
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef must be 0 (off) or positive, got {self.router_aux_loss_coef:g}: "
+                              "pass 0.001, say.")  # fmt: skip
         at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")

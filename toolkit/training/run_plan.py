@@ -109,6 +109,9 @@ class RunPlan:
         plan.attention = str(base.config._attn_implementation)
         if shape.routing:  # a mixture of experts: how it routes, and the expert kernel transformers dispatched
             plan.experts = f"{shape.routing}, kernel {base.config._experts_implementation}"
+            text = base.config.get_text_config()
+            if getattr(text, "output_router_logits", False):
+                plan.experts += f", load-balancing loss x {text.router_aux_loss_coef:g}"
         left_out = images_caveat(task_name, image, image_note)
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative,
                                     left_out and f"left out: {left_out}") if c]  # fmt: skip
