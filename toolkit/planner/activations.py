@@ -144,18 +144,19 @@ def scaled(config, ratio: float, layers: int | list | None, attention: str | Non
     return config
 
 
-def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None) -> int | dict:
+def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None, forward=None) -> int | dict:
     """Bytes of the tensors autograd keeps for backward in one training forward pass, once per storage (ops share
-    them), the model's parameters excluded. `owner`: a callable naming the part running now (a layer's index);
-    then {part: bytes}, each storage counted for the part that saved it first."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    them; told apart by their C++ storage, which fake tensors have too), the model's parameters excluded. `owner`:
+    a callable naming the part running now (a layer's index); then {part: bytes}, each storage counted for the part
+    that saved it first. `forward`: what runs (the model on `inputs` by default)."""
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     storages: dict[int, tuple[int, object]] = {}
-    alive: list[torch.Tensor] = []  # held through the forward pass, as autograd would: no address is reused
+    alive: list[torch.Tensor] = []  # held through the forward pass, as autograd would: no storage is reused
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters and storage.data_ptr() not in storages:
-            storages[storage.data_ptr()] = (storage.nbytes(), owner() if owner else None)
+        if storage._cdata not in parameters and storage._cdata not in storages:
+            storages[storage._cdata] = (storage.nbytes(), owner() if owner else None)
         alive.append(tensor)
         # Not the tensor: no backward runs, and an op's output packed as itself is a reference cycle through
         # autograd's C++ graph that Python's collector cannot see (it leaked every instance measured).
@@ -166,7 +167,7 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None) -> int | dict:
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        model(**inputs)
+        forward() if forward is not None else model(**inputs)
     alive.clear()
     if owner is None:
         return sum(size for size, _ in storages.values())
@@ -330,19 +331,25 @@ def measured_activations(config, task: str, precision: str, flash_attention: boo
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
     lora = {**lora, "lora_dropout": 0.0} if lora else None
-    key = json.dumps([config.to_dict(), task, str(dtype), attention, fused_head, lora, autocast, VERSION],
-                     sort_keys=True, default=str)  # fmt: skip
-    path = cache_root() / "activations" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.is_file() and path.stat().st_size:
-        stored = json.loads(path.read_text())
-        result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]), stored.get("largest_layer"))
-        return result, result.note
+    key = [config.to_dict(), task, str(dtype), attention, fused_head, lora, autocast, VERSION]
     try:
-        result = fit(config, task, dtype, attention, fused_head, lora, autocast)
+        stored = cached(key, "", lambda: asdict(fit(config, task, dtype, attention, fused_head, lora, autocast)))
     except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why
         return None, f"not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once each write their own, then rename
-    tmp.write_text(json.dumps(asdict(result)))
-    tmp.replace(path)
+    result = ActivationFit(tuple(stored["coefficients"]), tuple(stored["ratios"]), stored.get("largest_layer"))
     return result, result.note
+
+
+def cached(key: list, prefix: str, measure) -> dict:
+    """`measure()`'s result (a JSON-able dict) for `key`, from the cache's activations folder or measured now and
+    written there: each rank measuring at once writes its own file, then renames it over the others'."""
+    text = json.dumps(key, sort_keys=True, default=str)
+    path = cache_root() / "activations" / f"{prefix}{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if path.is_file() and path.stat().st_size:
+        return json.loads(path.read_text())
+    result = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result

@@ -17,9 +17,6 @@ and the plan says so.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,8 +24,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from ..models.meta import meta_model
 from ..models.vision import image_encoder, model_parts
-from ..project import cache_root
-from .activations import mixed
+from .activations import cached, mixed, saved_bytes
 
 VERSION = 5  # bump when the measurement changes: the cache key includes it
 
@@ -144,12 +140,9 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, autocast: bool) -> Image
 
 
 def _saved_by_layer(model, inputs: dict, dtype, autocast) -> tuple[dict, dict]:
-    """Bytes saved for backward by each tower layer (None: outside them), once per storage; and each layer's
-    input's bytes (what activation checkpointing keeps of it)."""
+    """Bytes saved for backward by each tower layer (None: outside them), once per storage (saved_bytes); and each
+    layer's input's bytes (what activation checkpointing keeps of it)."""
     layers = max((m for m in image_encoder(model).modules() if isinstance(m, torch.nn.ModuleList)), key=len)
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    storages: dict[int, tuple[int, int | None]] = {}
-    alive: list[torch.Tensor] = []  # held through the forward, as autograd would: no storage is reused
     running: list = [None]
     sizes: dict[int, int] = {}
 
@@ -161,23 +154,12 @@ def _saved_by_layer(model, inputs: dict, dtype, autocast) -> tuple[dict, dict]:
     hooks = [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, k, i=i: entering(i, m, a, k), with_kwargs=True),
         layer.register_forward_hook(lambda m, a, o: running.__setitem__(0, None)))]  # fmt: skip
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in parameters and storage._cdata not in storages:
-            storages[storage._cdata] = (storage.nbytes(), running[0])
-        alive.append(tensor)
-        return None
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), mixed(dtype, autocast):
-            _features(model, inputs)
+        with mixed(dtype, autocast):
+            saved = saved_bytes(model, inputs, owner=lambda: running[0], forward=lambda: _features(model, inputs))
     finally:
         for hook in hooks:
             hook.remove()
-    saved: dict = {}
-    for size, layer in storages.values():
-        saved[layer] = saved.get(layer, 0) + size
     return saved, sizes
 
 
@@ -188,19 +170,10 @@ def measured_image_cost(config, task: str, lora: dict | None, parts: str, precis
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     lora = {**lora, "lora_dropout": 0.0} if lora else None
     key = [config.to_dict(), task, lora, parts, precision, autocast, VERSION]
-    text = json.dumps(key, sort_keys=True, default=str)
-    path = cache_root() / "activations" / f"image-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-    if path.is_file() and path.stat().st_size:
-        cost = ImageCost(**json.loads(path.read_text()))
-    else:
-        try:
-            cost = measure(meta_model(config, task, lora, parts), dtype, autocast)
-        except Exception as error:  # noqa: BLE001 - a family whose tower takes other inputs: say so, plan the rest
-            said = str(error).splitlines()[0][:120] if str(error) else ""
-            return None, f"not measured: {said if isinstance(error, ValueError) else f'{type(error).__name__}: {said}'}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once each write their own, then rename
-        tmp.write_text(json.dumps(asdict(cost)))
-        tmp.replace(path)
-    cost = ImageCost(**{**asdict(cost), "per_sample": per_sample})
+    try:
+        stored = cached(key, "image-", lambda: asdict(measure(meta_model(config, task, lora, parts), dtype, autocast)))
+    except Exception as error:  # noqa: BLE001 - a family whose tower takes other inputs: say so, plan the rest
+        said = str(error).splitlines()[0][:120] if str(error) else ""
+        return None, f"not measured: {said if isinstance(error, ValueError) else f'{type(error).__name__}: {said}'}"
+    cost = ImageCost(**{**stored, "per_sample": per_sample})
     return cost, cost.note
