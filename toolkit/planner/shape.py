@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..metrics.routing import fused_experts
+
 if TYPE_CHECKING:
     from .activations import ActivationFit
     from .vision import ImageCost
@@ -201,9 +203,7 @@ def routed_experts(model: torch.nn.Module, config) -> list[tuple[list[torch.nn.P
     `num_experts_per_tok`. Shared experts and the router are no part of these: every token passes through them."""
     found, seen, names = [], set(), dict(model.named_modules())
     for name, module in names.items():
-        count = getattr(module, "num_experts", None)
-        fused = isinstance(count, int) and any(
-            p.ndim == 3 and p.shape[0] == count for p in module.parameters(recurse=False))  # fmt: skip
+        count, fused = getattr(module, "num_experts", None), fused_experts(module)
         listed = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) and name.rsplit(".", 1)[-1] == "experts"
         if not (fused or listed and len(module) > 1):
             continue
