@@ -56,30 +56,27 @@ def images_only(name: str, trust_remote_code: bool, why: str):
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import processor_class_from_name
 
-    found = processor_class_from_name(_processor_class(name) or "")
+    own = _json(name, "processor_config.json")
+    found = processor_class_from_name(_processor_class(name, own) or "")
     if found is None or "video_processor" not in found.get_attributes():
         raise ConfigError(f"{name}'s processor cannot load ({why}): {TORCHVISION}.")
     images = images_only_class(found)
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     pixels = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    # its chat template: its own file, else processor_config.json's, else the tokenizer's
+    template = _read(name, "chat_template.jinja") or own.get("chat_template") or tokenizer.chat_template
     log.warning("%s: images only (its video processor cannot load: %s)", name, why)
-    return images(
-        image_processor=pixels,
-        tokenizer=tokenizer,
-        chat_template=_chat_template(name, tokenizer),
-        **_settings(name, found),
-    )
+    return images(image_processor=pixels, tokenizer=tokenizer, chat_template=template, **_settings(own, found))
 
 
-def _settings(name: str, found: type) -> dict:
+def _settings(own: dict, found: type) -> dict:
     """The processor's own settings its processor_config.json keeps (LLaVA-OneVision's num_image_tokens, ...):
     those its class takes, the parts' own configs and the template left out."""
     import inspect
 
-    text = _read(name, "processor_config.json")
     taken = inspect.signature(found.__init__).parameters
     parts = {"image_processor", "video_processor", "tokenizer", "chat_template", "processor_class"}
-    return {k: v for k, v in (json.loads(text) if text else {}).items() if k in taken and k not in parts}
+    return {k: v for k, v in own.items() if k in taken and k not in parts}
 
 
 def images_only_class(found: type) -> type:
@@ -95,19 +92,17 @@ def _read(name: str, filename: str) -> str | None:
     return open(path, encoding="utf-8").read() if path else None
 
 
-def _processor_class(name: str) -> str | None:
-    """The processor class a model's files name (processor_config.json, else its image processor's or tokenizer's
-    config), as AutoProcessor reads it."""
-    for filename in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
-        text = _read(name, filename)
-        if text and json.loads(text).get("processor_class"):
-            return json.loads(text)["processor_class"]
+def _json(name: str, filename: str) -> dict:
+    text = _read(name, filename)
+    return json.loads(text) if text else {}
+
+
+def _processor_class(name: str, own: dict) -> str | None:
+    """The processor class a model's files name (its processor_config.json, `own`, else its image processor's or
+    tokenizer's config), as AutoProcessor reads it."""
+    if own.get("processor_class"):
+        return own["processor_class"]
+    for filename in ("preprocessor_config.json", "tokenizer_config.json"):
+        if found := _json(name, filename).get("processor_class"):
+            return found
     return None
-
-
-def _chat_template(name: str, tokenizer) -> str | None:
-    """The processor's chat template: its own file, else processor_config.json's, else the tokenizer's."""
-    template = _read(name, "chat_template.jinja")
-    if template is None and (text := _read(name, "processor_config.json")):
-        template = json.loads(text).get("chat_template")
-    return template or getattr(tokenizer, "chat_template", None)
