@@ -89,13 +89,13 @@ class RunPlan:
         # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        fit, why = measured_activations(base.config, arguments.data.task, work.precision, work.flash_attention,
-                                        work.fused_head, arguments.model.lora_settings(),
-                                        trainer.args.bf16 or trainer.args.fp16)  # fmt: skip
+        autocast = bool(trainer.args.bf16 or trainer.args.fp16)
+        fit, why = measured_activations(base.config, task_name, work.precision, work.flash_attention,
+                                        work.fused_head, lora, autocast)  # fmt: skip
         image, image_note = None, ""
         if task(task_name).images:
             image, image_note = measured_image_cost(base.config, task_name, lora, arguments.model.train_parts,
-                                                    work.precision, bool(trainer.args.bf16 or trainer.args.fp16),
+                                                    work.precision, autocast,
                                                     images_per_row(trainer.train_dataset))  # fmt: skip
         shape = replace(shape, activations=fit, image=image)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
