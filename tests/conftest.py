@@ -1,4 +1,5 @@
-"""Shared test set-up: offline, W&B offline, a shared cache for tiny assets, and a real `accelerate launch`."""
+"""Shared test set-up: offline, W&B off (its own tests: offline), a shared cache for tiny assets, and a real
+`accelerate launch`."""
 
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def offline_env(tmp_path_factory):
     (cache / "packaged").symlink_to(shared, target_is_directory=True)
     env = {
         "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "offline",
+        # W&B off: a run's offline W&B costs ~1.7 CPU-s and its service process (a third of a tiny launch). The
+        # tests of what reaches W&B turn it back on (WANDB_MODE=offline), as a user without an account has it.
+        "WANDB_MODE": "disabled",
         "WANDB_SILENT": "true",
         "TOOLKIT_CACHE": str(cache),
         "TOKENIZERS_PARALLELISM": "false",

@@ -34,9 +34,9 @@ def test_make_demo(tmp_path):
     encoder it started from (an untrained head) against the fine-tuned one, on the same held-out articles."""
     out = tmp_path / "demo"
     args = f"ARGS=--output_dir {out} --record_rank_reports true"
-    result = check(
-        run_cmd(["make", "-s", "demo", f"BIN={BIN}", args], cwd=ROOT, env={"WANDB_DIR": str(tmp_path)}, timeout=900)
-    )  # ~60 s alone, a few times that beside the other worker's launches on 2 AVX2 cores
+    env = {"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"}
+    # ~60 s alone, a few times that beside the other worker's launches on 2 AVX2 cores
+    result = check(run_cmd(["make", "-s", "demo", f"BIN={BIN}", args], cwd=ROOT, env=env, timeout=900))
     accuracy = float(re.search(r"eval accuracy (\d\.\d+) on 445 held-out examples", result.stdout).group(1))
     assert accuracy >= 0.92
     assert re.search(r"cost: \$\d", result.stdout)
@@ -69,7 +69,7 @@ def demo_sft(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo-sft")
     out = folder / "chat"
     result = check(run_cmd(["make", "-s", "demo-sft", f"BIN={BIN}", f"ARGS=--output_dir {out}"], cwd=ROOT,
-                           env={"WANDB_DIR": str(folder)}, timeout=900))  # fmt: skip
+                           env={"WANDB_DIR": str(folder), "WANDB_MODE": "offline"}, timeout=900))  # fmt: skip
     return out, result.stdout, folder
 
 

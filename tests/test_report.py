@@ -239,10 +239,12 @@ def wandb_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("wandb-runs")
     common = ["--tiny", "--max_steps", "4", "--logging_steps", "2", "--report_to", "wandb"]
-    train(BERT, [*common, "--output_dir", str(root / "bert")], "bert")
     samples = ["--eval_fraction", "0.1", "--max_eval_samples", "8", "--generation_samples", "1",
                "--generation_max_new_tokens", "4"]  # fmt: skip
-    train(LLAMA3_FFT, [*common, *samples, "--output_dir", str(root / "llama")], "llama3_fft")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        train(BERT, [*common, "--output_dir", str(root / "bert")], "bert")
+        train(LLAMA3_FFT, [*common, *samples, "--output_dir", str(root / "llama")], "llama3_fft")
     return [root / "bert", root / "llama"]
 
 
@@ -260,6 +262,7 @@ def stand_in(monkeypatch):
     server = WandbStandIn()
     monkeypatch.setenv("WANDB_BASE_URL", server.url)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE")  # the suite's "disabled" would keep wandb's API from the stand-in
     yield server
     server.server.shutdown()
 

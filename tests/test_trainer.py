@@ -265,7 +265,8 @@ def test_figures_after_a_resume_count_only_the_resumed_segment(tmp_path):
 
 def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
     """An evaluation before the first step (eval_on_start) made to take 3 s: the first interval's tokens/s and step
-    time are training's alone; the bill still counts the evaluation."""
+    time are training's alone; the bill still counts the evaluation. W&B disabled (WANDB_MODE): the summary names
+    no W&B run (wandb's stand-in run has an id and an entity that name nothing)."""
     import time
 
     from transformers import Trainer
@@ -281,7 +282,8 @@ def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
     cost_line = CostModel.summary
     monkeypatch.setattr(CostModel, "summary", lambda self, seconds, *a: printed.append(seconds) or
                         cost_line(self, seconds, *a))  # fmt: skip
-    flags = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "2", "--eval_on_start", "true",
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    flags = ["--tiny", "--report_to", "wandb", "--max_steps", "4", "--logging_steps", "2", "--eval_on_start", "true",
              "--eval_strategy", "steps", "--eval_steps", "1000", "--eval_fraction", "0.1",
              "--output_dir", str(tmp_path)]  # fmt: skip
     trainer = train(BERT, flags, "bert").trainer
@@ -289,4 +291,5 @@ def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
     assert first["step"] == 2 and first["step_seconds"] * 2 < 1.5  # 3 s of evaluation left out: tiny steps
     summary = json.loads((tmp_path / "run_summary.json").read_text())["summary"]
     assert summary["training_seconds"] < summary["wall_seconds"] - 3 * 2  # the start and final evaluations billed
+    assert not [key for key in summary if key.startswith("wandb")]
     assert printed == [summary["wall_seconds"]]  # the cost line's dollars are the summary's (a later clock read: not)

@@ -48,8 +48,9 @@ def check_on_wandb(runs: list[Run], sync: bool) -> None:
     """Every run has a W&B id and is on W&B (`sync`: offline runs uploaded now, with `wandb sync`)."""
     missing = [run.name for run in runs if not run.summary.get("wandb_run_id")]
     if missing:
-        raise PublishError(f"{', '.join(missing)} logged no W&B run (--report_to none), so a W&B report cannot show "
-                           "it: leave it out of the runs to publish, or train it with --report_to wandb.")  # fmt: skip
+        raise PublishError(f"{', '.join(missing)} logged no W&B run (--report_to none, or WANDB_MODE=disabled), "
+                           "so a W&B report cannot show it: leave it out of the runs to publish, or train it with "
+                           "W&B on.")  # fmt: skip
     offline = [run for run in runs if not synced(run)]
     if offline and sync:
         wandb_cli = shutil.which("wandb") or str(Path(sys.executable).parent / "wandb")

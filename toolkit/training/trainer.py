@@ -364,7 +364,9 @@ class ToolkitTrainerMixin:
         if not self.is_world_process_zero():
             return summary
         wandb = sys.modules.get("wandb")
-        if wandb is not None and wandb.run is not None:
+        if wandb is not None and (wandb.run is None or wandb.run.disabled):
+            wandb = None  # WANDB_MODE=disabled: a stand-in run, with an id and entity that name nothing
+        if wandb is not None:
             summary.update(wandb_run_id=wandb.run.id, wandb_entity=wandb.run.entity or None,
                            wandb_project=wandb.run.project, wandb_offline=bool(wandb.run.offline),
                            wandb_run_dir=str(Path(wandb.run.dir).parent))  # fmt: skip  # `wandb sync` takes it
@@ -385,7 +387,7 @@ class ToolkitTrainerMixin:
         print(cost.summary(summary["wall_seconds"], self.tracker.spent_before), flush=True)  # the summary's own
         path = Path(self.args.output_dir) / SUMMARY
         path.write_text(json.dumps({"summary": summary, "config": self.run_config()}, indent=1, default=str))
-        if wandb is not None and wandb.run is not None:
+        if wandb is not None:
             wandb.run.summary.update({f"summary/{k}": v for k, v in summary.items()})
         return summary
 
