@@ -4,11 +4,12 @@ plan (and FSDP2) as it loads, accelerate hands a TP group's ranks the same rows;
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_updates_agree, check, launch, rank_reports, reference_run, run_cmd
+from conftest import ROOT, assert_updates_agree, check, launch, logged, rank_reports, reference_run, run_cmd
 from safetensors.torch import load_file
 from transformers import AutoConfig, BertConfig, LlamaConfig, TrainingArguments
 
@@ -63,6 +64,7 @@ def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_t
     DTensor shards too); checkpoints and the export are the whole model."""
     one, out = one_process, tmp_path / "out"
     processes = tp * shards
+    model = ["--model_name_or_path", str(llama_two_kv_heads)]
     result = check(launch(config, "llama3_fft", *FLAGS, "--model_name_or_path", str(llama_two_kv_heads),
                           "--per_device_train_batch_size", str(8 // shards), "--output_dir", str(out),
                           cwd=tmp_path, num_processes=processes))  # fmt: skip
@@ -103,6 +105,14 @@ def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_t
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     assert_updates_agree(exported, weights, load_file(llama_two_kv_heads / "model.safetensors"))
     assert "distributed_config" not in json.loads((out / "config.json").read_text())  # loads anywhere
+
+    if config == "tp":  # a resume from the weights-only checkpoint (shard by shard) continues as one process's does
+        more = ["--max_steps", "6", "--resume", "auto"]
+        shutil.copytree(one, tmp_path / "one")
+        resumed = reference_run("llama3_fft", [*FLAGS, *model, "--save_only_model", "true", *more], tmp_path / "one")
+        check(launch(config, "llama3_fft", *FLAGS, *model, *more, "--per_device_train_batch_size", "8",
+                     "--output_dir", str(out), cwd=tmp_path, num_processes=processes))  # fmt: skip
+        assert logged(out, "loss")[-2:] == pytest.approx(logged(resumed, "loss")[-2:], rel=2e-3, abs=1e-4)
 
 
 def test_tensor_parallel_on_two_nodes_through_slurm(llama_two_kv_heads, one_process, tmp_path):

@@ -6,6 +6,10 @@ matrices into fused ones) and reverts that on every `save_pretrained`, checkpoin
 single process or DDP run with `model.load_state_dict(saved, strict=False)`: no saved name matches, nothing loads,
 a warning is logged, and the run goes on from its first weights with the checkpoint's optimizer state. Here such a
 checkpoint is read as `from_pretrained` reads it, conversions applied, and copied in.
+
+A model transformers sharded as it loaded (tensor or expert parallelism: DTensor shards, no engine of
+accelerate's) fails the Trainer's load outright ('mixed torch.Tensor and DTensor'): its checkpoint is read as the
+model was, by the same DistributedConfig, and each rank's shards copied in.
 """
 
 from __future__ import annotations
@@ -42,4 +46,21 @@ def load_converted(model: torch.nn.Module, checkpoint: str | Path) -> bool:
     missing = model.load_state_dict(loaded, strict=False).missing_keys
     if missing:  # the same class and config: a name missing would be transformers' own mistake, said at once
         raise RuntimeError(f"{checkpoint}: {len(missing)} of the model's weights not read back, e.g. {missing[0]}")
+    return True
+
+
+def load_sharded(model: torch.nn.Module, checkpoint: str | Path) -> bool:
+    """Load `checkpoint` into a model transformers sharded at load, shard by shard; False for any other model."""
+    if not getattr(model, "is_distributed_loading_by_transformers", False):
+        return False
+    loaded = type(model).from_pretrained(checkpoint, config=model.config, dtype="auto",
+                                         distributed_config=model.config.distributed_config)  # fmt: skip
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:  # a shard, or a tensor the plan leaves whole (TP's norms)
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local(param).copy_(local(loaded.get_parameter(name)))
     return True

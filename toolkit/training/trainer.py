@@ -70,7 +70,7 @@ from ..settings.arguments import Arguments, global_batch_size, scale_learning_ra
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh, untied
-from .converted import load_converted
+from .converted import load_converted, load_sharded
 from .evaluation import first_output
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
@@ -266,10 +266,11 @@ class ToolkitTrainerMixin:
         self.pipeline.load_weights(resume_from_checkpoint)
 
     def _loaded_converted(self, checkpoint: str, model) -> bool:
-        """Whether the weights of `checkpoint` were loaded here because transformers saved them under converted
-        names (converted.py); FSDP's and DeepSpeed's own checkpoints use the model's names and keep their load."""
+        """Whether the weights of `checkpoint` were loaded here because transformers sharded the model at load or
+        saved them under converted names (converted.py); FSDP's and DeepSpeed's own checkpoints use the model's
+        names and keep their load."""
         engine = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        return not engine and load_converted(model, checkpoint)
+        return not engine and (load_sharded(model, checkpoint) or load_converted(model, checkpoint))
 
     def _load_best_model(self) -> None:
         if self.pipeline is None:
