@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # the toolkit, imported below from the checkout
 from toolkit.errors import ConfigError, command  # noqa: E402
 
 RECIPES = ("llama3_fft", "llama3_lora", "llama3_qlora", "smollm2_chat")  # decoders whose tiny mode needs no other run
+EXPERT_RECIPES = ("qwen3_moe_fft",)  # what an expert-parallel config trains: a mixture of experts, every weight
 RESUMED = ("llama3_fft",)  # resumed under every config; the other recipes under their first config
 STEPS, SAVE_AT = 10, 5
 PROMPT = "What is 2 + 3?"
@@ -93,6 +94,11 @@ def mesh_flags(config: dict, gpus: int) -> tuple[int, list[str], str]:
     if not mesh:
         kind = config.get("distributed_type")
         return (1 if kind == "NO" else gpus), [], ""
+    if "ep" in mesh:  # the tiny MoE's 4 experts over 2 ranks, every GPU an FSDP2 shard
+        if gpus < 2:
+            return 0, [], "needs 2 GPUs"
+        shards = gpus - gpus % 2
+        return shards, [f"--parallelism_config_dp_shard_size={shards}", "--parallelism_config_ep_size=2"], ""
     if "pp" in split:  # the tiny Llama's 2 layers: 2 stages, the pipeline replicated over the other GPUs
         if gpus < 2 or ("dp_replicate" in mesh and gpus < 4):
             return 0, [], "needs 4 GPUs (2 stages x 2 replicas)" if "dp_replicate" in mesh else "needs 2 GPUs"
@@ -152,7 +158,8 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
         engine = ENGINES.get(config.get("distributed_type"), "replicated")
         if str(config.get("mixed_precision")).lower() == "fp8" and not fp8:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
-        for recipe in RECIPES:
+        experts = any("ep_size" in flag for flag in flags) or "parallelism_config_ep_size" in path.read_text()
+        for recipe in EXPERT_RECIPES if experts else RECIPES:
             row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
                 # user's Llama with 2 (made once)
@@ -167,7 +174,7 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
                 row.skip = "SmolLM2 ties its head to its embeddings, which pipeline stages refuse"
             elif skip:
                 row.skip = skip
-            if not row.skip and (recipe in RESUMED or recipe not in resumed):
+            if not row.skip and not experts and (recipe in RESUMED or recipe not in resumed):  # EP: weights only
                 row.resume = True
                 resumed.add(recipe)
             rows.append(row)
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolkit.project import strategy_files
 
     configs = check_names(args.configs, [p.stem for p in strategy_files()], "config", "accelerate_configs/*.yaml")
-    recipes = check_names(args.recipes, list(RECIPES), "recipe", "the decoder recipes in recipes/")
+    recipes = check_names(args.recipes, [*RECIPES, *EXPERT_RECIPES], "recipe", "the decoder recipes in recipes/")
     present, device_name = devices()
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: pass 1 or more.")

@@ -79,11 +79,11 @@ def test_rows_train_at_the_recipes_own_flags(capsys):
     def tiny_training(values):  # the tiny layer's training settings, without building its model and data
         return dict(TINY_TRAINING)
 
-    own = {name: parse(load_recipe(name), name, []) for name in gpu_check.RECIPES}
+    own = {name: parse(load_recipe(name), name, []) for name in (*gpu_check.RECIPES, *gpu_check.EXPERT_RECIPES)}
     assert setting(parse(load_recipe("llama3_fft"), "llama3_fft", ["--tiny"], tiny_training),
                    "gradient_accumulation_steps") == 1  # fmt: skip
     rows = [r for r in gpu_check.plan_rows(8, fp8=True) if not r.skip]
-    assert {r.config for r in rows} >= {"pp", "pp_ddp", "tp", "zero3", "fsdp2"}
+    assert {r.config for r in rows} >= {"pp", "pp_ddp", "tp", "zero3", "fsdp2", "fsdp2_ep"}
     for row in rows:
         flags = [f for f in row.recipe_flags if f not in ("--model_name_or_path", "{two_kv_heads}")]
         tiny = parse(load_recipe(row.recipe), row.recipe, ["--tiny", *flags], tiny_training)

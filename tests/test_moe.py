@@ -161,3 +161,23 @@ def test_the_load_balancing_loss_is_a_setting_said_in_the_header(tmp_path, capsy
         run(load_recipe("llama3_fft"), ["--tiny", "--router_aux_loss_coef", "0.01"], "llama3_fft")
     captured = capsys.readouterr()
     assert_one_clear_line(captured.out + captured.err, "llama has no load-balancing loss")
+
+
+def test_lora_on_fused_experts_trains_them_and_refuses_dropout(tmp_path, monkeypatch, capsys):
+    """qwen3_moe_lora: "all-linear" adapts the fused experts' 3-D weights too (peft's adapters on parameters), and
+    their adapters train; peft takes no dropout there, which was its traceback after the weights loaded: one line
+    before, naming --lora_dropout 0."""
+    from toolkit import run
+
+    flags = ["--tiny", "--max_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+    trainer = train(load_recipe("qwen3_moe_lora"), [*flags, "--output_dir", str(tmp_path)], "qwen3_moe_lora").trainer
+    adapted = {n for n, p in trainer.model.named_parameters() if p.requires_grad and "experts" in n}
+    assert any("lora_A" in n for n in adapted) and any("lora_B" in n for n in adapted)
+    assert all(trainer.model.get_parameter(n).any() for n in adapted if "lora_B" in n)  # zeros at the start
+    capsys.readouterr()
+    monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(SystemExit):
+        run(load_recipe("qwen3_moe_lora"), [*flags, "--lora_dropout", "0.05"], "qwen3_moe_lora")
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, "peft's adapters on parameters take no dropout: pass "
+                                                       "--lora_dropout 0")  # fmt: skip

@@ -281,25 +281,25 @@ def test_accelerates_launcher_is_refused_in_one_line(monkeypatch):
     """accelerate launch drops parallelism_config_pp_size: the ranks see a mesh of 1s, which accelerate would run as
     DDP of the whole model. The toolkit's launcher exports the pipeline keys, and the ranks leave accelerate's own
     mesh (which has no pipeline axis) off."""
-    from toolkit.distributed.launcher import export_pipeline, pipeline_flags
-    from toolkit.distributed.strategy import check_pipeline_launch
+    from toolkit.distributed.launcher import axis_flags, export_axes
+    from toolkit.distributed.strategy import check_launcher_axes
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     for axis in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP"):
         monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis}_SIZE", "1")
     monkeypatch.delenv("PARALLELISM_CONFIG_PP_SIZE", raising=False)
     with pytest.raises(ConfigError, match="only through the toolkit's launcher"):
-        check_pipeline_launch(world_size=2)
+        check_launcher_axes(world_size=2)
 
-    found, rest = pipeline_flags(["--num_processes", "4", "--parallelism_config_pp_size=4", "x.py", "--tiny",
+    found, rest = axis_flags(["--num_processes", "4", "--parallelism_config_pp_size=4", "x.py", "--tiny",
                                   "--parallelism_config_pp_size", "7"])  # fmt: skip
     assert found == {"parallelism_config_pp_size": "4"}  # the script's own flags are its own
     assert rest == ["--num_processes", "4", "x.py", "--tiny", "--parallelism_config_pp_size", "7"]
-    export_pipeline(str(ROOT / "accelerate_configs" / "pp_ddp.yaml"), found)
+    export_axes(str(ROOT / "accelerate_configs" / "pp_ddp.yaml"), found)
     import os
 
     assert os.environ["PARALLELISM_CONFIG_PP_SIZE"] == "4" and os.environ["PARALLELISM_CONFIG_PP_SCHEDULE"] == "1F1B"
-    check_pipeline_launch(world_size=8)
+    check_launcher_axes(world_size=8)
     assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "false"
 
 

@@ -71,8 +71,11 @@ STRATEGIES = {
     # pipeline stages, through the toolkit's launcher: test_pipeline.py
     "pp": ("MULTI_CPU", "pipeline, 2 stages", True, True, 2),
     "pp_ddp": ("MULTI_CPU", "pipeline, 2 stages x 2 replicas", True, True, 4),
+    # a mixture of experts' experts split over 2 ranks, through the toolkit's launcher: test_expert_parallel.py
+    "fsdp2_ep": ("MULTI_CPU", "FSDP2 x expert parallel, experts split over 2 ranks, sharded over 2", True, True, 2),
 }
-OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp")  # own tests
+OWN_TESTS = ("fsdp_hybrid", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp",
+             "fsdp2_ep")  # fmt: skip  # their own tests
 CPU_WARNINGS = {
     "fsdp": "warning: FSDP1 needs a GPU: on CPU running its FSDP2 equivalent (FULL_SHARD",
     "fsdp_offload": "warning: fsdp_offload_params needs an accelerator: on CPU running the same FSDP config without",

@@ -41,8 +41,8 @@ from .distributed.launch import (
 from .distributed.strategy import (
     check_4bit_engine,
     check_fp8,
+    check_launcher_axes,
     check_mesh_engine,
-    check_pipeline_launch,
     check_processes,
     cuda_capability,
     resolve_config_paths,
@@ -123,7 +123,7 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     check_run_output(args.training.output_dir)  # where it writes, before it writes anything (outputs.py)
     check_device_name(args.run.gpu_type, args.run.hourly_usd)
     engine = Requested.from_env().engine
-    check_pipeline_launch(args.training.world_size)
+    check_launcher_axes(args.training.world_size)
     check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
     check_split_task(launch_mesh(), args.data.task)  # the axes a task cannot be split on
     if args.model.load_in_4bit:

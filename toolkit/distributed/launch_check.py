@@ -22,6 +22,7 @@ from ..errors import ConfigError, command, description
 from ..models.meta import meta_model
 from ..models.parallel import (
     accelerator_parallelism,
+    check_expert_parallel,
     check_mesh_size,
     check_sequence_heads,
     check_split_task,
@@ -29,7 +30,7 @@ from ..models.parallel import (
 )
 from ..models.pipeline import check_pipeline, check_pipeline_task, check_schedule
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
-from ..settings.mesh import PIPELINE_KEYS, PIPELINE_SCHEDULES, config_mesh
+from ..settings.mesh import LAUNCHER_KEYS, PIPELINE_SCHEDULES, config_mesh
 from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "fp8_config")  # keys: accelerate launch flags
@@ -45,7 +46,7 @@ def known_keys() -> tuple[set[str], set[str]]:
     which `toolkit launch` passes on: settings/mesh.py)."""
     from accelerate.commands.launch import launch_command_parser
 
-    flags = {action.dest for action in launch_command_parser()._actions} | set(PIPELINE_KEYS)
+    flags = {action.dest for action in launch_command_parser()._actions} | set(LAUNCHER_KEYS)
     return set(ClusterConfig.__dataclass_fields__), flags
 
 
@@ -54,7 +55,7 @@ def launch_flag_types() -> dict:
     from accelerate.commands.launch import launch_command_parser
 
     types = {action.dest: action.type for action in launch_command_parser()._actions if action.type is not None}
-    return {**types, "parallelism_config_pp_size": int}
+    return {**types, "parallelism_config_pp_size": int, "parallelism_config_ep_size": int}
 
 
 # Numbers only: accelerate reads its flags as text (its own files write downcast_bf16: 'no').
@@ -187,7 +188,7 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         check_schedule(schedule)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
-    if recipe is None or not {"tp", "cp", "sp", "pp"} & set(mesh):
+    if recipe is None or not {"tp", "cp", "sp", "pp", "ep"} & set(mesh):
         return
     values = load_recipe(recipe)
     try:
@@ -200,7 +201,11 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         config = model_config(values["model_name_or_path"])
     except ConfigError:
         return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
-    check_tensor_parallel(config, mesh, processes)
+    try:
+        check_tensor_parallel(config, mesh, processes, lora_targets=recipe_lora_targets(values))
+        check_expert_parallel(config, mesh, processes, bool(values.get("use_lora")))
+    except ConfigError as error:
+        raise ConfigError(f"{path} with {recipe}: {error}") from None
     check_sequence_heads(config, mesh.get("sp", 1))
     try:
         check_pipeline(config, mesh, values.get("task", "sft"), world_size=processes,
@@ -208,6 +213,16 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
                        micro_batches=values.get("gradient_accumulation_steps", 1))  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
+
+
+def recipe_lora_targets(values: dict) -> str | list[str] | None:
+    """A recipe's LoRA target modules as the run reads them (ModelArguments.lora_settings); None without LoRA."""
+    from ..settings.arguments import ModelArguments
+
+    if not values.get("use_lora"):
+        return None
+    targets = values.get("lora_target_modules", ModelArguments.lora_target_modules)
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
 
 
 def check(config_file: str | Path, recipe: str | None = None) -> str:

@@ -17,9 +17,10 @@ processes get to finish a step and write a checkpoint before SIGKILL) at 300 s i
 one-process launcher passes no signal on at all: here its process gets them. A launcher stopped by SIGTERM or
 SIGUSR1 exits 75, as its processes do: the run was preempted, `--resume auto` continues it.
 
-Pipeline parallelism: accelerate has no pipeline axis, and its launcher drops the keys of `parallelism_config` it
-does not know. The config's `parallelism_config_pp_size` and `_pp_schedule` (or the same as flags, which
-accelerate's parser would refuse) are exported here as PARALLELISM_CONFIG_PP_*, as accelerate exports the others.
+Pipeline and expert parallelism: accelerate has neither axis, and its launcher drops the keys of
+`parallelism_config` it does not know. The config's `parallelism_config_pp_size`, `_pp_schedule` and `_ep_size` (or
+the same as flags, which accelerate's parser would refuse) are exported here as PARALLELISM_CONFIG_PP_*/_EP_SIZE,
+as accelerate exports the others.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = launch_command_parser()
     parser.prog = "python -m toolkit launch"
-    pipeline, argv = pipeline_flags(list(sys.argv[1:] if argv is None else argv))
+    axes, argv = axis_flags(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     script = Path(args.training_script)
     recipe = script.stem if script.parent.name == "recipes" else None  # check() names the known recipes
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"No script {script}: pass a recipe (recipes/<name>.py) or your own training script.")
     if args.config_file:
         check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
-        export_pipeline(args.config_file, pipeline)
+        export_axes(args.config_file, axes)
         os.environ["TOOLKIT_CONFIG_FILE"] = args.config_file  # the run's model card says how it was launched
     check_this_machine(args)
     if recipe is not None and is_recipe(recipe):
@@ -141,15 +142,16 @@ def check_recipe_model(recipe: str, script_args: list[str]) -> None:
         check_hub_model(resolve(name))
 
 
-def pipeline_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The pipeline's flags (`--parallelism_config_pp_size=N`, `--parallelism_config_pp_schedule NAME`), taken out
-    of a launch command line before accelerate's parser sees them; the rest of it."""
-    from ..settings.mesh import PIPELINE_KEYS
+def axis_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The toolkit's mesh flags (`--parallelism_config_pp_size=N`, `--parallelism_config_pp_schedule NAME`,
+    `--parallelism_config_ep_size=N`), taken out of a launch command line before accelerate's parser sees them; the
+    rest of it."""
+    from ..settings.mesh import LAUNCHER_KEYS
 
     found, rest, words = {}, [], iter(argv)
     for word in words:
         key, equals, value = word.removeprefix("--").partition("=")
-        if word.startswith("--") and key in PIPELINE_KEYS:
+        if word.startswith("--") and key in LAUNCHER_KEYS:
             found[key] = value if equals else next(words, "")
         elif not word.startswith("-") and word.endswith(".py"):  # the script: the rest are its own flags
             rest += [word, *words]
@@ -158,14 +160,15 @@ def pipeline_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return found, rest
 
 
-def export_pipeline(config_file: str, flags: dict[str, str]) -> None:
-    """PARALLELISM_CONFIG_PP_SIZE and _SCHEDULE for the processes: the config's pipeline keys, `flags` over them."""
+def export_axes(config_file: str, flags: dict[str, str]) -> None:
+    """PARALLELISM_CONFIG_PP_SIZE, _PP_SCHEDULE and _EP_SIZE for the processes: the config's keys, `flags` over
+    them."""
     import yaml
 
-    from ..settings.mesh import PIPELINE_KEYS
+    from ..settings.mesh import LAUNCHER_KEYS
 
     section = (yaml.safe_load(Path(config_file).read_text()) or {}).get("parallelism_config") or {}
-    for key in PIPELINE_KEYS:
+    for key in LAUNCHER_KEYS:
         value = flags.get(key, section.get(key))
         if value is not None:
             os.environ[key.upper()] = str(value)

@@ -77,28 +77,36 @@ def check_mesh_engine(mesh: dict[str, int], engine: str, fsdp_version: int) -> N
         raise ConfigError("parallelism_config_pp_size is the toolkit's pipeline on torch's own engine: it runs under "
                           "distributed_type MULTI_GPU, its stages' replicas reducing their gradients themselves "
                           "(accelerate_configs/pp.yaml, pp_ddp.yaml).")  # fmt: skip
+    if mesh.get("ep", 1) > 1 and (engine in ("FSDP", "DEEPSPEED") or "dp_shard" not in mesh):
+        raise ConfigError("parallelism_config_ep_size is transformers' expert parallelism, applied with FSDP2 as the "
+                          "weights load: it runs under distributed_type MULTI_GPU with parallelism_config_dp_shard_"
+                          "size (accelerate_configs/fsdp2_ep.yaml).")  # fmt: skip
     if mesh.get("cp", 1) > 1 and (engine != "FSDP" or fsdp_version != 2):
         raise ConfigError("parallelism_config_cp_size is torch's context parallelism: it needs FSDP2 (accelerate_"
                           "configs/fsdp2_cp.yaml), or for DeepSpeed use sp_size (zero3_sp.yaml).")  # fmt: skip
 
 
-def check_pipeline_launch(world_size: int) -> None:
-    """Pipeline stages reach the processes through `toolkit launch` (PARALLELISM_CONFIG_PP_SIZE); accelerate's own
-    launcher drops the key and starts the ranks with a mesh of 1s, which accelerate would quietly run as DDP of the
-    whole model: refused. Under stages, accelerate's mesh (which has no pipeline axis, and would count the stages as
-    replicas) is left off: the trainer's pipeline part forms its own (training/pipeline.py)."""
+def check_launcher_axes(world_size: int) -> None:
+    """Pipeline stages and expert parallelism reach the processes through `toolkit launch`
+    (PARALLELISM_CONFIG_PP_SIZE, _EP_SIZE); accelerate's own launcher drops the keys: a pipeline file's ranks start
+    with a mesh of 1s, which accelerate would quietly run as DDP of the whole model, an expert-parallel file's with
+    dp_shard alone under MULTI_GPU, DDP again: both refused. Under stages, accelerate's mesh (which has no pipeline
+    axis, and would count the stages as replicas) is left off: the trainer's pipeline part forms its own
+    (training/pipeline.py)."""
     from ..errors import ConfigError
     from ..settings.mesh import launch_mesh
 
     if not env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         return
     mesh = launch_mesh()
+    sharded = env_flag("ACCELERATE_USE_FSDP") or env_flag("ACCELERATE_USE_DEEPSPEED")
     if "pp" in mesh:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
-    elif not mesh and world_size > 1:
-        raise ConfigError("this launch's parallelism_config sets no size accelerate passes on: a pipeline config's "
-                          "parallelism_config_pp_size reaches the processes only through the toolkit's launcher: "
-                          "`python -m toolkit launch --config_file CONFIG ...` (or make finetune).")  # fmt: skip
+    elif world_size > 1 and (not mesh or set(mesh) == {"dp_shard"} and not sharded):
+        raise ConfigError("this launch's parallelism_config sets no size accelerate passes on but dp_shard: a "
+                          "pipeline config's parallelism_config_pp_size and an expert-parallel config's _ep_size "
+                          "reach the processes only through the toolkit's launcher: `python -m toolkit launch "
+                          "--config_file CONFIG ...` (or make finetune).")  # fmt: skip
 
 
 # accelerate's fp8_config backends: the module each imports, and what installs it.

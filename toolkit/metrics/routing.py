@@ -19,19 +19,27 @@ from __future__ import annotations
 import torch
 
 
-def fused_experts(module: torch.nn.Module) -> bool:
-    """Whether `module` is a fused experts module: 3-D weights stacking its `num_experts` experts (their full
-    shape: ZeRO-3 keeps it in ds_shape, the parameter itself a partition)."""
+def expert_count(module: torch.nn.Module) -> int | None:
+    """The experts a fused experts module stacks in its 3-D weights (their full shape: ZeRO-3 keeps it in ds_shape,
+    the parameter itself a partition; under expert parallelism a DTensor's shape, where transformers sets
+    `num_experts` to this rank's share); None for any other module."""
     count = getattr(module, "num_experts", None)
+    if not isinstance(count, int) or count < 1:
+        return None
     shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters(recurse=False)]
-    return isinstance(count, int) and any(len(shape) == 3 and shape[0] == count for shape in shapes)
+    return next((shape[0] for shape in shapes if len(shape) == 3 and shape[0] % count == 0), None)
+
+
+def fused_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a fused experts module: 3-D weights stacking its experts."""
+    return expert_count(module) is not None
 
 
 class RouterStats:
     """Forward hooks on a model's fused experts modules, counting the tokens each expert receives."""
 
     def __init__(self, modules: list[torch.nn.Module]):
-        self.counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in modules]
+        self.counts = [torch.zeros(expert_count(m), dtype=torch.long) for m in modules]  # routed by global ids
         self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, m in enumerate(modules)]
 
     @classmethod
@@ -44,7 +52,7 @@ class RouterStats:
         def count(module, args, kwargs):
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if isinstance(index, torch.Tensor):
-                experts = module.num_experts
+                experts = len(self.counts[layer])
                 hits = torch.bincount(index.detach().reshape(-1).to(torch.long), minlength=experts + 1)[:experts]
                 self.counts[layer] += hits.cpu()
 

@@ -19,6 +19,7 @@ from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError, first_line
 from ..metrics.memory import HostMemoryPeak
+from ..metrics.routing import fused_experts
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
@@ -27,7 +28,7 @@ from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, sup
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
-from .parallel import check_sequence_split, check_tensor_parallel
+from .parallel import check_expert_parallel, check_sequence_split, check_tensor_parallel
 from .pipeline import check_pipeline, split_stage
 
 
@@ -106,9 +107,18 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
         raise ConfigError(f"{config.model_type} has no load-balancing loss (its config has no router_aux_loss_coef: "
                           "not a mixture of experts, or one without it): drop --router_aux_loss_coef.")  # fmt: skip
     lora = args.lora_settings()
-    if cls is None or lora is None or lora["target_modules"] == "all-linear":
+    if cls is None or lora is None:
         return
     modules = dict(meta_model(config, task).named_modules())
+    experts = [n for n, m in modules.items() if fused_experts(m)]
+    adapted = lora["target_modules"] == "all-linear" or any(n.endswith(tuple(lora["target_modules"])) for n in experts)
+    if experts and adapted and args.lora_dropout:  # peft adapts fused experts' 3-D weights by ParamWrapper
+        raise ConfigError(f"lora_dropout {args.lora_dropout:g} with LoRA on {cls.__name__}'s fused experts (which "
+                          f"{lora['target_modules'] if isinstance(lora['target_modules'], str) else 'the targets'} "
+                          "adapts): peft's adapters on parameters take no dropout: pass --lora_dropout 0, or "
+                          "--lora_target_modules q_proj,k_proj,v_proj,o_proj to leave the experts out.")  # fmt: skip
+    if lora["target_modules"] == "all-linear":
+        return
     matches = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora["target_modules"]}
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                      if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
@@ -222,10 +232,11 @@ def load_model(
             device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
             kwargs.update(quantization_config=quantization, device_map={"": device})
         mesh = launch_mesh()
-        if mesh.get("tp", 1) > 1:  # transformers shards it by the model's own plan as it loads (check_tensor_parallel)
+        if {"tp", "ep"} & set(mesh):  # transformers shards it by the model's own plans as it loads (models/parallel)
             from transformers.distributed import DistributedConfig
 
-            kwargs["distributed_config"] = DistributedConfig(tp_size=mesh["tp"], fsdp_size=mesh.get("dp_shard", 1),
+            kwargs["distributed_config"] = DistributedConfig(tp_size=mesh.get("tp", 1), ep_size=mesh.get("ep", 1),
+                                                             fsdp_size=mesh.get("dp_shard", 1),
                                                              dp_replicate_size=mesh.get("dp_replicate", 1))  # fmt: skip
         try:
             model = model_class(task).from_pretrained(name, dtype=torch_dtype(args.dtype), **common, **kwargs)
@@ -264,7 +275,10 @@ def blueprint(args: Arguments) -> Blueprint:
     check_model_settings(config, args.model, args.data.task)
     check_sequence_length(config, args.data.max_seq_length)
     mesh = launch_mesh()
-    check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model)
+    lora = args.model.lora_settings()
+    check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model,
+                          lora["target_modules"] if lora else None)  # fmt: skip
+    check_expert_parallel(config, mesh, args.training.world_size, args.model.use_lora, args.training.save_only_model)
     check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
     check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,
                    load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule(),

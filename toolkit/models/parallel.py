@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from ..errors import ConfigError
 from ..settings.mesh import describe as describe_mesh
-from ..settings.mesh import sequence_attention
+from ..settings.mesh import mesh_processes, sequence_attention
 
 if TYPE_CHECKING:  # the settings import transformers' TrainingArguments (and peft): not for `toolkit check`
     from ..settings.arguments import Arguments
@@ -25,8 +25,9 @@ CP_ON_CPU = (
 
 def check_mesh_size(mesh: dict[str, int], world_size: int, fix: str) -> None:
     """The mesh must cover the processes. Under DeepSpeed's sequence parallelism the data-parallel axis is
-    implicit (DeepSpeed forms it from the rest), so there the mesh need only divide them."""
-    product = math.prod(mesh.values())
+    implicit (DeepSpeed forms it from the rest), so there the mesh need only divide them. Expert parallelism is no
+    axis of its own: its groups lie across the dp_shard (x tp) ranks (transformers' DistributedConfig)."""
+    product = mesh_processes(mesh)
     if world_size <= 1 or not mesh:
         return
     if "sp" in mesh and world_size % product == 0:
@@ -36,15 +37,21 @@ def check_mesh_size(mesh: dict[str, int], world_size: int, fix: str) -> None:
                           f"{world_size}: {fix}")  # fmt: skip
 
 
-def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int,
-                          save_only_model: bool = True) -> None:  # fmt: skip
+def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, save_only_model: bool = True,
+                          lora_targets: str | list[str] | None = None) -> None:  # fmt: skip
     """A tensor-parallel launch (the accelerate config's `parallelism_config_tp_size`), before any weight loads:
-    a mesh that covers the processes, a model transformers can split, heads that split evenly, and checkpoints
-    that transformers can write for a model it sharded at load (weights only: no optimizer state)."""
+    a mesh that covers the processes, a model transformers can split, heads that split evenly, LoRA adapters peft
+    can put on the shards (`lora_targets`: the run's target modules), and checkpoints that transformers can write
+    for a model it sharded at load (weights only: no optimizer state)."""
     tp = mesh.get("tp", 1)
     if tp == 1:
         return
-    check_mesh_size(mesh, world_size, f"set --num_processes {math.prod(mesh.values())}, or parallelism_config "
+    if lora_targets is not None and lora_on_experts(config, lora_targets):
+        raise ConfigError("LoRA on a mixture of experts' fused experts under tensor parallelism: peft's adapters on "
+                          "parameters do not run on transformers' shards ('ParamWrapper' object has no attribute "
+                          "'weight'): leave the experts out (--lora_target_modules q_proj,k_proj,v_proj,o_proj), or "
+                          "train LoRA with fsdp2.yaml or zero3.yaml.")  # fmt: skip
+    check_mesh_size(mesh, world_size, f"set --num_processes {mesh_processes(mesh)}, or parallelism_config "
                                       f"sizes whose product is {world_size}.")  # fmt: skip
     if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(f"{config.model_type} has no tensor-parallel plan in transformers (base_model_tp_plan): "
@@ -57,6 +64,67 @@ def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
                               f"divides {count} (parallelism_config_tp_size in the accelerate config).")  # fmt: skip
     if not save_only_model:  # the tensor-parallel default (settings/parser.py), turned off
         raise ConfigError("a model sharded at load for tensor parallelism cannot checkpoint its optimizer state in "
+                          "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
+                          "starts a fresh optimizer).")  # fmt: skip
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the families' names for it
+
+
+def routed_expert_count(config: PretrainedConfig) -> int | None:
+    """A mixture of experts' routed experts per layer, from its config; None for a dense model."""
+    return next((value for key in EXPERT_COUNTS if isinstance(value := getattr(config, key, None), int) and value > 1),
+                None)  # fmt: skip
+
+
+def lora_on_experts(config: PretrainedConfig, targets: str | list[str]) -> bool:
+    """Whether LoRA with these target modules adapts a mixture of experts' fused experts (peft's "all-linear" takes
+    them, by its adapters on parameters)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    named = targets == "all-linear" or any("experts" in t for t in targets)
+    return routed_expert_count(text) is not None and named
+
+
+def check_expert_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, use_lora: bool = False,
+                          save_only_model: bool = True) -> None:  # fmt: skip
+    """An expert-parallel launch (`parallelism_config_ep_size`), before any weight loads: transformers' own rules
+    for the sizes (DistributedConfig: ep divides dp_shard x tp, a multiple of tp), a mixture of experts with an
+    expert-parallel plan (base_model_ep_plan), experts that split evenly, and what transformers can do with a model
+    it sharded at load: full fine-tuning, checkpoints of the weights."""
+    ep = mesh.get("ep", 1)
+    if ep == 1:
+        return
+    from transformers.distributed import DistributedConfig
+
+    try:
+        DistributedConfig(ep_size=ep, fsdp_size=mesh.get("dp_shard", 1), tp_size=mesh.get("tp", 1))
+    except ValueError as error:
+        raise ConfigError(f"parallelism_config_ep_size {ep} with {describe_mesh(mesh)}: {error} (transformers' "
+                          "DistributedConfig): set ep_size to dp_shard_size or a divisor of it.") from None  # fmt: skip
+    check_mesh_size(mesh, world_size, f"set --num_processes {mesh_processes(mesh)}, or a dp_shard_size of "
+                                      f"{world_size}.")  # fmt: skip
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = routed_expert_count(text)
+    if experts is None:
+        raise ConfigError(
+            f"{config.model_type} is a dense model (no routed experts): parallelism_config_ep_size "
+            "splits a mixture of experts' experts: train it with accelerate_configs/fsdp2.yaml."
+        )
+    if not getattr(config, "base_model_ep_plan", None):
+        raise ConfigError(
+            f"{config.model_type} has no expert-parallel plan in transformers (base_model_ep_plan): "
+            "train it with accelerate_configs/fsdp2.yaml (its experts sharded with the rest)."
+        )
+    if experts % ep:
+        raise ConfigError(f"ep_size {ep} does not divide the model's {experts} experts: use an ep_size that divides "
+                          f"{experts} (parallelism_config_ep_size in the accelerate config).")  # fmt: skip
+    if use_lora:
+        raise ConfigError("LoRA under expert parallelism: peft's adapters do not run on the weights transformers "
+                          "shards as they load (on the experts' fused weights: 'mixed torch.Tensor and DTensor'): "
+                          "train LoRA with fsdp2.yaml or zero3.yaml, or fully fine-tune (--use_lora false) under "
+                          "fsdp2_ep.yaml.")  # fmt: skip
+    if not save_only_model:
+        raise ConfigError("a model sharded at load for expert parallelism cannot checkpoint its optimizer state in "
                           "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
                           "starts a fresh optimizer).")  # fmt: skip
 

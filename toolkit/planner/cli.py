@@ -12,10 +12,12 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from ..data.sources import model_config, stored_split_size
+from ..distributed.launch_check import recipe_lora_targets
 from ..errors import ConfigError, command
 from ..metrics.cost import device_spec, price_table
+from ..metrics.memory import GIB
 from ..models.meta import meta_model
-from ..models.parallel import check_sequence_heads, check_split_task, check_tensor_parallel
+from ..models.parallel import check_expert_parallel, check_sequence_heads, check_split_task, check_tensor_parallel
 from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
@@ -40,7 +42,7 @@ from .estimate import (
     verdicts,
 )
 from .layout import Layout
-from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
+from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload, all_to_all_bytes
 from .sampling import grpo_step_time
 from .shape import Shape
 from .vision import measured_image_cost
@@ -138,6 +140,8 @@ def build_plan(args) -> dict:
                       fp8):  # fmt: skip
         row = asdict(v)
         layout = layouts[v.config]
+        if v.expert_parallel > 1 and layout.expert_parallel > 1:  # sized for the job (estimate.sized_experts)
+            layout = Layout.experts(v.config, v.expert_parallel, args.gpus * args.nodes)
         row["refused"] = refusal(replace(layout, pipeline_stages=v.pipeline_stages), config, task, values)
         if v.pipeline_stages > 1:
             layout = Layout.pipeline(v.config, v.pipeline_stages, layout.pipeline_schedule,
@@ -156,6 +160,11 @@ def build_plan(args) -> dict:
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
                                              work.sequences_per_sample, task_table(task).reference)  # fmt: skip
             rate *= FP8_SPEEDUP if layout.fp8 else 1
+            if layout.expert_parallel > 1 and gpu.get("link_gbs"):  # the all-to-alls wait for the link, each step
+                exchanged = all_to_all_bytes(shape, work, layout.expert_parallel)
+                row.update(all_to_all_gib=exchanged / GIB, all_to_all_seconds=exchanged / (gpu["link_gbs"] * 1e9))
+                samples_per_step = work.micro_batch * work.micro_batches * args.gpus * args.nodes
+                rate = 1 / (1 / rate + row["all_to_all_seconds"] / samples_per_step)
             cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
             row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
@@ -194,6 +203,7 @@ def build_plan(args) -> dict:
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,
         "recommended_pipeline_stages": fitting[0]["pipeline_stages"] if fitting else 1,
+        "recommended_expert_parallel": fitting[0]["expert_parallel"] if fitting else 1,
     }
 
 
@@ -243,12 +253,18 @@ def refusal(layout: Layout, config, task: str, values: dict) -> str | None:
     sequence_axis = "sp" if layout.engine == "deepspeed" else "cp"
     mesh = {axis: size for axis, size in (("tp", layout.tensor_parallel), ("pp", layout.pipeline_stages),
                                           (sequence_axis, layout.sequence_split)) if size > 1}  # fmt: skip
+    if layout.expert_parallel > 1:
+        try:
+            check_expert_parallel(config, {"dp_shard": layout.expert_parallel, "ep": layout.expert_parallel},
+                                  layout.expert_parallel, bool(values.get("use_lora")))  # fmt: skip
+        except ConfigError as error:
+            return str(error)
     if not mesh:
         return None
     world = math.prod(mesh.values())
     try:
         check_split_task(mesh, task)
-        check_tensor_parallel(config, mesh, world)
+        check_tensor_parallel(config, mesh, world, lora_targets=recipe_lora_targets(values))
         check_sequence_heads(config, mesh.get("sp", 1))
         check_pipeline(config, mesh, task, world_size=world, load_in_4bit=bool(values.get("load_in_4bit")),
                        schedule=layout.pipeline_schedule or PIPELINE_SCHEDULES[0],
@@ -315,12 +331,23 @@ def render(plan: dict) -> str:
                          f"{r['pipeline_stages']}), {w['micro_batches']} micro-batch(es) a step: bubble "
                          f"(stages - 1) / micro-batches = {r['bubble']:.0%} idle time on top of the step's compute, "
                          "in the MFU; raise --gradient_accumulation_steps to shrink it")  # fmt: skip
+    for r in plan["configs"]:
+        if r.get("expert_parallel", 1) > 1 and not r["refused"]:
+            exchanged = (f": each GPU sends {r['all_to_all_gib']:.3g} GiB a step in all-to-alls, "
+                         f"{r['all_to_all_seconds']:.3g} s at the link's datasheet bandwidth, in the time"
+                         if "all_to_all_gib" in r else "")  # fmt: skip
+            lines.append(f"{r['config']}: experts split over {r['expert_parallel']} GPUs (--parallelism_config_"
+                         f"ep_size {r['expert_parallel']}){exchanged}")  # fmt: skip
     if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
         lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
                      "one H100 measured 1.26x with it, 0.46x without (docs/benchmarks.md)")  # fmt: skip
     if plan["recommended"]:
-        stages = plan.get("recommended_pipeline_stages", 1)
+        stages, ep = plan.get("recommended_pipeline_stages", 1), plan.get("recommended_expert_parallel", 1)
         flags = f" --parallelism_config_pp_size {stages} (python -m toolkit launch)" if stages > 1 else ""
+        if ep > 1:
+            world = plan["hardware"]["gpus_per_node"] * plan["hardware"]["nodes"]
+            flags = (f" --parallelism_config_dp_shard_size {world} --parallelism_config_ep_size {ep} (python -m "
+                     "toolkit launch)")  # fmt: skip
         lines.append(f"recommended: accelerate_configs/{plan['recommended']}.yaml{flags} with "
                      f"--per_device_train_batch_size {plan['recommended_micro_batch']}")  # fmt: skip
     else:

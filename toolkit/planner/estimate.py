@@ -4,6 +4,7 @@ time and cost at an assumed MFU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -31,6 +32,7 @@ class Verdict:
     fits: bool
     micro_batch: int
     pipeline_stages: int = 1  # a pipeline config's stages for this job (--parallelism_config_pp_size)
+    expert_parallel: int = 1  # an expert-parallel config's ep_size for this job (--parallelism_config_ep_size)
 
 
 def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
@@ -43,6 +45,8 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
     for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
         if layout.pipeline_stages > 1 and not (layout := sized_pipeline(layout, shape, work, gpus_per_node, nodes,
                                                                          budget)):  # fmt: skip
+            continue
+        if layout.expert_parallel > 1 and not (layout := sized_experts(layout, shape, gpus_per_node, nodes)):
             continue
         if layout.name == "single_gpu" and gpus_per_node * nodes > 1 or layout.ddp and gpus_per_node * nodes == 1:
             continue  # one device is single_gpu's case, several are DDP's
@@ -61,7 +65,8 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             if trial.device_total <= budget:
                 best = b
         out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.host_loading / GIB,
-                           mem.device_total <= budget, best, layout.pipeline_stages))  # fmt: skip
+                           mem.device_total <= budget, best, layout.pipeline_stages,
+                           layout.expert_parallel))  # fmt: skip
     return out
 
 
@@ -201,8 +206,11 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 
 
 # Preference among configs that fit, fastest first: less communication, then less offload traffic. Memory decides
-# what fits; this order only breaks ties between configs that fit.
-PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2", "zero3", "fsdp",
+# what fits; this order only breaks ties between configs that fit. A mixture of experts' experts, most of its
+# weights, move less under expert parallelism (its tokens, to the experts) than under sharding (every expert,
+# gathered to every rank): fsdp2_ep before fsdp2 (refused for dense models).
+PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2_ep", "fsdp2", "zero3",
+              "fsdp",
               "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp", "zero2_offload", "fsdp_offload",
               "zero3_offload")  # fmt: skip
 # FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
@@ -226,6 +234,15 @@ def assumed_mfu(layout: Layout, micro_batches: int = 1) -> float:
         return ASSUMED_MFU["replicated"] / (1 + bubble(layout.pipeline_stages, micro_batches))
     # Tensor parallelism all-reduces activations in every layer: assumed no better than sharding (not measured).
     return ASSUMED_MFU["sharded" if layout.shard_params or layout.tensor_parallel > 1 else "replicated"]
+
+
+def sized_experts(layout: Layout, shape: Shape, gpus_per_node: int, nodes: int) -> Layout | None:
+    """An expert-parallel config sized for the job, as a launch sizes it (--parallelism_config_ep_size and
+    _dp_shard_size): the experts split over the most ranks of one node that divides them (the all-to-alls stay on
+    the node's links), every rank an FSDP2 shard of the rest. None for a dense model (no row: nothing to split),
+    and where no split of 2 or more fits a node."""
+    ep = math.gcd(shape.experts_per_layer, gpus_per_node) if shape.experts_per_layer else 1
+    return Layout.experts(layout.name, ep, gpus_per_node * nodes) if ep > 1 else None
 
 
 def sized_pipeline(layout: Layout, shape: Shape, work: Workload, gpus_per_node: int, nodes: int,

@@ -39,6 +39,7 @@ class Layout:
     fp8: bool = False  # mixed_precision fp8: float8 GEMMs; memory as in bf16 (estimate.py's FP8_SPEEDUP: time)
     pipeline_stages: int = 1  # the layers cut into this many stages, one a rank (0: sized for the job)
     pipeline_schedule: str = ""  # 1F1B or GPipe: how many micro-batches' activations a stage holds
+    expert_parallel: int = 1  # ranks a mixture of experts' experts are split over, whole (0: sized for the job)
     sharding: str = ""  # as printed in the run header: "ZeRO-3 offload_param=cpu", "FSDP2 FULL_SHARD", ...
 
     # ------------------------------------------------------------------------------------- constructors
@@ -87,6 +88,18 @@ class Layout:
         return cls(name, "torch", ddp=replicas > 1, pipeline_stages=stages, pipeline_schedule=schedule,
                    sharding=sharding)  # fmt: skip
 
+    @classmethod
+    def experts(cls, name: str, ep: int, shards: int) -> Layout:
+        """Expert parallelism (transformers' DistributedConfig(ep_size, fsdp_size)): each of `ep` ranks holds
+        1/ep of every layer's experts whole (FSDP2-sharded further over shards / ep ranks where there are more
+        shards), the rest of the model FSDP2-sharded over the `shards` data-parallel ranks: every state is 1/shards
+        a rank, as under FSDP2, but a layer's experts are not gathered to compute it: its tokens go to them
+        (all-to-all). `ep` 0: set at launch."""
+        sharding = "FSDP2 x expert parallel" + (f", experts split over {ep} ranks" if ep else "")
+        sharding += f", sharded over {shards}" if shards else ""
+        return cls(name, "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
+                   expert_parallel=ep, tensor_shards=max(shards, 1), sharding=sharding)  # fmt: skip
+
     @property
     def mesh_devices(self) -> int:
         """The devices a tensor-parallel mesh covers (its product)."""
@@ -124,6 +137,8 @@ class Layout:
                               bool(fsdp.get("fsdp_offload_params", False)),
                               bool(fsdp.get("fsdp_cpu_ram_efficient_loading")), sizes)  # fmt: skip
             return replace(layout, **axes)
+        if "ep" in mesh:
+            return cls.experts(path.stem, mesh["ep"], mesh.get("dp_shard", 1))
         if "tp" in mesh:
             return cls.tensor(path.stem, mesh["tp"], mesh.get("dp_shard", 1))
         if "pp" in mesh:
@@ -156,6 +171,8 @@ class Layout:
                               bool(plugin.cpu_ram_efficient_loading),
                               (mesh.dp_replicate_size, mesh.dp_shard_size) if hybrid else None)  # fmt: skip
             return replace(layout, **axes)
+        if (ep := launch_mesh().get("ep", 1)) > 1:  # the toolkit's axis: accelerate's mesh is dp_shard alone
+            return cls.experts("expert parallel", ep, launch_mesh().get("dp_shard", 1))
         if mesh is not None and mesh.tp_enabled:  # the launch's own mesh: accelerate's counts replicas as shards
             return cls.tensor(kind.value.lower(), mesh.tp_size, launch_mesh().get("dp_shard", 1))
         if (stages := launch_mesh().get("pp", 1)) > 1:  # the toolkit's axis: accelerate's mesh is left off

@@ -318,6 +318,12 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     compute = 4 if work.precision == "fp32" else 2
     if layout.engine == "deepspeed" and layout.shard_params:
         mem.device["gathered_buffers"] = 2 * compute * shape.largest_module
+    elif layout.shard_params and layout.expert_parallel > 1:
+        # A layer's experts stay on their ranks (its tokens go to them), gathered only over the ranks that shard
+        # the same experts (transformers' efsdp: shards / ep), where there are several: the rest of the layer is.
+        kept = shape.unit_experts // layout.expert_parallel if shards > layout.expert_parallel else 0
+        unit = max(shape.largest_unit - shape.unit_experts + kept, shape.input_params)
+        mem.device["gathered_buffers"] = compute * 2 * unit
     elif layout.shard_params:
         gathered = shape.total if layout.gathered_through_backward else 2 * shape.largest_unit
         mem.device["gathered_buffers"] = compute * gathered // layout.tensor_parallel  # a TP slice is gathered
@@ -328,7 +334,8 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # the parameters as they sit on the host before sharding: under FSDP mixed precision accelerate upcasts the
     # trainable ones to fp32 there, so a bf16 checkpoint takes twice its size (measured: bench/ram_loading.py);
     # the toolkit upcasts a replicated model's on its device, after loading.
-    if layout.ram_efficient_loading or layout.tensor_parallel > 1:  # TP: each rank reads only its own slices
+    if layout.ram_efficient_loading or layout.tensor_parallel > 1 or layout.expert_parallel > 1:
+        # TP and EP (models transformers shards as they load): each rank reads only its own slices
         copies = 1
     elif layout.engine == "deepspeed" and layout.shard_params:
         copies = gpus_per_node / world
@@ -369,6 +376,20 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
         mem.device["generation"] = int(max(0, sampling - step))
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem
+
+
+def all_to_all_bytes(shape: Shape, work: Workload, ep: int) -> int:
+    """Bytes one rank sends to the others a step under expert parallelism (transformers' AllToAllEP): in every
+    MoE layer each token's hidden state goes to each of its k experts and the expert's output comes back (two
+    all-to-alls forward, their two reverses backward, two more where activation checkpointing recomputes the
+    forward), in the compute dtype; (ep - 1) / ep of the pairs leave the rank when the routers spread them evenly.
+    0 without experts or EP."""
+    if ep <= 1 or not shape.routed_copies:
+        return 0
+    tokens = work.micro_batch * work.sequences_per_sample * work.seq_length * work.micro_batches
+    exchanges = 6 if work.activation_checkpointing else 4
+    compute = 4 if work.precision == "fp32" else 2
+    return int(exchanges * tokens * shape.routed_copies * shape.hidden_size * compute * (ep - 1) / ep)
 
 
 # What a training step holds only while it runs (the sampling phase before it holds none of it)

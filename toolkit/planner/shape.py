@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..metrics.routing import fused_experts
+from ..metrics.routing import expert_count, fused_experts
 
 if TYPE_CHECKING:
     from .activations import ActivationFit
@@ -65,6 +65,12 @@ class Shape:
     inactive: int = 0
     inactive_trainable: int = 0
     routing: str = ""
+    # For expert parallelism: the routed experts' parameters in the largest layer (not gathered to compute it), the
+    # most experts one layer routes over (what ep_size divides), and the copies of a token's hidden state sent to
+    # experts per token, all layers together (the sum of each MoE layer's top-k: what the all-to-alls carry).
+    unit_experts: int = 0
+    experts_per_layer: int = 0
+    routed_copies: int = 0
     # LoRA on a parameter itself (peft's ParamWrapper: what "all-linear" does to fused experts): the frozen weight is
     # multiplied as W + B A, whose gradient is computed, so its active part costs 6 FLOPs a token, not 4; the adapter
     # factors multiply once per forward pass into B A (not per token): none per token.
@@ -140,6 +146,7 @@ class Shape:
         if any(k is None for _, _, k in experts):
             notes.append("experts per token not found: FLOPs count every expert")
         idle = {id(p): p.numel() * max(0, n - k) // n for params, n, k in experts if k is not None for p in params}
+        in_block = {id(p) for p in block.parameters()} if block is not None else set()
         merged = [m for m in model.modules() if hasattr(m, "get_param") and hasattr(m, "lora_A")]  # peft's ParamWrapper
         merged_frozen = {id(p): p for p in (m.get_param() for m in merged) if not p.requires_grad}.values()
         in_layers = {id(p): p for m in layer_list for p in m.parameters()}.values()
@@ -191,6 +198,9 @@ class Shape:
                 p.numel() for m in merged for f in (m.lora_A, m.lora_B) for p in f.parameters() if p.requires_grad
             ),
             routing="; ".join(sorted({f"{k} of {n} routed experts" for _, n, k in experts if k and k < n})),
+            unit_experts=sum(p.numel() for params, _, _ in experts for p in params if id(p) in in_block),
+            experts_per_layer=max((n for _, n, _ in experts), default=0),
+            routed_copies=sum(k or n for _, n, k in experts),
         )
 
 
@@ -203,7 +213,7 @@ def routed_experts(model: torch.nn.Module, config) -> list[tuple[list[torch.nn.P
     `num_experts_per_tok`. Shared experts and the router are no part of these: every token passes through them."""
     found, seen, names = [], set(), dict(model.named_modules())
     for name, module in names.items():
-        count, fused = getattr(module, "num_experts", None), fused_experts(module)
+        count, fused = expert_count(module), fused_experts(module)
         listed = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) and name.rsplit(".", 1)[-1] == "experts"
         if not (fused or listed and len(module) > 1):
             continue

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 import os
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")  # accelerate's ParallelismConfig's, and pp
-# Pipeline parallelism is the toolkit's axis (accelerate's ParallelismConfig has none): `toolkit launch` exports
-# the file's parallelism_config_pp_size and _pp_schedule the same way accelerate exports the others.
-PIPELINE_KEYS = ("parallelism_config_pp_size", "parallelism_config_pp_schedule")
+MESH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp", "ep")  # accelerate's ParallelismConfig's, pp, ep
+# Pipeline and expert parallelism are the toolkit's axes (accelerate's ParallelismConfig has neither, and its
+# launcher drops the keys): `toolkit launch` exports the file's parallelism_config_pp_size, _pp_schedule and
+# _ep_size the same way accelerate exports the others.
+LAUNCHER_KEYS = ("parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_ep_size")
 PIPELINE_SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's schedules of one stage per rank
 
 
@@ -40,6 +41,12 @@ def config_mesh(parallelism_config: dict | None) -> dict[str, int]:
 def describe(mesh: dict[str, int]) -> str:
     """`dp_shard=2 x tp=2`, as the header and the errors write a mesh."""
     return " x ".join(f"{axis}={size}" for axis, size in mesh.items())
+
+
+def mesh_processes(mesh: dict[str, int]) -> int:
+    """The processes a mesh covers: the product of its axes but ep, whose groups lie across the dp_shard (x tp)
+    ranks (transformers' DistributedConfig: ep divides dp_shard x tp)."""
+    return math.prod(size for axis, size in mesh.items() if axis != "ep")
 
 
 def model_parallel_size() -> int:

@@ -102,8 +102,8 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
         defaults["use_cpu"] = True
-    if launch_mesh().get("tp", 1) > 1:
-        # transformers cannot yet save the optimizer of a model it sharded at load (tensor parallelism): its
+    if {"tp", "ep"} & set(launch_mesh()):
+        # transformers cannot yet save the optimizer of a model it sharded at load (tensor, expert parallelism): its
         # checkpoints (periodic, preemption, budget) hold the weights, and a resume starts a fresh optimizer.
         defaults["save_only_model"] = True
     return defaults

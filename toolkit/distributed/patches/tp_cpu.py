@@ -1,4 +1,4 @@
-"""Tensor parallelism on a machine without GPUs: let accelerate accept a model-parallel mesh over gloo.
+"""Tensor (and expert) parallelism on a machine without GPUs: let accelerate accept a model-parallel mesh over gloo.
 
 A model sharded at load by transformers (`from_pretrained(distributed_config=DistributedConfig(tp_size=N))`)
 owns its placement and gradient reduction; the Trainer then only asks accelerate for autocast, the optimizer and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ...settings.mesh import model_parallel_size
+from ...settings.mesh import launch_mesh, model_parallel_size
 from ...settings.parser import has_accelerator
 from .gate import Patch, Target
 
@@ -22,7 +22,8 @@ _original = None  # ParallelismConfig._validate_accelerator as accelerate define
 
 
 def needed() -> bool:
-    return os.environ.get("TOOLKIT_CPU_TP", "1") != "0" and model_parallel_size() > 1 and not has_accelerator()
+    sharded_at_load = model_parallel_size() > 1 or "ep" in launch_mesh()  # EP: accelerate is given dp_shard alone
+    return os.environ.get("TOOLKIT_CPU_TP", "1") != "0" and sharded_at_load and not has_accelerator()
 
 
 class _AsMultiDevice:
