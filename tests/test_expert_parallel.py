@@ -211,6 +211,12 @@ def test_the_plan_lists_expert_parallelism_for_a_mixture_of_experts(model, exper
     plan = json.loads(capsys.readouterr().out)
     (row,) = [r for r in plan["configs"] if r["config"] == "fsdp2_ep"]
     assert row["expert_parallel"] == math.gcd(experts, 8) and not row["refused"]
+    if model == "qwen3_moe_fft":  # 48 layers x 128 experts x (gate, up, down) of 2048 x 768, gathered twice in each
+        # of the recipe's 16 micro-batches under FSDP, in bf16, 7/8 from the other GPUs
+        assert row["expert_gathers_gib"] * 2**30 == pytest.approx(2 * 16 * 48 * 128 * 3 * 2048 * 768 * 2 * 7 / 8)
+        # each of 16 x 2048 tokens to 8 experts in 48 layers, 2048 wide in bf16, 6 exchanges (checkpointing)
+        assert row["all_to_all_gib"] * 2**30 == pytest.approx(6 * 16 * 2048 * 48 * 8 * 2048 * 2 * 7 / 8)
+        assert row["all_to_all_seconds"] == pytest.approx(row["all_to_all_gib"] * 2**30 / 450e9)  # NVLink 4
     (fsdp2,) = [r for r in plan["configs"] if r["config"] == "fsdp2"]
     assert row["device_gib"] < fsdp2["device_gib"]  # the same shards at rest; the experts are not gathered
     order = [r["config"] for r in plan["configs"]]

@@ -42,7 +42,7 @@ from .estimate import (
     verdicts,
 )
 from .layout import Layout
-from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload, all_to_all_bytes
+from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload, all_to_all_bytes, expert_gather_bytes
 from .sampling import grpo_step_time
 from .shape import Shape
 from .vision import measured_image_cost
@@ -160,15 +160,16 @@ def build_plan(args) -> dict:
             rate = samples_per_second_at_mfu(shape, tokens_per_sample, mfu, args.gpus * args.nodes, peak,
                                              work.sequences_per_sample, task_table(task).reference)  # fmt: skip
             rate *= FP8_SPEEDUP if layout.fp8 else 1
-            if layout.expert_parallel > 1 and gpu.get("link_gbs"):  # the all-to-alls wait for the link, each step
-                exchanged = all_to_all_bytes(shape, work, layout.expert_parallel)
-                row.update(all_to_all_gib=exchanged / GIB, all_to_all_seconds=exchanged / (gpu["link_gbs"] * 1e9))
-                samples_per_step = work.micro_batch * work.micro_batches * args.gpus * args.nodes
-                rate = 1 / (1 / rate + row["all_to_all_seconds"] / samples_per_step)
             cost = cost_from_throughput(samples, epochs, rate, args.gpus * args.nodes, gpu["on_demand"],
                                         args.overhead, gpu.get("spot"))  # fmt: skip
             row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
                        usd_spot=cost.usd_spot)  # fmt: skip
+        if layout.expert_parallel > 1:  # what its all-to-alls send a step, and the experts' gathers they replace
+            exchanged = all_to_all_bytes(shape, work, layout.expert_parallel)
+            row.update(all_to_all_gib=exchanged / GIB,
+                       expert_gathers_gib=expert_gather_bytes(shape, work, args.gpus * args.nodes) / GIB)  # fmt: skip
+            if gpu.get("link_gbs"):
+                row["all_to_all_seconds"] = exchanged / (gpu["link_gbs"] * 1e9)
         results.append(row)
     results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
     fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
@@ -333,11 +334,12 @@ def render(plan: dict) -> str:
                          "in the MFU; raise --gradient_accumulation_steps to shrink it")  # fmt: skip
     for r in plan["configs"]:
         if r.get("expert_parallel", 1) > 1 and not r["refused"]:
-            exchanged = (f": each GPU sends {r['all_to_all_gib']:.3g} GiB a step in all-to-alls, "
-                         f"{r['all_to_all_seconds']:.3g} s at the link's datasheet bandwidth, in the time"
-                         if "all_to_all_gib" in r else "")  # fmt: skip
+            seconds = (f" ({r['all_to_all_seconds']:.3g} s at the link's datasheet bandwidth)"
+                       if "all_to_all_seconds" in r else "")  # fmt: skip
             lines.append(f"{r['config']}: experts split over {r['expert_parallel']} GPUs (--parallelism_config_"
-                         f"ep_size {r['expert_parallel']}){exchanged}")  # fmt: skip
+                         f"ep_size {r['expert_parallel']}): each GPU sends {r['all_to_all_gib']:,.3g} GiB a step in "
+                         f"all-to-alls{seconds}, and gathers none of the {r['expert_gathers_gib']:,.4g} GiB of "
+                         "experts it would under FSDP; both in the assumed MFU")  # fmt: skip
     if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
         lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
                      "one H100 measured 1.26x with it, 0.46x without (docs/benchmarks.md)")  # fmt: skip

@@ -392,6 +392,14 @@ def all_to_all_bytes(shape: Shape, work: Workload, ep: int) -> int:
     return int(exchanges * tokens * shape.routed_copies * shape.hidden_size * compute * (ep - 1) / ep)
 
 
+def expert_gather_bytes(shape: Shape, work: Workload, shards: int) -> int:
+    """Bytes of routed experts one rank all-gathers a step under FSDP (what expert parallelism does not move): every
+    layer's, in the compute dtype, in each micro-batch's forward and again for its backward (the recompute under
+    activation checkpointing uses the backward's), (shards - 1) / shards of them from the other ranks."""
+    compute = 4 if work.precision == "fp32" else 2
+    return int(2 * work.micro_batches * shape.routed_params * compute * (shards - 1) / shards)
+
+
 # What a training step holds only while it runs (the sampling phase before it holds none of it)
 STEP_ONLY = ("activations", "lora_dropout", "recomputed_layer", "fused_head", "logits", "image_activations")
 

@@ -65,9 +65,11 @@ class Shape:
     inactive: int = 0
     inactive_trainable: int = 0
     routing: str = ""
-    # For expert parallelism: the routed experts' parameters in the largest layer (not gathered to compute it), the
-    # most experts one layer routes over (what ep_size divides), and the copies of a token's hidden state sent to
-    # experts per token, all layers together (the sum of each MoE layer's top-k: what the all-to-alls carry).
+    # For expert parallelism: the routed experts' parameters, all layers' and the largest layer's (not gathered to
+    # compute them), the most experts one layer routes over (what ep_size divides), and the copies of a token's
+    # hidden state sent to experts per token, all layers together (the sum of each MoE layer's top-k: what the
+    # all-to-alls carry).
+    routed_params: int = 0
     unit_experts: int = 0
     experts_per_layer: int = 0
     routed_copies: int = 0
@@ -198,6 +200,7 @@ class Shape:
                 p.numel() for m in merged for f in (m.lora_A, m.lora_B) for p in f.parameters() if p.requires_grad
             ),
             routing="; ".join(sorted({f"{k} of {n} routed experts" for _, n, k in experts if k and k < n})),
+            routed_params=sum(p.numel() for params, _, _ in experts for p in params),
             unit_experts=sum(p.numel() for params, _, _ in experts for p in params if id(p) in in_block),
             experts_per_layer=max((n for _, n, _ in experts), default=0),
             routed_copies=sum(k or n for _, n, k in experts),
