@@ -19,6 +19,10 @@ detection and let rows attend across conversations), the same FLOPs counted.
   fp8_compile      fp8 with --torch_compile true (what --torch_compile auto gives under FP8)
   qlora            toolkit with llama3_qlora's settings: LoRA r=16 on every linear layer over a 4-bit NF4 base
                    (bitsandbytes), loaded from a checkpoint as the runner loads it; MFU counts 4 FLOPs per frozen weight
+  moe              toolkit on a small mixture of experts (Qwen3-30B-A3B's layer, 8 of them, 64 experts, 8 a token),
+                   its experts run by transformers' default kernel (grouped_mm: one grouped matmul over all experts)
+  moe_batched      moe with --experts_implementation batched_mm
+  moe_eager        moe with --experts_implementation eager (each expert in turn): what the grouped kernels change
 
 Each row: non-padding tokens/s after WARMUP untimed steps, MFU (the planner's FLOPs per token x tokens/s over
 the datasheet's dense bf16 peak, toolkit/metrics/hardware.yaml; FP8 rows too, so they compare), the peak memory
@@ -58,6 +62,9 @@ OPTIONS = {
     "fp8": {"torch_compile": False},
     "fp8_compile": {"torch_compile": True},
     "qlora": {},
+    "moe": {},
+    "moe_batched": {"experts_implementation": "batched_mm"},
+    "moe_eager": {"experts_implementation": "eager"},
 }
 VARIANTS = tuple(OPTIONS)
 PLAIN = ("trainer", "trainer_compile")  # transformers.Trainer itself
@@ -68,11 +75,20 @@ LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1
                    rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu")  # fmt: skip
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, vocab_size=2048)  # fmt: skip
+# Qwen3-30B-A3B's layer (Qwen/Qwen3-30B-A3B config.json, public), 8 layers of 64 experts: 2.6B parameters, whose
+# AdamW states fit one 80 GB GPU beside the activations.
+QWEN3_MOE_SMALL = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
+                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
+                       num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)  # fmt: skip
+TOY_MOE = {**TOY, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
 
 
-def model_config(toy: bool):
-    from transformers import LlamaConfig
+def model_config(toy: bool, moe: bool = False):
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if moe:
+        return Qwen3MoeConfig(**{**QWEN3_MOE_SMALL, **(TOY_MOE if toy else {})})
     return LlamaConfig(**{**LLAMA_32_1B, **(TOY if toy else {})})
 
 
@@ -135,12 +151,14 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     from toolkit.planner.estimate import training_flops_per_token
 
     on_gpu = torch.cuda.is_available()
-    config = model_config(toy)
+    config = model_config(toy, moe=variant.startswith("moe"))
     torch.manual_seed(0)
     setting = "sdpa" if variant in (*PLAIN, "sdpa") else "auto"  # the runner's choice for packed rows
     attention, _ = choose_attention(config, setting, "sft", packing=True, on_gpu=on_gpu)
+    kernel = OPTIONS[variant].get("experts_implementation")  # as load_model passes --experts_implementation
     with torch.device("cuda" if on_gpu else "cpu"):  # random init on the GPU: seconds of a lent machine's time
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention,
+                                                 **({"experts_implementation": kernel} if kernel else {}))  # fmt: skip
     tokenizer = tiny.tiny_tokenizer("meta-llama/Meta-Llama-3-8B", "sft")  # for its pad id only
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     data = packed_rows(max(64, steps * batch * 2), row_length, config.vocab_size)
@@ -222,7 +240,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
     return {"tokens_per_second": tokens_per_second, "mfu": flops * tokens_per_second / (peak_flops * 1e12)
             if peak_flops else None, "peak_gib": peak / 2**30 if peak else None,
             "planned_gib": planned / 2**30 if planned else None, "attention": attention, "compile": bool(compiled),
-            "masters": masters, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
+            "masters": masters, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+            "experts": getattr(model.config, "_experts_implementation", None)}  # fmt: skip
 
 
 def available(variant: str) -> str | None:

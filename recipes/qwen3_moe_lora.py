@@ -7,7 +7,7 @@ the GPUs (fsdp2.yaml, zero3.yaml) it leaves each 80 GB GPU room for the activati
 `python -m toolkit plan qwen3_moe_lora --gpus 8`.
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/qwen3_moe_lora.py
-    make finetune CONFIG=fsdp2 MODEL=qwen3_moe_lora ARGS=--tiny        # offline, a toy Qwen3-MoE, in seconds
+    make finetune CONFIG=fsdp2 MODEL=qwen3_moe_lora NUM_PROCESSES=2 ARGS=--tiny   # offline, a toy Qwen3-MoE
 """
 
 from toolkit import run
