@@ -10,10 +10,10 @@ flex attention, the fused loss, --torch_compile auto; the training flags it chan
   generate   (the rows that resume) `python -m toolkit generate` answers a prompt
 then bench/mfu.py (speed, MFU and memory against the plan, one repeat). One table on stdout, also when a row raises
 or the sweep is interrupted; one JSON line per row in OUTPUT/rows.jsonl as each ends; a row that fails, whatever it
-raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches (the expert-parallel row needs 2 GPUs); on an H100 a row took
-20-140 s (the resumed and compiled ones longest): about 35 minutes one row at a time, estimated, so on one GPU
-3 rows run side by side (--jobs; 3 sweeps side by side ran 11 rows in 285 s there); then bench/mfu.py's 15
-variants, 30-110 s each. --configs/--recipes narrow it.
+raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches (the expert-parallel
+row needs 2 GPUs); on an H100 a row took 20-140 s (the resumed and compiled ones longest): about 35 minutes one
+row at a time, estimated, so on one GPU 3 rows run side by side (--jobs; 3 sweeps side by side ran 11 rows in
+285 s there); then bench/mfu.py's 15 variants, 30-110 s each. --configs/--recipes narrow it.
 
     make gpu-check                      # = python bench/gpu_check.py
     python bench/gpu_check.py --jobs 1 --no_bench   # one row at a time, no speed table
