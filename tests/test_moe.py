@@ -6,6 +6,8 @@ line before any weight loads. Its routers' balance (metrics/routing.py) against 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_bad_input import assert_one_clear_line
@@ -73,7 +75,8 @@ def test_an_unknown_kernel_is_one_line_naming_transformers_own(monkeypatch, caps
 @pytest.mark.parametrize("name", MOES)
 def test_router_health_counts_what_the_routers_chose(name):
     """The tokens each expert receives, counted at the experts' input, equal the routers' own top-k choices (read
-    off each router's output here); the imbalance is the busiest expert's share times the experts, by hand."""
+    off each router's output here); the imbalance is the busiest expert's share times the experts, the load's entropy
+    over log E, by hand; pairs sent to no expert counted apart."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.metrics.routing import RouterStats
@@ -87,15 +90,19 @@ def test_router_health_counts_what_the_routers_chose(name):
         router.register_forward_hook(lambda module, args, out: chosen.append(out[-1]))  # (logits, scores, indices)
     ids = torch.randint(1, 400, (2, 48), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids)
-    experts = stats.counts[0].numel()
+    experts = stats.counts[0].numel() - 1  # and the pairs sent to no expert
     counts = torch.stack([torch.bincount(c.reshape(-1), minlength=experts) for c in chosen])
     k = model.config.num_experts_per_tok  # Mixtral's tiny 2 of 4; Qwen3-MoE's 8 capped at its tiny 4: all
-    assert torch.equal(torch.stack(stats.counts), counts) and int(counts.sum()) == len(routers) * 96 * k
+    assert torch.equal(torch.stack(stats.counts)[:, :experts], counts) and int(counts.sum()) == len(routers) * 96 * k
     imbalance = [experts * int(row.max()) / int(row.sum()) for row in counts]
+    entropy = [-sum(n / row.sum() * math.log(n / row.sum()) for n in row.tolist() if n) / math.log(experts)
+               for row in counts]  # fmt: skip
+    stats.counts[0][experts] += 3  # as a capacity's mark of three pairs sent nowhere (dropless here) would count
     figures = stats.metrics()
     assert figures["router_imbalance"] == pytest.approx(max(imbalance))
     assert figures["router_imbalance_mean"] == pytest.approx(sum(imbalance) / len(imbalance))
     assert figures["experts_idle"] == int((counts == 0).sum())
+    assert figures["router_load_entropy"] == pytest.approx(min(entropy)) and figures["tokens_dropped"] == 3
     assert stats.metrics() == {}  # cleared: nothing routed since
     assert RouterStats.of(AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B",
                                                                                     "sft"))) is None  # fmt: skip

@@ -8,10 +8,14 @@ were routed to: `top_k_index`), not off a family's router class:
   experts_idle           experts no token reached in the interval, all layers together
   experts_idle_share     the largest share of one layer's experts that no token reached (health.py warns of a
                          collapsed router from half)
+  router_load_entropy    the entropy of a layer's token shares over its experts, over log E: 1 when each expert
+                         gets its 1/E, 0 when one takes them all; the least even layer's (the routers' own
+                         distributions differ by family, softmax or sigmoid: the load they produce does not)
+  tokens_dropped         routed (token, expert) pairs sent to no expert, all layers together: transformers marks
+                         them with an index outside the experts where a capacity applies; 0 for dropless routing
 
 Counted on every rank and summed over them at each log. Tokens a layer recomputes under activation checkpointing
-count twice, as all of that layer's do: the shares stand. An index past the experts (transformers' mark of a
-token sent nowhere) is not counted.
+count twice, as all of that layer's do: the shares stand.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class RouterStats:
     """Forward hooks on a model's fused experts modules, counting the tokens each expert receives."""
 
     def __init__(self, modules: list[torch.nn.Module]):
-        self.counts = [torch.zeros(expert_count(m), dtype=torch.long) for m in modules]  # routed by global ids
+        # per layer: the pairs routed to each expert (by global ids), then those routed to none
+        self.counts = [torch.zeros(expert_count(m) + 1, dtype=torch.long) for m in modules]
         self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, m in enumerate(modules)]
 
     @classmethod
@@ -52,9 +57,10 @@ class RouterStats:
         def count(module, args, kwargs):
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if isinstance(index, torch.Tensor):
-                experts = len(self.counts[layer])
-                hits = torch.bincount(index.detach().reshape(-1).to(torch.long), minlength=experts + 1)[:experts]
-                self.counts[layer] += hits.cpu()
+                experts = len(self.counts[layer]) - 1
+                index = index.detach().reshape(-1).to(torch.long)
+                index = torch.where((index < 0) | (index >= experts), experts, index)  # sent nowhere: the last
+                self.counts[layer] += torch.bincount(index, minlength=experts + 1).cpu()
 
         return count
 
@@ -66,14 +72,19 @@ class RouterStats:
             counts = reduce(counts)
         for c in self.counts:
             c.zero_()
+        dropped, counts = int(counts[:, -1].sum()), counts[:, :-1]
         totals = counts.sum(dim=1)
         routed = totals > 0
         if not routed.any():
             return {}
-        imbalance = counts[routed].max(dim=1).values * counts.shape[1] / totals[routed]
+        experts = counts.shape[1]
+        imbalance = counts[routed].max(dim=1).values * experts / totals[routed]
         idle = (counts[routed] == 0).sum(dim=1)
+        shares = counts[routed] / totals[routed, None]
+        entropy = -(shares * shares.clamp_min(1e-30).log()).sum(dim=1) / torch.log(torch.tensor(float(experts)))
         return {"router_imbalance": float(imbalance.max()), "router_imbalance_mean": float(imbalance.mean()),
-                "experts_idle": int(idle.sum()), "experts_idle_share": float(idle.max()) / counts.shape[1]}  # fmt: skip
+                "experts_idle": int(idle.sum()), "experts_idle_share": float(idle.max()) / experts,
+                "router_load_entropy": float(entropy.min()), "tokens_dropped": dropped}  # fmt: skip
 
     def remove(self) -> None:
         for hook in self.hooks:

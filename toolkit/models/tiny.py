@@ -30,6 +30,7 @@ from ..settings import tasks as task_table
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 from . import tiny_vision
+from .parallel import EXPERT_COUNTS
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -115,7 +116,7 @@ def shrunk_config(config: PretrainedConfig, vocab_size: int, layers: int | None 
         config.head_dim = config.qk_rope_head_dim
     elif getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):  # a MoE stays a MoE, with few experts
+    for key in EXPERT_COUNTS:  # a MoE stays a MoE, with few experts
         if getattr(config, key, None):
             setattr(config, key, min(getattr(config, key), 4))
             config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))

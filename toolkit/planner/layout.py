@@ -98,7 +98,7 @@ class Layout:
         sharding = "FSDP2 x expert parallel" + (f", experts split over {ep} ranks" if ep else "")
         sharding += f", sharded over {shards}" if shards else ""
         return cls(name, "torch", shard_params=True, shard_grads=True, shard_optimizer=True,
-                   expert_parallel=ep, tensor_shards=max(shards, 1), sharding=sharding)  # fmt: skip
+                   expert_parallel=ep, sharding=sharding)  # fmt: skip
 
     @property
     def mesh_devices(self) -> int:
