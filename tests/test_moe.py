@@ -56,7 +56,8 @@ def test_the_kernel_set_is_the_one_the_header_names(tmp_path, capsys):
         more = ["--experts_implementation", kernel] if kernel else []
         train(load_recipe("llama3_fft"), [*flags, *more, "--output_dir", str(tmp_path / str(kernel))], "llama3_fft")
         header = capsys.readouterr().out
-        assert f"experts       2 of 4 routed experts, kernel {kernel or 'grouped_mm'}\n" in header  # its default
+        auto = " (auto: transformers' grouped_mm where it can run, else eager)"
+        assert f"experts       2 of 4 routed experts, kernel {kernel or 'grouped_mm' + auto}\n" in header
 
 
 def test_an_unknown_kernel_is_one_line_naming_transformers_own(monkeypatch, capsys):

@@ -208,7 +208,7 @@ def load_model(
     # auto not yet resolved (a caller without the runner, so no packing): the model's default, as for unpacked rows
     attention = None if args.attn_implementation == "auto" else args.attn_implementation
     common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
-    if args.experts_implementation is not None:  # else transformers' default (grouped_mm where it can run)
+    if args.experts_implementation != "auto":  # else transformers' choice (grouped_mm where it can run)
         common["experts_implementation"] = args.experts_implementation
     if args.router_aux_loss_coef is not None:  # the family's load-balancing loss: its router logits requested
         kwargs.update(output_router_logits=args.router_aux_loss_coef > 0,

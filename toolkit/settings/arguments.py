@@ -99,12 +99,12 @@ class ModelArguments:
             "coefficient, 0.001-0.02 is usual; 0 turns it off. Default: the model's config (Mixtral's: off)."
         },
     )
-    experts_implementation: str | None = field(
-        default=None,
+    experts_implementation: str = field(
+        default="auto",
         metadata={
             "help": "A mixture of experts' expert kernel, as transformers names them: eager (one expert after "
             "another), batched_mm, grouped_mm (one grouped matmul for all experts), or a kernel it registers. "
-            "Default: transformers' (grouped_mm where it can run)."
+            "auto: transformers' choice, grouped_mm where this device can run it, else eager."
         },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
@@ -159,7 +159,7 @@ class ModelArguments:
                               "pass --dtype bfloat16, for example.")  # fmt: skip
         if self.attn_implementation not in (None, "auto"):
             check_attention_name(self.attn_implementation)
-        if self.experts_implementation is not None:
+        if self.experts_implementation != "auto":
             check_experts_name(self.experts_implementation)
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"router_aux_loss_coef must be 0 (off) or positive, got {self.router_aux_loss_coef:g}: "

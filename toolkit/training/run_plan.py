@@ -109,6 +109,8 @@ class RunPlan:
         plan.attention = str(base.config._attn_implementation)
         if shape.routing:  # a mixture of experts: how it routes, and the expert kernel transformers dispatched
             plan.experts = f"{shape.routing}, kernel {base.config._experts_implementation}"
+            if arguments.model.experts_implementation == "auto":
+                plan.experts += " (auto: transformers' grouped_mm where it can run, else eager)"
             text = base.config.get_text_config()
             if getattr(text, "output_router_logits", False):
                 plan.experts += f", load-balancing loss x {text.router_aux_loss_coef:g}"
