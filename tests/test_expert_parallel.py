@@ -181,7 +181,8 @@ def test_toolkit_check_refuses_what_expert_parallelism_cannot_train(argv, messag
 
 def test_accelerates_own_launcher_is_refused_in_one_line(monkeypatch):
     """accelerate launch drops parallelism_config_ep_size: the ranks see dp_shard=2 alone under MULTI_GPU, which
-    accelerate would run as DDP of the whole model. The toolkit's launcher exports the key."""
+    accelerate would run as DDP of the whole model. The toolkit's launcher exports the key; a SLURM job's mesh
+    flags (settings/mesh.py's job_mesh) carry it."""
     from toolkit.distributed.launcher import axis_flags, export_axes
     from toolkit.distributed.strategy import check_launcher_axes
 
@@ -198,6 +199,12 @@ def test_accelerates_own_launcher_is_refused_in_one_line(monkeypatch):
 
     assert os.environ["PARALLELISM_CONFIG_EP_SIZE"] == "2"
     check_launcher_axes(world_size=2)  # now an expert-parallel mesh
+    from toolkit.settings.mesh import job_mesh, launch_flags
+
+    section = {"parallelism_config_dp_shard_size": 2, "parallelism_config_ep_size": 8}  # a job's override of ep
+    assert launch_flags(job_mesh(section, nodes=1, per_node=8)) == [
+        "--parallelism_config_dp_replicate_size=1", "--parallelism_config_dp_shard_size=8",
+        "--parallelism_config_ep_size=8"]  # fmt: skip  # slurm/launch_node.sh's flags: ep had been dropped
 
 
 @pytest.mark.parametrize(("model", "experts"), [("qwen3_moe_fft", 128), ("mistralai/Mixtral-8x7B-v0.1", 8)])

@@ -59,7 +59,7 @@ def test_only_what_can_resume_is_requeued(exit_code, signalled, requeued, tmp_pa
 
 MESH_CONFIGS = {  # config -> MESH_FLAGS fitting 2 GPUs per node (the shipped sp and cp are 8)
     "tp": "", "fsdp2_tp": "", "fsdp_hybrid": "", "zero3_sp": "--parallelism_config_sp_size=2",
-    "fsdp2_cp": "--parallelism_config_cp_size=2", "pp": "", "pp_ddp": "",
+    "fsdp2_cp": "--parallelism_config_cp_size=2", "pp": "", "pp_ddp": "", "fsdp2_ep": "",
 }  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def test_launch_node_sizes_each_mesh_config_for_the_job(config, nodes, tmp_path)
             "num_processes": 2 * nodes,
             "parallelism_config": {**section, **{f"parallelism_config_{a}_size": s for a, s in mesh.items()}},
         }
-        check_mesh(launched, path, "llama3_fft")
+        check_mesh(launched, path, "qwen3_moe_fft" if config == "fsdp2_ep" else "llama3_fft")  # EP: a MoE
 
 
 def test_a_mesh_that_cannot_fit_the_nodes_is_one_line(tmp_path):

@@ -114,12 +114,13 @@ def job_mesh(parallelism_config: dict | None, nodes: int, per_node: int) -> dict
     if "sp" in split:
         return split
     replicas = world // model_parallel
+    experts = {"ep": file_mesh["ep"]} if "ep" in file_mesh else {}  # no process axis: inside dp_shard, as given
     if "pp" in split:  # stages across nodes (only activations cross), their replicas inside and across them
         return {"dp_replicate": replicas, "dp_shard": 1, **split}
     if "dp_replicate" in file_mesh:
-        return {"dp_replicate": nodes, "dp_shard": per_node // inside, **split}
+        return {"dp_replicate": nodes, "dp_shard": per_node // inside, **split, **experts}
     if "dp_shard" in file_mesh:
-        return {"dp_replicate": 1, "dp_shard": replicas, **split}
+        return {"dp_replicate": 1, "dp_shard": replicas, **split, **experts}
     return {"dp_replicate": replicas, "dp_shard": 1, **split}
 
 
