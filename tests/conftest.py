@@ -115,10 +115,14 @@ def offline_env(tmp_path_factory):
 def own_environment():
     """Each test starts from the session's environment and signal handlers: what an in-process run set there
     (wandb's service socket, torch's compiler cache; SafeStop's handlers, which a trainer driven without the
-    runner's fit() keeps) does not reach the next test."""
+    runner's fit() keeps) does not reach the next test. Nor its W&B run, which such a trainer leaves open (the
+    runner finishes its own): the next run would log into it."""
     saved = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     yield
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
     os.environ.clear()
     os.environ.update(saved)
     for sig, handler in handlers.items():

@@ -262,7 +262,7 @@ def stand_in(monkeypatch):
     server = WandbStandIn()
     monkeypatch.setenv("WANDB_BASE_URL", server.url)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    monkeypatch.delenv("WANDB_MODE")  # the suite's "disabled" would keep wandb's API from the stand-in
+    monkeypatch.setenv("WANDB_MODE", "offline")  # runs logged offline; the suite's "disabled" stops wandb's API too
     yield server
     server.server.shutdown()
 

@@ -27,6 +27,7 @@ from ..models.parallel import (
     check_sequence_heads,
     check_split_task,
     check_tensor_parallel,
+    recipe_lora_targets,
 )
 from ..models.pipeline import check_pipeline, check_pipeline_task, check_schedule
 from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
@@ -213,16 +214,6 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
                        micro_batches=values.get("gradient_accumulation_steps", 1))  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
-
-
-def recipe_lora_targets(values: dict) -> str | list[str] | None:
-    """A recipe's LoRA target modules as the run reads them (ModelArguments.lora_settings); None without LoRA."""
-    from ..settings.arguments import ModelArguments
-
-    if not values.get("use_lora"):
-        return None
-    targets = values.get("lora_target_modules", ModelArguments.lora_target_modules)
-    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
 
 
 def check(config_file: str | Path, recipe: str | None = None) -> str:

@@ -75,12 +75,15 @@ OFFLINE_NOTICE = (
 
 
 def init_args(project: str, group: str, tags: list[str]) -> dict[str, Any]:
-    """`wandb.init`'s project, group and tags for this run (the user's WANDB_PROJECT, WANDB_RUN_GROUP and WANDB_TAGS
-    win), offline where there is no account and no WANDB_MODE."""
+    """`wandb.init`'s project, group, tags and mode for this run (the user's WANDB_PROJECT, WANDB_RUN_GROUP,
+    WANDB_TAGS and WANDB_MODE win), offline where there is no account and no WANDB_MODE. All passed: wandb reads its
+    environment once per process, and a second run in it would get the first one's."""
     env_tags = [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
     found = {"project": os.environ.get("WANDB_PROJECT") or project,
              "group": os.environ.get("WANDB_RUN_GROUP") or group, "tags": env_tags or tags}  # fmt: skip
-    if "WANDB_MODE" not in os.environ and not has_api_key():
+    if os.environ.get("WANDB_MODE"):
+        found["mode"] = os.environ["WANDB_MODE"]
+    elif not has_api_key():
         found["mode"] = "offline"
     return found
 
@@ -115,7 +118,7 @@ def run_callback(run, recipe_name: str, tags: list[str], config: dict[str, Any],
     without an account) and logs its resolved `config`. `run`: the RunArguments. It goes before WandbCallback."""
     tags = [*tags, *(t.strip() for t in (run.wandb_tags or "").split(",") if t.strip())]
     init = init_args(run.wandb_project, run.wandb_group or recipe_name, tags)
-    if init.get("mode") == "offline" and is_main:
+    if init.get("mode") == "offline" and not os.environ.get("WANDB_MODE") and is_main:
         print(OFFLINE_NOTICE)
     return WandbRun(init, config)
 

@@ -77,6 +77,16 @@ def routed_expert_count(config: PretrainedConfig) -> int | None:
                 None)  # fmt: skip
 
 
+def recipe_lora_targets(values: dict) -> str | list[str] | None:
+    """A recipe's LoRA target modules as the run reads them (ModelArguments.lora_settings); None without LoRA."""
+    from ..settings.arguments import ModelArguments
+
+    if not values.get("use_lora"):
+        return None
+    targets = values.get("lora_target_modules", ModelArguments.lora_target_modules)
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+
+
 def lora_on_experts(config: PretrainedConfig, targets: str | list[str]) -> bool:
     """Whether LoRA with these target modules adapts a mixture of experts' fused experts (peft's "all-linear" takes
     them, by its adapters on parameters)."""

@@ -12,12 +12,17 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from ..data.sources import model_config, stored_split_size
-from ..distributed.launch_check import recipe_lora_targets
 from ..errors import ConfigError, command
 from ..metrics.cost import device_spec, price_table
 from ..metrics.memory import GIB
 from ..models.meta import meta_model
-from ..models.parallel import check_expert_parallel, check_sequence_heads, check_split_task, check_tensor_parallel
+from ..models.parallel import (
+    check_expert_parallel,
+    check_sequence_heads,
+    check_split_task,
+    check_tensor_parallel,
+    recipe_lora_targets,
+)
 from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, strategy_files
 from ..settings.arguments import ModelArguments
