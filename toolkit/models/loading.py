@@ -5,6 +5,7 @@ tokenizer, packing, attention: seconds, no weights) and `load_for_training` (the
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,9 @@ def load_model(
         mesh = launch_mesh()
         if {"tp", "ep"} & set(mesh):  # transformers shards it by the model's own plans as it loads (models/parallel)
             from transformers.distributed import DistributedConfig
+
+            # DTensor's advice to flatten the mesh transformers lays out (one line a rank, and nothing a user sets)
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
             kwargs["distributed_config"] = DistributedConfig(tp_size=mesh.get("tp", 1), ep_size=mesh.get("ep", 1),
                                                              fsdp_size=mesh.get("dp_shard", 1),
