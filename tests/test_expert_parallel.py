@@ -190,7 +190,7 @@ def test_accelerates_own_launcher_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     monkeypatch.delenv("PARALLELISM_CONFIG_EP_SIZE", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    with pytest.raises(ConfigError, match="only through the toolkit's launcher"):
+    with pytest.raises(ConfigError, match="only through the toolkit's: `python -m toolkit launch"):
         check_launcher_axes(world_size=2)
     found, rest = axis_flags(["--parallelism_config_ep_size", "2", "x.py"])
     assert found == {"parallelism_config_ep_size": "2"} and rest == ["x.py"]

@@ -288,7 +288,7 @@ def test_accelerates_launcher_is_refused_in_one_line(monkeypatch):
     for axis in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP"):
         monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis}_SIZE", "1")
     monkeypatch.delenv("PARALLELISM_CONFIG_PP_SIZE", raising=False)
-    with pytest.raises(ConfigError, match="only through the toolkit's launcher"):
+    with pytest.raises(ConfigError, match="only through the toolkit's: `python -m toolkit launch"):
         check_launcher_axes(world_size=2)
 
     found, rest = axis_flags(["--num_processes", "4", "--parallelism_config_pp_size=4", "x.py", "--tiny",

@@ -103,10 +103,10 @@ def check_launcher_axes(world_size: int) -> None:
     if "pp" in mesh:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     elif world_size > 1 and (not mesh or set(mesh) == {"dp_shard"} and not sharded):
-        raise ConfigError("this launch's parallelism_config sets no size accelerate passes on but dp_shard: a "
-                          "pipeline config's parallelism_config_pp_size and an expert-parallel config's _ep_size "
-                          "reach the processes only through the toolkit's launcher: `python -m toolkit launch "
-                          "--config_file CONFIG ...` (or make finetune).")  # fmt: skip
+        raise ConfigError("this launch's parallelism_config reached the processes without its pipeline or expert "
+                          "axis: accelerate's launcher drops parallelism_config_pp_size and _ep_size, which reach "
+                          "them only through the toolkit's: `python -m toolkit launch --config_file CONFIG ...` "
+                          "(or make finetune).")  # fmt: skip
 
 
 # accelerate's fp8_config backends: the module each imports, and what installs it.
