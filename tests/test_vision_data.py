@@ -187,3 +187,26 @@ def test_image_max_pixels_scales_each_image_down_before_the_processor():
     assert wide.size[0] * wide.size[1] <= 28 * 28 and wide.size[0] / wide.size[1] == pytest.approx(1.5, rel=0.05)
     small = picture(2, (20, 20))
     assert within(small, 28 * 28) is small and within(picture(0, (56, 56)), None).size == (56, 56)
+
+
+def test_generate_scales_a_picture_as_the_run_trained(tmp_path):
+    """`toolkit generate RUN --image` sends the picture at the run's --image_max_pixels (read from its
+    run_summary.json, beside the model or a folder up), as its training pictures were: 24 image tokens unscaled,
+    10 at 28 x 28 pixels (LLaVA-OneVision, above). It had been sent as it was."""
+    import json
+
+    from toolkit.data.vision import prompt_batch
+    from toolkit.generate import trained_max_pixels
+
+    processor = PROCESSORS["llava_onevision"]()
+    path = tmp_path / "picture.png"
+    picture(0, (56, 56)).save(path)
+    messages = [{"role": "user", "content": "What colour is it?"}]
+    for max_pixels, count in [(None, 24), (28 * 28, 10)]:
+        batch, _ = prompt_batch(processor, messages, path, max_pixels)
+        assert int((batch["input_ids"] == processor.tokenizer.image_token_id).sum()) == count
+    (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    summary = {"summary": {}, "config": {"toolkit": {"image_max_pixels": 784}}}
+    (tmp_path / "run" / "run_summary.json").write_text(json.dumps(summary))
+    assert trained_max_pixels(tmp_path / "run") == trained_max_pixels(tmp_path / "run" / "checkpoint-2") == 784
+    assert trained_max_pixels(tmp_path) is None

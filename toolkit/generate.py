@@ -93,7 +93,8 @@ def answer(model, tokenizer, messages: list[dict[str, str]], args: argparse.Name
     if getattr(tokenizer, "image_processor", None) is not None:
         from .data.vision import prompt_batch
 
-        batch, stops = prompt_batch(tokenizer, messages, getattr(args, "image", None))
+        batch, stops = prompt_batch(tokenizer, messages, getattr(args, "image", None),
+                                    getattr(args, "image_max_pixels", None))  # fmt: skip
         inputs, tokenizer = batch.to(model.device), tokenizer.tokenizer
     else:
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -139,7 +140,22 @@ def start(args: argparse.Namespace):
     model, tokenizer = load(args.run, args.dtype)
     if args.image is not None and getattr(tokenizer, "image_processor", None) is None:
         raise ConfigError(f"--image: {args.run} is a text model; a picture needs an image-text run (task vlm_sft).")
+    args.image_max_pixels = trained_max_pixels(args.run)
     return model, tokenizer
+
+
+def trained_max_pixels(run: str | Path) -> int | None:
+    """The --image_max_pixels a run trained with (its run_summary.json, beside the model or a folder up: a
+    checkpoint, merged/), so that a picture is scaled as its training pictures were; None where it set none."""
+    from .outputs import SUMMARY
+
+    for folder in (Path(run), Path(run).parent):
+        if (folder / SUMMARY).is_file():
+            try:
+                return json.loads((folder / SUMMARY).read_text())["config"]["toolkit"].get("image_max_pixels")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return None  # a summary cut short: the picture as it is
+    return None
 
 
 def opening(args: argparse.Namespace) -> list[dict[str, str]]:

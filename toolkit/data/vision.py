@@ -130,9 +130,10 @@ class _Renderer:
         return self.processor.tokenizer(*args, **kwargs)
 
 
-def prompt_batch(processor, messages: list[dict], image=None) -> tuple[dict, list[int]]:
+def prompt_batch(processor, messages: list[dict], image=None, max_pixels: int | None = None) -> tuple[dict, list[int]]:
     """A conversation to answer (`toolkit generate`, `chat`) as the processor's batch, `image` (a path) placed in the
-    first user turn, and the ids that end the answer (the end of sequence and the template's turn ending)."""
+    first user turn, scaled to `max_pixels` as the run's training images were (within), and the ids that end the
+    answer (the end of sequence and the template's turn ending)."""
     from .conversations import stop_token_ids
 
     parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
@@ -140,7 +141,7 @@ def prompt_batch(processor, messages: list[dict], image=None) -> tuple[dict, lis
     if image is not None:
         first = next(m for m in parts if m["role"] == "user")
         first["content"].insert(0, {"type": "image"})
-        images = [[open_image(str(image))]]
+        images = [[within(open_image(str(image)), max_pixels)]]
     text = processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
     batch = processor(text=[text], images=images, return_tensors="pt")
     renderer = _Renderer(processor)
