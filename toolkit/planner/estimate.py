@@ -210,9 +210,8 @@ def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices
 # weights, move less under expert parallelism (its tokens, to the experts) than under sharding (every expert,
 # gathered to every rank): fsdp2_ep before fsdp2 (refused for dense models).
 PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid", "fsdp2_ep", "fsdp2", "zero3",
-              "fsdp",
-              "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp", "zero2_offload", "fsdp_offload",
-              "zero3_offload")  # fmt: skip
+              "fsdp", "tp", "fsdp2_tp", "zero3_sp", "fsdp2_cp", "fsdp2_fp8", "pp", "pp_ddp", "zero2_offload",
+              "fsdp_offload", "zero3_offload")  # fmt: skip
 # FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
 # at 8 GPUs / 8B parameters (docs.pytorch.org/ao, "Quantized Training": "up to 1.25x"; up to 1.5x at 512 GPUs /
 # 405B). It assumes compile, which --torch_compile auto turns on under FP8: one H100 measured 1.26x over bf16
