@@ -56,7 +56,7 @@ def launch_flag_types() -> dict:
     from accelerate.commands.launch import launch_command_parser
 
     types = {action.dest: action.type for action in launch_command_parser()._actions if action.type is not None}
-    return {**types, "parallelism_config_pp_size": int, "parallelism_config_ep_size": int}
+    return {**types, **{key: int for key in LAUNCHER_KEYS if key.endswith("_size")}}
 
 
 # Numbers only: accelerate reads its flags as text (its own files write downcast_bf16: 'no').
@@ -203,7 +203,8 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
     except ConfigError:
         return  # a model another run writes (the DPO recipes' SFT output): checked when the run loads it
     try:
-        check_tensor_parallel(config, mesh, processes, lora_targets=recipe_lora_targets(values))
+        check_tensor_parallel(config, mesh, processes, lora_targets=recipe_lora_targets(values),
+                              task=values.get("task", "sft"))  # fmt: skip
         check_expert_parallel(config, mesh, processes, bool(values.get("use_lora")))
     except ConfigError as error:
         raise ConfigError(f"{path} with {recipe}: {error}") from None

@@ -20,7 +20,6 @@ from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError, first_line
 from ..metrics.memory import HostMemoryPeak
-from ..metrics.routing import fused_experts
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
@@ -29,7 +28,7 @@ from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, sup
 from .counts import LoadRecord, ParameterCounts
 from .lora import add_lora
 from .meta import meta_model
-from .parallel import check_expert_parallel, check_sequence_split, check_tensor_parallel
+from .parallel import check_expert_parallel, check_sequence_split, check_tensor_parallel, lora_on_experts
 from .pipeline import check_pipeline, split_stage
 
 
@@ -110,16 +109,15 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     lora = args.lora_settings()
     if cls is None or lora is None:
         return
-    modules = dict(meta_model(config, task).named_modules())
-    experts = [n for n, m in modules.items() if fused_experts(m)]
-    adapted = lora["target_modules"] == "all-linear" or any(n.endswith(tuple(lora["target_modules"])) for n in experts)
-    if experts and adapted and args.lora_dropout:  # peft adapts fused experts' 3-D weights by ParamWrapper
+    model = meta_model(config, task)
+    if args.lora_dropout and lora_on_experts(model, lora["target_modules"]):  # peft's ParamWrapper on 3-D weights
         raise ConfigError(f"lora_dropout {args.lora_dropout:g} with LoRA on {cls.__name__}'s fused experts (which "
                           f"{lora['target_modules'] if isinstance(lora['target_modules'], str) else 'the targets'} "
                           "adapts): peft's adapters on parameters take no dropout: pass --lora_dropout 0, or "
                           "--lora_target_modules q_proj,k_proj,v_proj,o_proj to leave the experts out.")  # fmt: skip
     if lora["target_modules"] == "all-linear":
         return
+    modules = dict(model.named_modules())
     matches = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora["target_modules"]}
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                      if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
@@ -281,7 +279,7 @@ def blueprint(args: Arguments) -> Blueprint:
     mesh = launch_mesh()
     lora = args.model.lora_settings()
     check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model,
-                          lora["target_modules"] if lora else None)  # fmt: skip
+                          lora["target_modules"] if lora else None, args.data.task)  # fmt: skip
     check_expert_parallel(config, mesh, args.training.world_size, args.model.use_lora, args.training.save_only_model)
     check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
     check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,

@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from ..metrics.routing import fused_experts
 from ..settings.mesh import describe as describe_mesh
 from ..settings.mesh import mesh_processes, sequence_attention
+from .meta import meta_model
 
 if TYPE_CHECKING:  # the settings import transformers' TrainingArguments (and peft): not for `toolkit check`
     from ..settings.arguments import Arguments
@@ -38,7 +41,7 @@ def check_mesh_size(mesh: dict[str, int], world_size: int, fix: str) -> None:
 
 
 def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, save_only_model: bool = True,
-                          lora_targets: str | list[str] | None = None) -> None:  # fmt: skip
+                          lora_targets: str | list[str] | None = None, task: str = "sft") -> None:  # fmt: skip
     """A tensor-parallel launch (the accelerate config's `parallelism_config_tp_size`), before any weight loads:
     a mesh that covers the processes, a model transformers can split, heads that split evenly, LoRA adapters peft
     can put on the shards (`lora_targets`: the run's target modules), and checkpoints that transformers can write
@@ -46,16 +49,16 @@ def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
     tp = mesh.get("tp", 1)
     if tp == 1:
         return
-    if lora_targets is not None and lora_on_experts(config, lora_targets):
-        raise ConfigError("LoRA on a mixture of experts' fused experts under tensor parallelism: peft's adapters on "
-                          "parameters do not run on transformers' shards ('ParamWrapper' object has no attribute "
-                          "'weight'): leave the experts out (--lora_target_modules q_proj,k_proj,v_proj,o_proj), or "
-                          "train LoRA with fsdp2.yaml or zero3.yaml.")  # fmt: skip
     check_mesh_size(mesh, world_size, f"set --num_processes {mesh_processes(mesh)}, or parallelism_config "
                                       f"sizes whose product is {world_size}.")  # fmt: skip
     if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(f"{config.model_type} has no tensor-parallel plan in transformers (base_model_tp_plan): "
                           "train it with accelerate_configs/fsdp2.yaml (sharded data parallelism).")  # fmt: skip
+    if lora_targets is not None and lora_on_experts(meta_model(config, task), lora_targets):
+        raise ConfigError("LoRA on a mixture of experts' fused experts under tensor parallelism: peft's adapters on "
+                          "parameters do not run on transformers' shards ('ParamWrapper' object has no attribute "
+                          "'weight'): leave the experts out (--lora_target_modules q_proj,k_proj,v_proj,o_proj), or "
+                          "train LoRA with fsdp2.yaml or zero3.yaml.")  # fmt: skip
     heads = {"attention heads": getattr(config, "num_attention_heads", None),
              "key/value heads": getattr(config, "num_key_value_heads", None)}  # fmt: skip
     for what, count in heads.items():
@@ -79,20 +82,18 @@ def routed_expert_count(config: PretrainedConfig) -> int | None:
 
 def recipe_lora_targets(values: dict) -> str | list[str] | None:
     """A recipe's LoRA target modules as the run reads them (ModelArguments.lora_settings); None without LoRA."""
-    from ..settings.arguments import ModelArguments
+    from ..settings.arguments import ModelArguments, lora_targets
 
     if not values.get("use_lora"):
         return None
-    targets = values.get("lora_target_modules", ModelArguments.lora_target_modules)
-    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    return lora_targets(values.get("lora_target_modules", ModelArguments.lora_target_modules))
 
 
-def lora_on_experts(config: PretrainedConfig, targets: str | list[str]) -> bool:
-    """Whether LoRA with these target modules adapts a mixture of experts' fused experts (peft's "all-linear" takes
-    them, by its adapters on parameters)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    named = targets == "all-linear" or any("experts" in t for t in targets)
-    return routed_expert_count(text) is not None and named
+def lora_on_experts(model: torch.nn.Module, targets: str | list[str]) -> bool:
+    """Whether LoRA with these target modules adapts `model`'s fused experts (a meta-device instance will do): peft's
+    "all-linear" takes them, by its adapters on parameters, as does a target naming an experts module."""
+    experts = [name for name, module in model.named_modules() if fused_experts(module)]
+    return bool(experts) and (targets == "all-linear" or any(name.endswith(tuple(targets)) for name in experts))
 
 
 def check_expert_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, use_lora: bool = False,

@@ -270,7 +270,7 @@ def refusal(layout: Layout, config, task: str, values: dict) -> str | None:
     world = math.prod(mesh.values())
     try:
         check_split_task(mesh, task)
-        check_tensor_parallel(config, mesh, world, lora_targets=recipe_lora_targets(values))
+        check_tensor_parallel(config, mesh, world, lora_targets=recipe_lora_targets(values), task=task)
         check_sequence_heads(config, mesh.get("sp", 1))
         check_pipeline(config, mesh, task, world_size=world, load_in_4bit=bool(values.get("load_in_4bit")),
                        schedule=layout.pipeline_schedule or PIPELINE_SCHEDULES[0],

@@ -191,9 +191,7 @@ class ModelArguments:
         """The peft LoraConfig arguments that decide the adapter's shape (dropout aside), or None without LoRA."""
         if not self.use_lora:
             return None
-        targets = self.lora_target_modules  # "all-linear": peft finds every linear layer but the output head
-        if targets != "all-linear":
-            targets = [t.strip() for t in targets.split(",")]
+        targets = lora_targets(self.lora_target_modules)
         return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "target_modules": targets}
 
 
@@ -372,6 +370,12 @@ class RunArguments:
         at_least("lr_reference_batch_size", self.lr_reference_batch_size, 1)
         at_least("generation_samples", self.generation_samples, 0)
         at_least("generation_max_new_tokens", self.generation_max_new_tokens, 1)
+
+
+def lora_targets(modules: str) -> str | list[str]:
+    """--lora_target_modules as peft takes it: "all-linear" (every linear layer but the output head, found by peft),
+    or the comma-separated names as a list."""
+    return modules if modules == "all-linear" else [t.strip() for t in modules.split(",")]
 
 
 def check_qlora(model: ModelArguments) -> None:
