@@ -148,12 +148,13 @@ def trained_max_pixels(run: str | Path) -> int | None:
     """The --image_max_pixels a run trained with (its run_summary.json, beside the model or a folder up: a
     checkpoint, merged/), so that a picture is scaled as its training pictures were; None where it set none."""
     from .outputs import SUMMARY
+    from .results.record import RunRecord
 
     for folder in (Path(run), Path(run).parent):
         if (folder / SUMMARY).is_file():
             try:
-                return json.loads((folder / SUMMARY).read_text())["config"]["toolkit"].get("image_max_pixels")
-            except (ValueError, KeyError, TypeError, AttributeError):
+                return RunRecord.read(folder).settings.get("image_max_pixels")
+            except (ConfigError, KeyError, AttributeError):
                 return None  # a summary cut short: the picture as it is
     return None
 
