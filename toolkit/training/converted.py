@@ -51,11 +51,12 @@ def load_converted(model: torch.nn.Module, checkpoint: str | Path) -> bool:
 
 def load_sharded(model: torch.nn.Module, checkpoint: str | Path) -> bool:
     """Load `checkpoint` into a model transformers sharded at load, shard by shard; False for any other model."""
+    from torch.distributed.tensor import DTensor
+
     if not getattr(model, "is_distributed_loading_by_transformers", False):
         return False
     loaded = type(model).from_pretrained(checkpoint, config=model.config, dtype="auto",
                                          distributed_config=model.config.distributed_config)  # fmt: skip
-    from torch.distributed.tensor import DTensor
 
     def local(tensor: torch.Tensor) -> torch.Tensor:  # a shard, or a tensor the plan leaves whole (TP's norms)
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
