@@ -160,10 +160,10 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
         engine = ENGINES.get(config.get("distributed_type"), "replicated")
         if str(config.get("mixed_precision")).lower() == "fp8" and not fp8:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
-        text = path.read_text()
-        experts = "parallelism_config_ep_size" in text
+        section = config.get("parallelism_config") or {}
+        experts = "parallelism_config_ep_size" in section
         # a model transformers shards at load (TP, EP): checkpoints of the weights, a resume's optimizer is fresh
-        weights_only = experts or "parallelism_config_tp_size" in text
+        weights_only = experts or "parallelism_config_tp_size" in section
         for recipe in EXPERT_RECIPES if experts else RECIPES:
             row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
