@@ -89,9 +89,11 @@ def test_the_install_keeps_each_library_inside_its_window(reliance):
     assert pins[reliance.library] == SpecifierSet(f">={low},<{high}")
 
 
-def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch, tmp_path):
-    """FSDP1 itself on CPU (gloo, one process): accelerate's own save and load of a SHARDED_STATE_DICT optimizer,
-    the load given a fresh optimizer as a resuming Trainer gives it. Without fsdp1_resume nothing is loaded."""
+def test_fsdp1_sharded_resume_loads_weights_and_optimizer_state(monkeypatch, tmp_path):
+    """FSDP1 itself on CPU (gloo, one process): accelerate's own save and load of a SHARDED_STATE_DICT model and
+    optimizer, the loads given a fresh model and optimizer as a resuming Trainer gives them. Without fsdp1_resume
+    no moments load and the fp32 weights come back rounded to bf16; with it, a step after the resume is the
+    uninterrupted run's step, bit for bit (an earlier version of the patch dropped the loaded weights instead)."""
     from types import SimpleNamespace
 
     import accelerate.utils.fsdp_utils as fsdp_utils
@@ -104,7 +106,8 @@ def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch, tmp_path):
 
     from toolkit.distributed.patches import fsdp1_resume
 
-    monkeypatch.setattr(fsdp1_resume, "_original", fsdp_utils.load_fsdp_optimizer)
+    originals = {name: getattr(fsdp_utils, name) for name in ("load_fsdp_model", "load_fsdp_optimizer")}
+    monkeypatch.setattr(fsdp1_resume, "_originals", originals)
     monkeypatch.setattr(fsdp_utils, "logger", logging.getLogger(__name__))  # accelerate's needs an Accelerator
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -121,28 +124,42 @@ def test_fsdp1_sharded_optimizer_state_survives_a_resume(monkeypatch, tmp_path):
             for module in FSDP.fsdp_modules(model):
                 module._flat_param.data = module._flat_param.data.to(torch.float32)
                 module._handle._orig_param_dtype = torch.float32
-            return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # the Trainer's on a GPU
+            return model, torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)  # the Trainer's on a GPU
 
-        def step(model, optimizer):
-            model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+        def step(model, optimizer, seed):
+            torch.manual_seed(seed)
+            loss = model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum()
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            return loss.item()
+
+        def flat(model):
+            return [module._flat_param.detach().clone() for module in FSDP.fsdp_modules(model)]
 
         model, optimizer = model_and_optimizer()
-        for _ in range(3):
-            step(model, optimizer)
+        for seed in range(3):
+            step(model, optimizer, seed)
+        fsdp_utils.save_fsdp_model(plugin, accelerator, model, str(tmp_path))
         fsdp_utils.save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp_path))
-        saved = [optimizer.state[p] for p in model.parameters()]
+        saved_weights = flat(model)
+        saved_state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+        assert all(w.dtype == torch.float32 for w in saved_weights)
+        next_loss, next_weights = step(model, optimizer, 3), flat(model)
 
-        for load, loads_state in ((fsdp_utils.load_fsdp_optimizer, False), (fsdp1_resume.load_fsdp_optimizer, True)):
+        for loads, patched in ((originals, False), (vars(fsdp1_resume), True)):
             model, optimizer = model_and_optimizer()
-            load(plugin, accelerator, optimizer, model, str(tmp_path))
-            assert bool(optimizer.state) == loads_state
-        for parameter, before in zip(model.parameters(), saved, strict=True):
+            loads["load_fsdp_model"](plugin, accelerator, model, str(tmp_path))
+            loads["load_fsdp_optimizer"](plugin, accelerator, optimizer, model, str(tmp_path))
+            assert bool(optimizer.state) == patched
+            exact = all(torch.equal(a, b) for a, b in zip(flat(model), saved_weights, strict=True))
+            assert exact == patched  # accelerate's own load rounds the fp32 weights through bf16 parameters
+        for parameter, before in zip(model.parameters(), saved_state, strict=True):
             after = optimizer.state[parameter]
             assert float(after["step"]) == float(before["step"]) == 3
             for key in ("exp_avg", "exp_avg_sq"):
                 assert after[key].dtype == torch.float32 and torch.equal(after[key], before[key])
-        step(model, optimizer)  # the fused step takes the moments in the parameters' dtype
+        assert step(model, optimizer, 3) == next_loss  # the fused step takes the moments in the parameters' dtype
+        assert all(torch.equal(a, b) for a, b in zip(flat(model), next_weights, strict=True))
     finally:
         dist.destroy_process_group()
