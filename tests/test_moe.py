@@ -189,3 +189,29 @@ def test_lora_on_fused_experts_trains_them_and_refuses_dropout(tmp_path, monkeyp
     captured = capsys.readouterr()
     assert_one_clear_line(captured.out + captured.err, "peft's adapters on parameters take no dropout: pass "
                                                        "--lora_dropout 0")  # fmt: skip
+
+
+def test_batched_mm_at_a_training_batch_is_refused_before_the_weights(monkeypatch, capsys):
+    """transformers' batched_mm copies each token's k experts' weights: bench/mfu.py's moe_batched row (Qwen3-30B-A3B's
+    layer, 2 x 4,096 tokens) asked an H200 for 384.00 GiB at its gate/up gather (torch's out-of-memory message,
+    2026-11-28), the formula's gate/up share; a run needing more than its device holds is one line, no weights."""
+    import sys
+
+    from conftest import ROOT
+    from transformers import Qwen3MoeConfig
+
+    from toolkit import run
+    from toolkit.models.loading import gathered_expert_bytes
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from mfu import QWEN3_MOE_SMALL
+
+    gathered = gathered_expert_bytes(Qwen3MoeConfig(**QWEN3_MOE_SMALL), "sft", 2 * 4096, 2)
+    assert gathered * 2 / 3 == 384 * 2**30  # gate/up: 2 x 768 of each expert's 3 x 768 rows of 2,048
+    monkeypatch.setattr("toolkit.models.loading.device_memory", lambda: 2**20)
+    monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(SystemExit):
+        run(load_recipe("qwen3_moe_fft"), ["--tiny", "--experts_implementation", "batched_mm"], "qwen3_moe_fft")
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, "batched_mm copies each token's experts' weights")
+    assert "use grouped_mm (auto's choice on a GPU) or eager" in captured.err

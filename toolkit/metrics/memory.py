@@ -143,3 +143,12 @@ def memory_fraction() -> float:
     import psutil
 
     return psutil.virtual_memory().percent / 100
+
+
+def device_memory() -> int:
+    """Bytes the run's device holds: the GPU's total, the host's RAM on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total

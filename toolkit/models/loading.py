@@ -19,7 +19,7 @@ from ..data.conversations import stop_token_ids
 from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError, first_line
-from ..metrics.memory import HostMemoryPeak
+from ..metrics.memory import HostMemoryPeak, device_memory, human_bytes
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
@@ -135,6 +135,35 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
         raise ConfigError(f"lora_target_modules {named}: LoRA adapts linear, embedding and convolution layers only. "
                           f"{cls.__name__}'s linear layers are {', '.join(linear)}: pass some of them, or "
                           "all-linear.")  # fmt: skip
+
+
+def gathered_expert_bytes(config: PretrainedConfig, task: str, tokens: int, weight_bytes: int) -> int:
+    """Bytes of expert weights transformers' batched_mm gathers in one layer's forward for `tokens` tokens:
+    `gate_up_proj[expert_ids]` and `down_proj[expert_ids]`, a copy of each of a token's k experts (0 when dense)."""
+    from ..metrics.routing import expert_count, fused_experts
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = next((m for m in meta_model(config, task).modules() if fused_experts(m)), None)
+    if experts is None:
+        return 0
+    per_expert = sum(p.numel() for p in experts.parameters()) // expert_count(experts)
+    return tokens * getattr(text, "num_experts_per_tok", 1) * per_expert * weight_bytes
+
+
+def check_experts_kernel(config: PretrainedConfig, args: Arguments, device_bytes: int) -> None:
+    """batched_mm is sized for decoding: at a training micro-batch its gathered weights outgrow any device (a
+    Qwen3-30B-A3B layer at 2 x 4,096 tokens asked an H200 for 384 GiB), so it is refused before any weight loads."""
+    if args.model.experts_implementation != "batched_mm" or not device_bytes:
+        return
+    tokens = args.training.per_device_train_batch_size * args.data.max_seq_length
+    weight_bytes = torch.finfo(torch_dtype(args.model.dtype)).bits // 8 if args.model.dtype != "auto" else 2
+    gathered = gathered_expert_bytes(config, args.data.task, tokens, weight_bytes)
+    if gathered > device_bytes:
+        most = tokens * device_bytes // gathered
+        raise ConfigError(f"--experts_implementation batched_mm copies each token's experts' weights: "
+                          f"{human_bytes(gathered)} a layer at {tokens:,} tokens a micro-batch, more than this "
+                          f"device's {human_bytes(device_bytes)}: use grouped_mm (auto's choice on a GPU) or "
+                          f"eager, or micro-batches of well under {most:,} tokens.")  # fmt: skip
 
 
 def check_sequence_length(config: PretrainedConfig, max_seq_length: int) -> None:
@@ -276,6 +305,7 @@ def blueprint(args: Arguments) -> Blueprint:
     config = load_config(args.model)
     check_model_settings(config, args.model, args.data.task)
     check_sequence_length(config, args.data.max_seq_length)
+    check_experts_kernel(config, args, device_memory())
     mesh = launch_mesh()
     lora = args.model.lora_settings()
     check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model,
