@@ -294,28 +294,37 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     rows = output / "rows.jsonl"  # one line per finished run, so a run cut short (a time limit) keeps what it had
     rows.write_text("")
-    for repeat in range(args.repeats):
-        for variant in [v for v in variants if v not in failed]:
-            cmd = [sys.executable, __file__, "--run", variant, "--steps", str(args.steps), "--batch", str(args.batch),
-                   "--row_length", str(args.row_length), "--output", args.output]  # fmt: skip
-            cmd += ["--toy"] if args.toy else []
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-            seconds = time.perf_counter() - start
-            line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
-            if proc.returncode or not line:  # the other variants still run: a variant that fails is a finding
-                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-                last = (proc.stderr.strip().splitlines() or [""])[-1]
-                failed[variant] = f"exit {proc.returncode}: {last[:200]}"
-                row = {"variant": variant, "repeat": repeat, "error": failed[variant]}
-            else:
-                results[variant].append(json.loads(line[0][6:]))
-                row = {"variant": variant, "repeat": repeat, **results[variant][-1]}
-            with rows.open("a") as f:
-                f.write(json.dumps({**row, "wall_seconds": round(seconds, 1)}) + "\n")
-            outcome = "failed" if variant in failed else f"{results[variant][-1]['tokens_per_second']:,.0f} tokens/s"
-            print(f"repeat {repeat + 1}/{args.repeats} {variant:11s} {outcome} ({seconds:.0f} s with start-up)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def measure(variant: str, repeat: int) -> None:
+        cmd = [sys.executable, __file__, "--run", variant, "--steps", str(args.steps), "--batch", str(args.batch),
+               "--row_length", str(args.row_length), "--output", args.output]  # fmt: skip
+        cmd += ["--toy"] if args.toy else []
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+        seconds = time.perf_counter() - start
+        line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
+        if proc.returncode or not line:  # the other variants still run: a variant that fails is a finding
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            last = (proc.stderr.strip().splitlines() or [""])[-1]
+            failed[variant] = f"exit {proc.returncode}: {last[:200]}"
+            row = {"variant": variant, "repeat": repeat, "error": failed[variant]}
+        else:
+            results[variant].append(json.loads(line[0][6:]))
+            row = {"variant": variant, "repeat": repeat, **results[variant][-1]}
+        with rows.open("a") as f:
+            f.write(json.dumps({**row, "wall_seconds": round(seconds, 1)}) + "\n")
+        outcome = "failed" if variant in failed else f"{results[variant][-1]['tokens_per_second']:,.0f} tokens/s"
+        print(f"repeat {repeat + 1}/{args.repeats} {variant:11s} {outcome} ({seconds:.0f} s with start-up)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    interrupted = False
+    try:
+        for repeat in range(args.repeats):
+            for variant in [v for v in variants if v not in failed]:
+                measure(variant, repeat)
+    except KeyboardInterrupt:  # a time limit's SIGINT: the table of what finished, as gpu_check prints its own
+        interrupted = True
+        print("interrupted: the table holds the variants measured so far", file=sys.stderr)
 
     def median(v: str, key: str) -> float | None:
         values = [r[key] for r in results[v] if r[key] is not None]
@@ -340,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     for v, reason in {**skipped, **failed}.items():
         print(f"| {v} | {'failed' if v in failed else 'not run'}: {reason} | | | | | | |")
     (output / "results.json").write_text(json.dumps({"runs": results, "skipped": skipped, "failed": failed}))
-    return 1 if failed else 0
+    return 130 if interrupted else 1 if failed else 0
 
 
 if __name__ == "__main__":

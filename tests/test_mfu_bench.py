@@ -89,3 +89,21 @@ def test_bench_keeps_every_row_and_reports_a_failed_variant(tmp_path, monkeypatc
     assert "| toolkit | failed: exit 1: RuntimeError: boom |" in table and "| liger | not run: " in table
     with pytest.raises(SystemExit):  # a typo in --variants, before anything runs
         mfu.main(["--toy", "--variants", "trainer,toolkti", "--output", str(tmp_path)])
+
+
+def test_an_interrupted_bench_prints_what_it_measured(tmp_path, monkeypatch, capsys):
+    """A device call's time limit sends SIGINT mid-variant: the table of the variants measured so far, exit 130 (it
+    was a traceback, the measured rows only on disk)."""
+    measured = {"tokens_per_second": 1000.0, "mfu": None, "peak_gib": None, "planned_gib": None,
+                "attention": "sdpa", "compile": False, "device": "cpu"}  # fmt: skip
+
+    def run(cmd, **kwargs):
+        if "trainer" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout="BENCH " + json.dumps(measured), stderr="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mfu.subprocess, "run", run)
+    assert mfu.main(["--toy", "--variants", "trainer,toolkit", "--output", str(tmp_path)]) == 130
+    captured = capsys.readouterr()
+    assert "| trainer | sdpa | off | 1,000 | 1.00x |" in captured.out and "| toolkit |" not in captured.out
+    assert "interrupted" in captured.err
