@@ -126,8 +126,9 @@ def test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pa
 
 
 def test_an_h100_is_priced_and_peaked_as_the_part_it_is():
-    """torch's names for the two H100 parts (and the H200's: SXM 989, NVL 835): the PCIe card (756 dense BF16 TFLOPS, NVIDIA's datasheet) is not
-    the SXM5 one (989); an unknown part is named, not guessed (it was priced and peaked as SXM5)."""
+    """torch's names for the two H100 parts: the PCIe card (756 dense BF16 TFLOPS, NVIDIA's datasheet) is not
+    the SXM5 one (989); an unknown part is named, not guessed (it was priced and peaked as SXM5). The H200's two
+    parts, from their datasheet: SXM 989, NVL 835."""
     from toolkit.metrics.cost import device_named, peak_tflops
 
     assert device_named("NVIDIA H100 80GB HBM3") == "H100-80GB" and peak_tflops("H100-80GB", "bf16") == 989.0
