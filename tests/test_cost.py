@@ -128,7 +128,7 @@ def test_budget_warns_once_at_80_percent_and_stops_before_the_step_that_would_pa
 def test_an_h100_is_priced_and_peaked_as_the_part_it_is():
     """torch's names for the two H100 parts: the PCIe card (756 dense BF16 TFLOPS, NVIDIA's datasheet) is not
     the SXM5 one (989); an unknown part is named, not guessed (it was priced and peaked as SXM5). The H200's two
-    parts, from their datasheet: SXM 989, NVL 835."""
+    parts, from their datasheet: SXM 989, NVL 835; the L40S and B200 the FP8 refusal names as FP8 GPUs."""
     from toolkit.metrics.cost import device_named, peak_tflops
 
     assert device_named("NVIDIA H100 80GB HBM3") == "H100-80GB" and peak_tflops("H100-80GB", "bf16") == 989.0
@@ -137,6 +137,8 @@ def test_an_h100_is_priced_and_peaked_as_the_part_it_is():
     assert device_named("NVIDIA A100-SXM4-80GB") == "A100-80GB"
     assert device_named("NVIDIA H200") == "H200-141GB" and peak_tflops("H200-141GB", "bf16") == 989.0  # the H100's
     assert device_named("NVIDIA H200 NVL") == "H200-NVL-141GB" and peak_tflops("H200-NVL-141GB", "bf16") == 835.0
+    assert device_named("NVIDIA L40S") == "L40S-48GB" and peak_tflops("L40S-48GB", "fp8") == 733.0
+    assert peak_tflops(device_named("NVIDIA B200"), "bf16") == 36_000 / 8 / 2  # HGX B200: 8 GPUs, with sparsity
 
 
 def test_costs_and_durations_read_as_a_person_writes_them():
