@@ -5,8 +5,6 @@ and flags: only the model's width and depth, the data and the run's length are t
 flex attention, the fused loss, --torch_compile auto; the training flags it changes are set back, OWN_FLAGS):
   train      10 steps, a checkpoint at step 5 and at step 10, the export
   resume     (llama3_fft rows, and each recipe's first row) from a copy of checkpoint-5 to step 10: same losses
-             (not the tensor- and expert-parallel rows: their checkpoints hold the weights, a resume a fresh
-             optimizer)
   reload     the model `toolkit generate` loads from the export (or the adapter on its base) holds the weights of
              checkpoint-10, read as a resume reads them (DeepSpeed's partitions, FSDP's shards, safetensors)
   generate   (the rows that resume) `python -m toolkit generate` answers a prompt
@@ -162,8 +160,6 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
         section = config.get("parallelism_config") or {}
         experts = "parallelism_config_ep_size" in section
-        # a model transformers shards at load (TP, EP): checkpoints of the weights, a resume's optimizer is fresh
-        weights_only = experts or "parallelism_config_tp_size" in section
         for recipe in EXPERT_RECIPES if experts else RECIPES:
             row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
@@ -179,7 +175,7 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
                 row.skip = "SmolLM2 ties its head to its embeddings, which pipeline stages refuse"
             elif skip:
                 row.skip = skip
-            if not row.skip and not weights_only and (recipe in RESUMED or recipe not in resumed):
+            if not row.skip and (recipe in RESUMED or recipe not in resumed):
                 row.resume = True
                 resumed.add(recipe)
             rows.append(row)

@@ -209,6 +209,26 @@ def test_resume_refusals_name_the_fix(tmp_path, engine, world, batch, message):
     assert check_resumable(checkpoint, "DEEPSPEED", 2, 16, accumulation=1) == ""  # the same launch resumes
 
 
+def test_a_tensor_parallel_checkpoint_resumes_on_its_own_processes_only(tmp_path):
+    """A checkpoint of a model sharded at load holds one optimizer file a rank (sharded_state.py): another process
+    count is refused before loading, and a rank's file missing makes the checkpoint incomplete."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import check_resumable, optimizer_damage, rank_optimizer
+
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / OWNER).write_text(json.dumps({"recipe": "llama3_fft", "model": "m", "engine": "replicated",
+                                                "world_size": 2, "global_batch_size": 8}))  # fmt: skip
+    torch.save({"state": {}}, rank_optimizer(checkpoint, 0))
+    torch.save({}, checkpoint / "scheduler.pt")
+    with pytest.raises(ConfigError, match="optimizer shards of a model split over 2 processes"):
+        check_resumable(checkpoint, "replicated", 4, 8, accumulation=1)
+    assert check_resumable(checkpoint, "replicated", 2, 8, accumulation=1) == ""
+    assert "optimizer-rank1.pt" in optimizer_damage(checkpoint, "replicated", ranks=2)
+    torch.save({"state": {}}, rank_optimizer(checkpoint, 1))
+    assert optimizer_damage(checkpoint, "replicated", ranks=2) is None
+
+
 # ---------------------------------------------------------------------------------------- damaged checkpoints
 
 

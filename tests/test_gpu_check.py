@@ -31,8 +31,7 @@ def test_dry_run_lists_every_shipped_config(gpus, capsys):
         assert launched == {p.stem for p in strategy_files()}
     run = [r for r in rows if not r.skip]
     assert f"{len(run)} rows planned for {gpus} GPU(s): {len(run) + sum(r.resume for r in run)} launches" in out
-    sharded_at_load = ("tp", "fsdp2_tp", "fsdp2_ep")  # weights-only checkpoints: a resume's optimizer is fresh
-    assert all(r.resume == (r.config not in sharded_at_load) for r in rows if r.recipe == "llama3_fft" and not r.skip)
+    assert all(r.resume for r in rows if r.recipe == "llama3_fft" and not r.skip)  # tp's too: whole checkpoints
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

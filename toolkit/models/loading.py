@@ -308,9 +308,9 @@ def blueprint(args: Arguments) -> Blueprint:
     check_experts_kernel(config, args, device_memory())
     mesh = launch_mesh()
     lora = args.model.lora_settings()
-    check_tensor_parallel(config, mesh, args.training.world_size, args.training.save_only_model,
-                          lora["target_modules"] if lora else None, args.data.task)  # fmt: skip
-    check_expert_parallel(config, mesh, args.training.world_size, args.model.use_lora, args.training.save_only_model)
+    check_tensor_parallel(config, mesh, args.training.world_size, lora["target_modules"] if lora else None,
+                          args.data.task)  # fmt: skip
+    check_expert_parallel(config, mesh, args.training.world_size, args.model.use_lora)
     check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
     check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,
                    load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule(),

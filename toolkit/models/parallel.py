@@ -40,12 +40,11 @@ def check_mesh_size(mesh: dict[str, int], world_size: int, fix: str) -> None:
                           f"{world_size}: {fix}")  # fmt: skip
 
 
-def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, save_only_model: bool = True,
+def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int,
                           lora_targets: str | list[str] | None = None, task: str = "sft") -> None:  # fmt: skip
     """A tensor-parallel launch (the accelerate config's `parallelism_config_tp_size`), before any weight loads:
-    a mesh that covers the processes, a model transformers can split, heads that split evenly, LoRA adapters peft
-    can put on the shards (`lora_targets`: the run's target modules), and checkpoints that transformers can write
-    for a model it sharded at load (weights only: no optimizer state)."""
+    a mesh that covers the processes, a model transformers can split, heads that split evenly, and LoRA adapters
+    peft can put on the shards (`lora_targets`: the run's target modules)."""
     tp = mesh.get("tp", 1)
     if tp == 1:
         return
@@ -65,10 +64,6 @@ def check_tensor_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
         if count and count % tp:
             raise ConfigError(f"tp_size {tp} does not divide the model's {count} {what}: use a tp_size that "
                               f"divides {count} (parallelism_config_tp_size in the accelerate config).")  # fmt: skip
-    if not save_only_model:  # the tensor-parallel default (settings/parser.py), turned off
-        raise ConfigError("a model sharded at load for tensor parallelism cannot checkpoint its optimizer state in "
-                          "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
-                          "starts a fresh optimizer).")  # fmt: skip
 
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the families' names for it
@@ -96,12 +91,12 @@ def lora_on_experts(model: torch.nn.Module, targets: str | list[str]) -> bool:
     return bool(experts) and (targets == "all-linear" or any(name.endswith(tuple(targets)) for name in experts))
 
 
-def check_expert_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int, use_lora: bool = False,
-                          save_only_model: bool = True) -> None:  # fmt: skip
+def check_expert_parallel(config: PretrainedConfig, mesh: dict[str, int], world_size: int,
+                          use_lora: bool = False) -> None:  # fmt: skip
     """An expert-parallel launch (`parallelism_config_ep_size`), before any weight loads: transformers' own rules
     for the sizes (DistributedConfig: ep divides dp_shard x tp, a multiple of tp), a mixture of experts with an
-    expert-parallel plan (base_model_ep_plan), experts that split evenly, and what transformers can do with a model
-    it sharded at load: full fine-tuning, checkpoints of the weights."""
+    expert-parallel plan (base_model_ep_plan), experts that split evenly, and full fine-tuning (peft's adapters do
+    not run on the shards)."""
     ep = mesh.get("ep", 1)
     if ep == 1:
         return
@@ -134,10 +129,6 @@ def check_expert_parallel(config: PretrainedConfig, mesh: dict[str, int], world_
                           "shards as they load (on the experts' fused weights: 'mixed torch.Tensor and DTensor'): "
                           "train LoRA with fsdp2.yaml or zero3.yaml, or fully fine-tune (--use_lora false) under "
                           "fsdp2_ep.yaml.")  # fmt: skip
-    if not save_only_model:
-        raise ConfigError("a model sharded at load for expert parallelism cannot checkpoint its optimizer state in "
-                          "transformers: leave --save_only_model at true (checkpoints of the weights; a resume "
-                          "starts a fresh optimizer).")  # fmt: skip
 
 
 def check_sequence_heads(config: PretrainedConfig, sp: int) -> None:

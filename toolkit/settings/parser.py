@@ -35,7 +35,6 @@ from .arguments import (
     check_training,
 )
 from .compile import AUTO
-from .mesh import launch_mesh
 from .policy import PolicyArguments
 from .tasks import task
 
@@ -102,10 +101,6 @@ def toolkit_defaults(recipe_name: str) -> dict[str, Any]:
     if not has_accelerator():
         # Without it, a multi-process launch on CPU trains as independent, non-distributed ranks.
         defaults["use_cpu"] = True
-    if {"tp", "ep"} & set(launch_mesh()):
-        # transformers cannot yet save the optimizer of a model it sharded at load (tensor, expert parallelism): its
-        # checkpoints (periodic, preemption, budget) hold the weights, and a resume starts a fresh optimizer.
-        defaults["save_only_model"] = True
     return defaults
 
 

@@ -162,15 +162,23 @@ def stage_optimizer(folder: str | Path, stage: int) -> Path:
     return Path(folder) / f"optimizer-stage{stage}.pt"
 
 
-def optimizer_damage(folder: Path, engine: str, stages: int = 1) -> str | None:
+def rank_optimizer(folder: str | Path, rank: int) -> Path:
+    """A rank's optimizer state in a checkpoint of a model transformers sharded at load (sharded_state.py)."""
+    return Path(folder) / f"optimizer-rank{rank}.pt"
+
+
+def optimizer_damage(folder: Path, engine: str, stages: int = 1, ranks: int = 1) -> str | None:
     """The optimizer's state and the scheduler's, without which a resume would silently start a fresh optimizer
-    (DeepSpeed keeps both in its global_step folder, checked with the weights; a pipeline one file a stage)."""
+    (DeepSpeed keeps both in its global_step folder, checked with the weights; a pipeline one file a stage; a model
+    sharded at load one file a rank)."""
     if engine == "DEEPSPEED":
         return None
     if engine == "FSDP" and (folder / "optimizer_0").exists():
         damage = dcp_damage(folder / "optimizer_0")
     elif engine == "PIPELINE":
         damage = next(filter(None, (torch_file_damage(stage_optimizer(folder, s)) for s in range(stages))), None)
+    elif rank_optimizer(folder, 0).exists():
+        damage = next(filter(None, (torch_file_damage(rank_optimizer(folder, r)) for r in range(ranks))), None)
     else:
         damage = torch_file_damage(folder / "optimizer.pt")
     return damage or torch_file_damage(folder / "scheduler.pt")
@@ -179,7 +187,7 @@ def optimizer_damage(folder: Path, engine: str, stages: int = 1) -> str | None:
 def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | None:
     """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. The
     Trainer's state, the toolkit's own files (where the toolkit wrote it), the weights, and unless checkpoints are
-    of the weights only (`weights_only`: --save_only_model, tensor parallelism's default) the optimizer and
+    of the weights only (`weights_only`: --save_only_model) the optimizer and
     scheduler. Cheap: headers, zip directories and file sizes, never the tensors."""
     from ..metrics.tracking import SPENT_FILE
 
@@ -193,7 +201,8 @@ def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | No
     recorded = json.loads((folder / OWNER).read_text()) if (folder / OWNER).is_file() else {}
     engine = recorded.get("engine", engine)
     stages = recorded.get("pipeline_stages", 1)
-    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine, stages))
+    ranks = recorded.get("world_size", 1)
+    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine, stages, ranks))
 
 
 def resume_point(resume: str | None, output_dir: str | Path, engine: str = "replicated",
@@ -275,6 +284,10 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
                           f"{then['pipeline_stages']}.")  # fmt: skip
     if then["world_size"] == world_size:
         return ""
+    if rank_optimizer(checkpoint, 0).exists():
+        raise ConfigError(f"{checkpoint} holds the optimizer shards of a model split over {then['world_size']} "
+                          f"processes (tensor or expert parallel) and this launch has {world_size}: resume on "
+                          f"{then['world_size']} processes, with the same mesh.")  # fmt: skip
     if engine == "DEEPSPEED":
         step = Path(checkpoint).name.split("-")[-1]
         raise ConfigError(f"{checkpoint} holds ZeRO partitions for {then['world_size']} processes and this launch "

@@ -52,6 +52,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data.length_grouping import PAIRED
 from ..data.packing import examples_in, model_inputs, tokens_in
@@ -69,6 +70,7 @@ from ..planner.estimate import assumed_mfu, not_fitting_warning
 from ..settings.arguments import Arguments, global_batch_size, scale_learning_rate
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
+from . import sharded_state
 from .checkpoints import StagedCheckpoints, plain_state_dict, staging_dir, start_afresh, untied
 from .converted import load_converted, load_sharded
 from .evaluation import first_output
@@ -89,6 +91,13 @@ class ToolkitTrainerMixin:
         # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         set_fsdp_wrap_class(kwargs["model"])  # before the Trainer's accelerator reads the FSDP settings
+        training = kwargs["args"]
+        # transformers writes the weights only of a model it sharded at load (TP, EP), and refuses to be asked for
+        # more: the toolkit writes the optimizer, scheduler and RNG states itself (sharded_state.py)
+        self.sharded_state = getattr(kwargs["model"], "is_distributed_loading_by_transformers", False) and not (
+            training.save_only_model or training.save_strategy == "no"
+        )
+        training.save_only_model = training.save_only_model or self.sharded_state
         super().__init__(*args, **kwargs)
         check_strategy(self.accelerator)  # before a single step is paid for
         self.pipeline = Pipeline(self) if pipeline_stages() > 1 else None
@@ -254,6 +263,8 @@ class ToolkitTrainerMixin:
         self.pipeline.save_optimizer(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self.sharded_state:
+            return sharded_state.load(self, checkpoint)
         if self.pipeline is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.pipeline.load_optimizer(checkpoint)
@@ -286,8 +297,15 @@ class ToolkitTrainerMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         self.tracker.reduce_tokens(self.state)  # the count the checkpoint's trainer_state.json keeps
-        self.checkpoints.save(functools.partial(super()._save_checkpoint, model, trial),
+        self.checkpoints.save(functools.partial(self._write_checkpoint, model, trial),
                               {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
+
+    def _write_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.sharded_state:  # what transformers leaves out for a model it sharded at load
+            folder = str(Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            sharded_state.save(self, folder)
+            self._save_rng_state(folder)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every save of the weights (checkpoints and the export): plain tensors, not FP8's weight wrappers; a
