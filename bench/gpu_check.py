@@ -1,8 +1,9 @@
 """`make gpu-check`: the proof, on whatever GPUs a machine has, that every shipped config trains there.
 
 For each shipped config that fits the GPUs present, each decoder recipe in tiny mode at the recipe's own precision
-and flags: only the model's width and depth, the data and the run's length are tiny mode's (on a GPU it keeps bf16,
-flex attention, the fused loss, --torch_compile auto; the training flags it changes are set back, OWN_FLAGS):
+and flags (and the GRPO, image-text and MoE LoRA recipes under the config each documents): only the model's width
+and depth, the data and the run's length are tiny mode's (on a GPU it keeps bf16, flex attention, the fused loss,
+--torch_compile auto; the training flags it changes are set back, OWN_FLAGS):
   train      10 steps, a checkpoint at step 5 and at step 10, the export
   resume     (llama3_fft rows, and each recipe's first row) from a copy of checkpoint-5 to step 10: same losses
   reload     the model `toolkit generate` loads from the export (or the adapter on its base) holds the weights of
@@ -10,8 +11,8 @@ flex attention, the fused loss, --torch_compile auto; the training flags it chan
   generate   (the rows that resume) `python -m toolkit generate` answers a prompt
 then bench/mfu.py (speed, MFU and memory against the plan, one repeat). One table on stdout, also when a row raises
 or the sweep is interrupted; one JSON line per row in OUTPUT/rows.jsonl as each ends; a row that fails, whatever it
-raised, holds its error and the rest still runs. Offline. On one GPU: 38 rows, 53 launches (the expert-parallel
-row needs 2 GPUs); on an H100 a row took 20-140 s (the resumed and compiled ones longest): about 35 minutes one
+raised, holds its error and the rest still runs. Offline. On one GPU: 42 rows, 61 launches (the expert-parallel
+row needs 2 GPUs); on an H100 a row took 20-140 s (the resumed and compiled ones longest): about 40 minutes one
 row at a time, estimated, so on one GPU 3 rows run side by side (--jobs; 3 sweeps side by side ran 11 rows in
 285 s there); then bench/mfu.py's 15 variants, 30-110 s each. --configs/--recipes narrow it.
 
@@ -45,6 +46,8 @@ from toolkit.errors import ConfigError, command  # noqa: E402
 
 RECIPES = ("llama3_fft", "llama3_lora", "llama3_qlora", "smollm2_chat")  # decoders whose tiny mode needs no other run
 EXPERT_RECIPES = ("qwen3_moe_fft",)  # what an expert-parallel config trains: a mixture of experts, every weight
+# Online RL, image-text and MoE LoRA recipes, each under the config its docstring launches it with
+TASK_RECIPES = {"qwen3_grpo": "fsdp2", "gemma3_vlm_lora": "ddp", "qwen2_5_vl_lora": "fsdp2", "qwen3_moe_lora": "fsdp2"}
 RESUMED = ("llama3_fft",)  # resumed under every config; the other recipes under their first config
 STEPS, SAVE_AT = 10, 5
 PROMPT = "What is 2 + 3?"
@@ -160,7 +163,8 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
         section = config.get("parallelism_config") or {}
         experts = "parallelism_config_ep_size" in section
-        for recipe in EXPERT_RECIPES if experts else RECIPES:
+        tasks = tuple(recipe for recipe, own in TASK_RECIPES.items() if own == path.stem)
+        for recipe in EXPERT_RECIPES if experts else RECIPES + tasks:
             row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
                 # user's Llama with 2 (made once)
@@ -385,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     from toolkit.project import strategy_files
 
     configs = check_names(args.configs, [p.stem for p in strategy_files()], "config", "accelerate_configs/*.yaml")
-    recipes = check_names(args.recipes, [*RECIPES, *EXPERT_RECIPES], "recipe", "the decoder recipes in recipes/")
+    recipes = check_names(args.recipes, [*RECIPES, *EXPERT_RECIPES, *TASK_RECIPES], "recipe",
+                          "the decoder recipes in recipes/")  # fmt: skip
     present, device_name = devices()
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: pass 1 or more.")

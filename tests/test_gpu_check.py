@@ -68,9 +68,9 @@ def test_rows_train_at_the_recipes_own_flags(capsys):
     """Tiny mode shrinks the model and the run, and also sets training flags of its own (1 accumulation step, no
     activation checkpointing, no LoRA dropout, its attention choice); a row sets them back to the recipe's. With
     tiny mode's 1 accumulation step the pipeline configs ran 1 micro-batch on 2 stages, and gpu-check never met the
-    recipes' 4. Each planned row's flags, over tiny mode's training layer, give the recipe's own values (its
+    recipes' 4. Each planned row's flags, over tiny mode's own layer, give the recipe's own values (its
     evaluation as it trains too), and the toolkit's parser accepts them."""
-    from toolkit.models.tiny import TINY_TRAINING
+    from toolkit.models.tiny import TINY_TRAINING, tiny_layer
     from toolkit.settings.parser import parse
 
     own_keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
@@ -79,19 +79,23 @@ def test_rows_train_at_the_recipes_own_flags(capsys):
     def tiny_training(values):  # the tiny layer's training settings, without building its model and data
         return dict(TINY_TRAINING)
 
-    own = {name: parse(load_recipe(name), name, []) for name in (*gpu_check.RECIPES, *gpu_check.EXPERT_RECIPES)}
+    own = {
+        name: parse(load_recipe(name), name, [])
+        for name in (*gpu_check.RECIPES, *gpu_check.EXPERT_RECIPES, *gpu_check.TASK_RECIPES)
+    }
     assert setting(parse(load_recipe("llama3_fft"), "llama3_fft", ["--tiny"], tiny_training),
                    "gradient_accumulation_steps") == 1  # fmt: skip
     rows = [r for r in gpu_check.plan_rows(8, fp8=True) if not r.skip]
     assert {r.config for r in rows} >= {"pp", "pp_ddp", "tp", "zero3", "fsdp2", "fsdp2_ep"}
     for row in rows:
         flags = [f for f in row.recipe_flags if f not in ("--model_name_or_path", "{two_kv_heads}")]
-        tiny = parse(load_recipe(row.recipe), row.recipe, ["--tiny", *flags], tiny_training)
+        tiny = parse(load_recipe(row.recipe), row.recipe, ["--tiny", *flags], tiny_layer)
         for key in own_keys:
             if key != "lora_dropout" or setting(own[row.recipe], "use_lora"):
                 assert setting(tiny, key) == setting(own[row.recipe], key), (row.config, row.recipe, key)
         if row.recipe.startswith("llama3"):  # 4 micro-batches through 2 pipeline stages, recomputed activations
             assert setting(tiny, "gradient_accumulation_steps") == 4 and setting(tiny, "activation_checkpointing")
+    capsys.readouterr()  # what building the tiny models printed
     assert gpu_check.main(["--dry_run", "--gpus", "2", "--configs", "pp", "--recipes", "llama3_lora"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert "--gradient_accumulation_steps 4" in line and "--lora_dropout 0.05" in line
