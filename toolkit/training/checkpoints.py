@@ -187,8 +187,8 @@ def optimizer_damage(folder: Path, engine: str, stages: int = 1, ranks: int = 1)
 def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | None:
     """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. The
     Trainer's state, the toolkit's own files (where the toolkit wrote it), the weights, and unless checkpoints are
-    of the weights only (`weights_only`: --save_only_model) the optimizer and
-    scheduler. Cheap: headers, zip directories and file sizes, never the tensors."""
+    of the weights only (`weights_only`: --save_only_model) the optimizer and scheduler. Cheap: headers, zip
+    directories and file sizes, never the tensors."""
     from ..metrics.tracking import SPENT_FILE
 
     if damage := json_damage(folder / TRAINER_STATE):
