@@ -229,6 +229,22 @@ def test_a_tensor_parallel_checkpoint_resumes_on_its_own_processes_only(tmp_path
     assert optimizer_damage(checkpoint, "replicated", ranks=2) is None
 
 
+def test_a_batch_mismatch_names_the_micro_batch_of_the_mesh(tmp_path, monkeypatch):
+    """fsdp2_tp on 4 processes (dp_shard=2 x tp=2): the ranks of a tensor-parallel group share their rows, so a
+    global batch of 8 is 4 a device, not 8 / 4 processes (the hint said 2, which would not have resumed either)."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import check_resumable
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / OWNER).write_text(json.dumps({"recipe": "llama3_fft", "model": "m", "engine": "replicated",
+                                                "world_size": 4, "global_batch_size": 8}))  # fmt: skip
+    with pytest.raises(ConfigError, match="Pass --per_device_train_batch_size 4 "):
+        check_resumable(checkpoint, "replicated", 4, 16, accumulation=1)
+
+
 # ---------------------------------------------------------------------------------------- damaged checkpoints
 
 

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..metrics.memory import plain_tensor
 from ..outputs import CHECKPOINT, OWNER, STAGING, SUMMARY
 from ..settings.arguments import global_batch_size
-from ..settings.mesh import pipeline_stages
+from ..settings.mesh import data_parallel_replicas, pipeline_stages
 
 TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
 
@@ -271,7 +271,7 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
         raise ConfigError(f"{checkpoint} was written under {then['engine']} and this launch runs {engine}: the "
                           "formats differ. Resume with a config of the same kind.")  # fmt: skip
     if then["global_batch_size"] != global_batch:
-        per_device, rest = divmod(then["global_batch_size"], world_size * accumulation)
+        per_device, rest = divmod(then["global_batch_size"], data_parallel_replicas(world_size) * accumulation)
         fix = f"--per_device_train_batch_size {per_device}" if per_device and not rest else "a matching batch"
         raise ConfigError(f"{checkpoint} was trained with a global batch of {then['global_batch_size']}; this launch "
                           f"has {global_batch}, which would change the data order and the schedule it resumes. "
