@@ -61,7 +61,8 @@ def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_t
     between them, with its losses; tokens counted once per row, not per rank; each rank holds 1/(tp x shards) of
     every split weight and 1/shards of the norms (which TP leaves whole: the run's plan splits them too, the
     test names the difference), fp32 masters and AdamW states of that part (the recipe's bf16: the masters are
-    DTensor shards too); checkpoints and the export are the whole model."""
+    DTensor shards too); checkpoints and the export are the whole model, each rank's optimizer shards beside
+    them, from which a resume continues the run exactly."""
     one, out = one_process, tmp_path / "out"
     processes = tp * shards
     model = ["--model_name_or_path", str(llama_two_kv_heads)]
@@ -107,13 +108,13 @@ def test_tensor_parallel_matches_one_process(config, tp, shards, header, llama_t
     assert_updates_agree(exported, weights, load_file(llama_two_kv_heads / "model.safetensors"))
     assert "distributed_config" not in json.loads((out / "config.json").read_text())  # loads anywhere
 
-    if config == "tp":  # a resume from step 2, as after a preemption: steps 3 and 4 again, bit for bit
-        resumed = tmp_path / "resumed"
-        shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-        check(launch(config, "llama3_fft", *FLAGS, *model, "--resume", "auto", "--per_device_train_batch_size", "8",
-                     "--output_dir", str(resumed), cwd=tmp_path, num_processes=processes))  # fmt: skip
-        assert logged(resumed, "loss")[-2:] == logged(out, "loss")[-2:]
-        assert logged(resumed, "learning_rate")[-2:] == logged(out, "learning_rate")[-2:]
+    # a resume from step 2, as after a preemption (1-D and 2-D meshes): steps 3 and 4 again, bit for bit
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    check(launch(config, "llama3_fft", *FLAGS, *model, "--resume", "auto", "--per_device_train_batch_size",
+                 str(8 // shards), "--output_dir", str(resumed), cwd=tmp_path, num_processes=processes))  # fmt: skip
+    assert logged(resumed, "loss")[-2:] == logged(out, "loss")[-2:]
+    assert logged(resumed, "learning_rate")[-2:] == logged(out, "learning_rate")[-2:]
 
 
 def test_tensor_parallel_on_two_nodes_through_slurm(llama_two_kv_heads, one_process, tmp_path):
