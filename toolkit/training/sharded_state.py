@@ -3,15 +3,14 @@ checkpoints: transformers refuses to write them ("Resuming is not supported for 
 a resume started a fresh AdamW and restarted the learning-rate schedule from its warmup, silently.
 
 Each rank writes its optimizer state as it holds it, every DTensor as its local shard (`optimizer-rank{r}.pt`),
-rank 0 the scheduler, every rank its RNG state (the Trainer's own file). A resume on the same mesh gives the
-optimizer its state first (a zero-learning-rate step, as FSDP2's path does) and puts each saved shard back into
+rank 0 the scheduler (the Trainer writes every rank's RNG state, as for any run). A resume on the same mesh gives
+the optimizer its state first (a zero-learning-rate step, as FSDP2's path does) and puts each saved shard back into
 the DTensor it came from: the run goes on exactly where it stopped. The toolkit's fp32 master weights travel in
 the optimizer's state dict (precision.py), shards too.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,6 @@ def placed(saved: Any, like: Any) -> Any:
 
 def save(trainer, output_dir: str) -> None:
     """The trainer's optimizer (this rank's shards) and, on rank 0, its scheduler, into `output_dir`."""
-    os.makedirs(output_dir, exist_ok=True)
     torch.save(local(trainer.optimizer.state_dict()), rank_optimizer(output_dir, trainer.args.process_index))
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)

@@ -52,7 +52,6 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data.length_grouping import PAIRED
 from ..data.packing import examples_in, model_inputs, tokens_in
@@ -91,14 +90,14 @@ class ToolkitTrainerMixin:
         # Before the Trainer copies the learning rate into DeepSpeed's "auto" values.
         self.base_learning_rate = scale_learning_rate(kwargs["args"], arguments.run.lr_reference_batch_size)
         set_fsdp_wrap_class(kwargs["model"])  # before the Trainer's accelerator reads the FSDP settings
-        training = kwargs["args"]
-        # transformers writes the weights only of a model it sharded at load (TP, EP), and refuses to be asked for
-        # more: the toolkit writes the optimizer, scheduler and RNG states itself (sharded_state.py)
-        self.sharded_state = getattr(kwargs["model"], "is_distributed_loading_by_transformers", False) and not (
-            training.save_only_model or training.save_strategy == "no"
-        )
-        training.save_only_model = training.save_only_model or self.sharded_state
+        training, asked = kwargs["args"], kwargs["args"].save_only_model
+        # transformers cannot save the optimizer of a model it sharded at load (TP, EP) and refuses save_only_model
+        # false there: past that check the setting is the user's again, and `_save_optimizer_and_scheduler` writes
+        # the optimizer's shards itself (sharded_state.py)
+        self.sharded_state = getattr(kwargs["model"], "is_distributed_loading_by_transformers", False) and not asked
+        training.save_only_model = asked or self.sharded_state
         super().__init__(*args, **kwargs)
+        training.save_only_model = asked
         check_strategy(self.accelerator)  # before a single step is paid for
         self.pipeline = Pipeline(self) if pipeline_stages() > 1 else None
         if self.pipeline is not None:  # the stage, driven by its schedule: accelerate wraps nothing
@@ -258,6 +257,8 @@ class ToolkitTrainerMixin:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.sharded_state:
+            return sharded_state.save(self, output_dir)
         if self.pipeline is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self.pipeline.save_optimizer(output_dir)
@@ -297,15 +298,8 @@ class ToolkitTrainerMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         self.tracker.reduce_tokens(self.state)  # the count the checkpoint's trainer_state.json keeps
-        self.checkpoints.save(functools.partial(self._write_checkpoint, model, trial),
+        self.checkpoints.save(functools.partial(super()._save_checkpoint, model, trial),
                               {SPENT_FILE: json.dumps(self.tracker.spent())})  # fmt: skip  # resumes add to it
-
-    def _write_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.sharded_state:  # what transformers leaves out for a model it sharded at load
-            folder = str(Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            sharded_state.save(self, folder)
-            self._save_rng_state(folder)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every save of the weights (checkpoints and the export): plain tensors, not FP8's weight wrappers; a
