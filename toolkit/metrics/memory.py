@@ -139,7 +139,7 @@ def peak_memory_bytes() -> int:
 def memory_fraction() -> float:
     """How full the device is: reserved / total on a GPU, the host's RAM in use on CPU."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_reserved() / torch.cuda.get_device_properties(0).total_memory
+        return torch.cuda.max_memory_reserved() / device_memory()
     import psutil
 
     return psutil.virtual_memory().percent / 100

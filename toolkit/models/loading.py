@@ -20,6 +20,7 @@ from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError, first_line
 from ..metrics.memory import HostMemoryPeak, device_memory, human_bytes
+from ..metrics.routing import expert_count, fused_experts
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
 from ..settings.mesh import launch_mesh, pipeline_schedule
@@ -140,8 +141,6 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
 def gathered_expert_bytes(config: PretrainedConfig, task: str, tokens: int, weight_bytes: int) -> int:
     """Bytes of expert weights transformers' batched_mm gathers in one layer's forward for `tokens` tokens:
     `gate_up_proj[expert_ids]` and `down_proj[expert_ids]`, a copy of each of a token's k experts (0 when dense)."""
-    from ..metrics.routing import expert_count, fused_experts
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = next((m for m in meta_model(config, task).modules() if fused_experts(m)), None)
     if experts is None:

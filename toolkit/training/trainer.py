@@ -58,7 +58,7 @@ from ..data.packing import examples_in, model_inputs, tokens_in
 from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..errors import ToolkitError
 from ..metrics.health import Health
-from ..metrics.memory import memory_fraction
+from ..metrics.memory import device_memory, memory_fraction
 from ..metrics.routing import RouterStats
 from ..metrics.samples import RUN_LOG, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
@@ -146,7 +146,7 @@ class ToolkitTrainerMixin:
         if self.is_world_process_zero():
             print(self.plan.header(self.args, self.param_counts, self.base_learning_rate, self.data_note,
                                    self.master_weights, self.task_lines()), flush=True)  # fmt: skip
-            available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+            available = device_memory() if torch.cuda.is_available() else 0  # no warning on CPU
             warning = not_fitting_warning(self.plan.memory.device_total, available)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
