@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in requested if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {', '.join(unknown)}: pick from {','.join(VARIANTS)}")
+    import torch
+
+    if not args.toy and not torch.cuda.is_available():  # a 1B model on a CPU: each variant runs out of memory
+        parser.error("no GPU here (torch sees none): this measures a GPU; pass --toy to run the code at toy size")
     skipped = {v: reason for v in requested if (reason := available(v))}
     variants = [v for v in requested if v not in skipped]
     results: dict[str, list[dict]] = {v: [] for v in variants}

@@ -107,3 +107,12 @@ def test_an_interrupted_bench_prints_what_it_measured(tmp_path, monkeypatch, cap
     captured = capsys.readouterr()
     assert "| trainer | sdpa | off | 1,000 | 1.00x |" in captured.out and "| toolkit |" not in captured.out
     assert "interrupted" in captured.err
+
+
+def test_without_a_gpu_the_full_size_bench_is_one_error_line(monkeypatch, capsys):
+    """`make bench-gpu` on a CPU ran the 1B model there, each variant out of memory after a minute or more."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        mfu.main(["--repeats", "1", "--variants", "trainer"])
+    assert exit_info.value.code == 2
+    assert "error: no GPU here (torch sees none): this measures a GPU; pass --toy" in capsys.readouterr().err
