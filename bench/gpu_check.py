@@ -30,6 +30,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -268,6 +269,10 @@ def check_reload(run: Path, checkpoint: Path) -> int:
 
 
 def checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """The launch's result, or its failure; a launch that a Ctrl-C (or a device call's limit: `timeout -s INT`
+    signals the whole group) ended is the sweep's interruption, not the row's failure."""
+    if result.returncode in (130, -signal.SIGINT) or "\nKeyboardInterrupt" in f"\n{result.stderr}":
+        raise KeyboardInterrupt
     if result.returncode:
         raise RowFailure(error_line(result.stderr))
     return result

@@ -5,6 +5,7 @@ checkpoint, resume, reload, generate), so the command a GPU session relies on ca
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -159,6 +160,21 @@ def test_a_row_that_raises_is_a_failed_row_and_the_table_still_prints(monkeypatc
     assert "| zero3 | llama3_fft | 2 | not run: the sweep was interrupted |" in out
     lines = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [(r["config"], r["status"]) for r in lines] == [("ddp", "failed: train"), ("zero2", "interrupted: train")]
+
+
+def test_a_launch_the_interrupt_ended_is_the_sweeps_interruption(monkeypatch, capsys, tmp_path):
+    """A device call's `timeout -s INT` signals the sweep's launches too: one that ended in a KeyboardInterrupt is
+    the sweep interrupted, not a failed row named after a warning printed at its exit (seen on an H200:
+    "failed: generate", error "warnings.warn(")."""
+    monkeypatch.setattr(gpu_check, "devices", lambda: (1, "Test GPU"), raising=False)
+    stderr = "Traceback (most recent call last):\nKeyboardInterrupt\n/x/y.py:3: UserWarning: z\n  warnings.warn(\n"
+    monkeypatch.setattr(gpu_check, "launch", lambda row, out, extra: subprocess.CompletedProcess([], 1, "", stderr))
+    code = gpu_check.main(["--gpus", "1", "--configs", "ddp", "--recipes", "llama3_fft", "--no_bench", "--jobs",
+                           "1", "--output", str(tmp_path)])  # fmt: skip
+    assert code == 130
+    assert "| ddp | llama3_fft | 1 | interrupted: train |" in capsys.readouterr().out
+    with pytest.raises(gpu_check.RowFailure, match="^error: bad flag$"):  # any other exit: the row's own error line
+        gpu_check.checked(subprocess.CompletedProcess([], 1, "", "warnings.warn(\nerror: bad flag\n"))
 
 
 @pytest.mark.launch
