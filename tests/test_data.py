@@ -240,7 +240,7 @@ def test_prepared_data_is_kept_and_found_again_and_remade_when_anything_changes(
     first = capsys.readouterr().out
     assert "300 training rows (packed) from " in first and "(messages, detected); tokenized 300 rows in" in first
     folder = first.rsplit("kept in ", 1)[1].strip()
-    assert entry("prepare")(["llama3_fft", *flags]) == 0
+    assert entry("prepare")(["recipes/llama3_fft.py", *flags]) == 0  # the recipe as a launch names it
     assert f"from the cache {folder}" in capsys.readouterr().out
     assert entry("prepare")(["llama3_fft", *flags, "--max_seq_length", "48"]) == 0
     assert "tokenized 300 rows" in capsys.readouterr().out

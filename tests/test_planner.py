@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -538,6 +539,21 @@ def test_plan_unknown_model_names_the_fix(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "'nosuch-org/nosuch-model' is not a recipe (bert, gemma3_vlm_lora, llama3_dpo" in err
     assert "hub_configs" in err
+
+
+def test_plan_takes_a_recipe_as_a_launch_names_it(capsys):
+    """`toolkit plan recipes/bert.py`, the path `accelerate launch` takes, plans the recipe (before: "'recipes/bert.py'
+    is not a recipe"); a .py file that is not a shipped recipe stays what it is."""
+    from toolkit.planner.cli import main
+    from toolkit.project import recipe_name
+
+    plans = []
+    for name in ("bert", "recipes/bert.py", str(ROOT / "recipes" / "bert.py")):
+        assert main([name, "--gpu", "A100-80GB", "--gpus", "1", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0]["recipe"] == "bert" and plans[1] == plans[0] and plans[2] == plans[0]
+    assert recipe_name("my_scripts/bert.py") == "my_scripts/bert.py" and recipe_name("recipes/nosuch.py") == (
+        "recipes/nosuch.py")  # fmt: skip
 
 
 def test_plan_when_nothing_fits_says_what_would(capsys):

@@ -27,6 +27,16 @@ def is_recipe(name: str) -> bool:
     return (RECIPES / f"{name}.py").is_file()
 
 
+def recipe_name(given: str) -> str:
+    """A recipe as a command names it: `llama3_fft`, or the file's path as a launch names it (recipes/llama3_fft.py);
+    anything else (a Hub id, a folder, an unknown name) as given, for the caller to judge."""
+    path = Path(given)
+    if path.suffix != ".py" or not is_recipe(path.stem):
+        return given
+    shipped = path.resolve() == (RECIPES / path.name).resolve() or path.parts[-2:] == ("recipes", path.name)
+    return path.stem if shipped else given
+
+
 def recipe_writing(path: str | Path) -> str | None:
     """The recipe whose run writes `path` (its default output folder, runs/<recipe>), if any: a DPO recipe starts
     from an SFT recipe's output."""

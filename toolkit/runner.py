@@ -60,7 +60,7 @@ from .outputs import check_run_output
 from .planner.activations import measured_activations
 from .planner.estimate import workload_for
 from .planner.memory import Workload
-from .project import is_recipe, load_recipe, recipe_names
+from .project import is_recipe, load_recipe, recipe_name, recipe_names
 from .results.card import write_card
 from .settings.arguments import Arguments, global_batch_size
 from .settings.compile import choose_compile, set_compile
@@ -293,6 +293,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
     machine; the launch, with the same recipe and flags, then finds it in the cache and tokenizes nothing."""
     if not argv or argv[0].startswith("-"):
         raise ConfigError(f"python -m toolkit prepare RECIPE [flags]: name a recipe ({', '.join(recipe_names())}).")
+    argv = [recipe_name(argv[0]), *argv[1:]]  # recipes/llama3_fft.py, as a launch names it
     if not is_recipe(argv[0]):
         raise ConfigError(f"No recipe '{argv[0]}' in recipes/. Known: {', '.join(recipe_names())}.")
     args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)

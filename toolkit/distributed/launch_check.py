@@ -30,7 +30,15 @@ from ..models.parallel import (
     recipe_lora_targets,
 )
 from ..models.pipeline import check_pipeline, check_pipeline_task, check_schedule
-from ..project import PROJECT_ROOT, is_recipe, load_recipe, project_path, recipe_names, strategy_files
+from ..project import (
+    PROJECT_ROOT,
+    is_recipe,
+    load_recipe,
+    project_path,
+    recipe_name,
+    recipe_names,
+    strategy_files,
+)
 from ..settings.mesh import LAUNCHER_KEYS, PIPELINE_SCHEDULES, config_mesh
 from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
 
@@ -220,8 +228,7 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
 def check(config_file: str | Path, recipe: str | None = None) -> str:
     """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
     path = Path(config_file)
-    if recipe is not None and recipe.endswith(".py"):
-        recipe = Path(recipe).stem  # recipes/bert.py, as the launch names it
+    recipe = recipe_name(recipe) if recipe is not None else None  # recipes/bert.py, as the launch names it
     if recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
     config = read_yaml(path)

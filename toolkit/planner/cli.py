@@ -24,7 +24,7 @@ from ..models.parallel import (
     recipe_lora_targets,
 )
 from ..models.pipeline import check_pipeline
-from ..project import is_recipe, load_recipe, strategy_files
+from ..project import is_recipe, load_recipe, recipe_name, strategy_files
 from ..settings.arguments import ModelArguments
 from ..settings.mesh import PIPELINE_SCHEDULES
 from ..settings.policy import PolicyArguments
@@ -398,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m toolkit plan", description="Memory, fit, time and cost of a "
                                      "fine-tune, before launching it.")  # fmt: skip
-    parser.add_argument("model", help="a recipe name (bert, llama3_fft, ...), a Hub id with a stored config, or a "
-                        "local folder")  # fmt: skip
+    parser.add_argument("model", help="a recipe (llama3_fft, or its file recipes/llama3_fft.py), a Hub id with a "
+                        "stored config, or a local folder")  # fmt: skip
     parser.add_argument("--gpu", default="A100-80GB", help="GPU type from toolkit/metrics/hardware.yaml")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--nodes", type=int, default=1)
@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    args.model = recipe_name(args.model)  # recipes/llama3_fft.py, as a launch names it
     check_flags(args)
     with stdout_to_stderr():  # what the libraries print on the way (DeepSpeed's logger among them) is not the plan
         plan = build_plan(args)
