@@ -2,13 +2,14 @@
 
 PATCHES replace a function of accelerate while a launch needs it: `fsdp_cpu` (FSDP really shards on a machine
 without GPUs), `fsdp1_resume` (an FSDP1 resume loads the optimizer's state), `fsdp_loading` (RAM-efficient FSDP
-loading holds one copy of the model) and `tp_cpu` (a tensor-parallel mesh is accepted on a machine without GPUs).
-Each is gated on the accelerate versions it was tested with and on the signatures of what it touches (gate.py):
-outside them it warns once and leaves accelerate alone. PRIVATE_TRANSFORMERS lists the private
+loading holds one copy of the model) and `tp_cpu` (a tensor-parallel mesh is accepted on a machine without GPUs);
+`zero_muon` replaces one of DeepSpeed's (ZeRO starts without importing torch's compiler for a Muon check).
+Each is gated on the library versions it was tested with and on the signatures of what it touches (gate.py):
+outside them it warns once and leaves the library alone. PRIVATE_TRANSFORMERS lists the private
 `transformers.Trainer` methods the trainer overrides (training/trainer.py) and the other private names the toolkit
 reads: a changed signature is warned about at start-up. tests/test_patches.py fails the day an installed version
-leaves a window, so upgrading accelerate or transformers is a conscious step: re-test, then widen the window or
-delete the patch.
+leaves a window, so upgrading accelerate, transformers or DeepSpeed is a conscious step: re-test, then widen the
+window or delete the patch.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from .fsdp_cpu import PATCH as FSDP_CPU
 from .fsdp_loading import PATCH as FSDP_LOADING
 from .gate import Patch, Reliance, Target, warn_once
 from .tp_cpu import PATCH as TP_CPU
+from .zero_muon import PATCH as ZERO_MUON
 
-PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP1_RESUME, FSDP_LOADING, TP_CPU)  # FSDP_CPU first: on CPU FSDP1 is FSDP2
+# FSDP_CPU first: on CPU FSDP1 is FSDP2
+PATCHES: tuple[Patch, ...] = (FSDP_CPU, FSDP1_RESUME, FSDP_LOADING, TP_CPU, ZERO_MUON)
 
 PRIVATE_TRANSFORMERS = Reliance(
     name="the toolkit's uses of private transformers API",
