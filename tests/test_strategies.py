@@ -89,9 +89,10 @@ ONE_RECIPE = {"fsdp": "llama3_fft", "fsdp_offload": "llama3_fft", "fsdp_hybrid":
 # under ZeRO-1/2, offload and SHARD_GRAD_OP it would run what DDP's, ZeRO-3's and FULL_SHARD's BERT runs with the
 # optimizer partitioned, offloaded or resharded as for the decoders.
 NO_BERT = ("single_gpu", "zero1", "zero2", "zero2_offload", "zero3_offload", "fsdp_shard_grad_op")
-# LoRA (a few trainable weights on a frozen base) under zero2, zero3, its offload and FSDP2; ZeRO-1, zero2_offload
+# LoRA (a few trainable weights on a frozen base) under DDP, zero2, zero3, its offload and FSDP2; ZeRO-1, zero2_offload
 # and SHARD_GRAD_OP would partition, offload or reshard those same adapters as their full fine-tunes do every weight.
-NO_LORA = ("zero1", "zero2_offload", "fsdp_shard_grad_op")
+# One process: the reference below (and `make demo-sft`, LoRA on real weights).
+NO_LORA = ("single_gpu", "zero1", "zero2_offload", "fsdp_shard_grad_op")
 MATRIX = [(c, r) for c in STRATEGIES if c not in OWN_TESTS for r in RECIPES
           if ONE_RECIPE.get(c, r) == r and not (r == "bert" and c in NO_BERT)
           and not (r == "llama3_lora" and c in NO_LORA)]  # fmt: skip
