@@ -215,7 +215,8 @@ PREFERENCE = ("single_gpu", "ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp
 # FP8 (fsdp2_fp8.yaml): throughput over bf16, torchao's published end-to-end float8 speed-up with torch.compile
 # at 8 GPUs / 8B parameters (docs.pytorch.org/ao, "Quantized Training": "up to 1.25x"; up to 1.5x at 512 GPUs /
 # 405B). It assumes compile, which --torch_compile auto turns on under FP8: one H100 measured 1.26x over bf16
-# compile with it and 0.46x of bf16 without (../shared/gpu/README.md, 1 GPU, Llama-3.2-1B shape).
+# compile with it and 0.46x of bf16 without (../shared/gpu/README.md, 1 GPU, Llama-3.2-1B shape); one H200 1.10x
+# over the toolkit's compiled bf16 defaults, same shape (docs/benchmarks.md): a 1B model's GEMMs gain less than 8B's.
 FP8_SPEEDUP = 1.25
 # Assumed model FLOPs utilisation per kind of strategy (stated in the output, --mfu overrides). sharded:
 # torchtitan's published Llama 3.1 8B FSDP run on 8 x H100 without torch.compile (docs/performance.md, Table 1:
