@@ -24,7 +24,7 @@ def install() -> None:
     from deepspeed.runtime.zero import utils
 
     original = utils.is_zero_supported_optimizer
-    if getattr(engine.is_zero_supported_optimizer, "original", None) is original:
+    if engine.is_zero_supported_optimizer is not original:  # installed already (the engine's name is replaced)
         return
 
     def is_zero_supported_optimizer(optimizer) -> bool:
@@ -32,7 +32,6 @@ def install() -> None:
             return original(optimizer)
         return type(optimizer) in utils.ZERO_SUPPORTED_OPTIMIZERS
 
-    is_zero_supported_optimizer.original = original
     engine.is_zero_supported_optimizer = is_zero_supported_optimizer  # the name the engine calls
 
 
