@@ -425,3 +425,21 @@ def test_the_best_checkpoint_of_a_converted_model_is_the_one_kept(tmp_path):
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     best = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").state_dict()
     assert all(torch.equal(best[name], value) for name, value in weights(trainer).items())
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "none"])
+def test_a_resume_takes_a_compiled_model_as_given(engine, monkeypatch, tmp_path):
+    """FSDP's resume hands the Trainer its wrapped model, compiled where compile is on (fsdp2_fp8.yaml on a GPU,
+    --torch_compile auto): the weights' load asked that model for its truth, which a compiled module answers with
+    a TypeError ("LlamaForCausalLM does not support len()", the H200's fsdp2_fp8 row on 2026-11-28). The model is
+    passed on as given, compiled or not, and the model asked only when none is given."""
+    from transformers import Trainer
+
+    loaded = []
+    monkeypatch.setattr(Trainer, "_load_from_checkpoint", lambda self, checkpoint, model=None: loaded.append(model))
+    trainer = object.__new__(RecipeTrainer)  # the method's own state only: no engine set up on one CPU
+    trainer.pipeline, trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled = None, False, engine == "fsdp"
+    trainer.model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(torch.nn.Linear(2, 2))  # compiles at its first call, never made here
+    trainer._load_from_checkpoint(str(tmp_path), compiled)
+    assert loaded == [compiled]

@@ -272,7 +272,8 @@ class ToolkitTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.pipeline is None:
-            if not self._loaded_converted(resume_from_checkpoint, model or self.model):
+            # `model or ...` would ask a compiled model for its truth: OptimizedModule.__len__ raises
+            if not self._loaded_converted(resume_from_checkpoint, self.model if model is None else model):
                 super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         self.pipeline.load_weights(resume_from_checkpoint)
