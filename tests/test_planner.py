@@ -226,8 +226,12 @@ def alone(request) -> bool:
     if os.environ.get("TOOLKIT_TEST_ALONE") == request.node.nodeid:
         return False
     # Threads that wait block rather than spin (libgomp's default): a 2-thread step beside the other worker's
-    # processes ran 150 s spinning against them, 69 s blocking (alone: 65 s).
-    env = {**os.environ, "TOOLKIT_TEST_ALONE": request.node.nodeid, "OMP_WAIT_POLICY": "PASSIVE"}
+    # processes ran 150 s spinning against them, 69 s blocking (alone: 65 s). MKL's fast memory manager keeps each
+    # thread's GEMM packing buffers allocated between calls on an Intel CPU (not on AMD's, where MKL takes its
+    # generic path): a cache, not the step's memory, which put a 2-thread GRPO step 29% over its plan on a Xeon
+    # (77.5 MB, 59.9 planned) and within it on a Zen 4. Off, each buffer lives as long as its GEMM.
+    env = {**os.environ, "TOOLKIT_TEST_ALONE": request.node.nodeid, "OMP_WAIT_POLICY": "PASSIVE",
+           "MKL_DISABLE_FAST_MM": "1"}  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
                             cwd=ROOT, env=env,
                             capture_output=True, text=True)  # fmt: skip
