@@ -100,12 +100,12 @@ MATRIX = [(c, r) for c in STRATEGIES if c not in OWN_TESTS for r in RECIPES
 # same code as another on CPU are not resumed twice; the PREEMPTED ones are resumed from a preemption instead
 # (test_preempted_run_resumes_to_the_same_weights, the same checks at a random step).
 RESUME_STEP = 8
-PREEMPTED = ["ddp", "zero3", "fsdp2"]
+PREEMPTED = ["ddp", "zero3_offload", "fsdp2"]
 # Each checkpoint format resumed once: the Trainer's (single_gpu: ddp's, preempted, and resumed on 1 process by
-# test_resume_on_one_process_from_two), FSDP2's DCP (fsdp_shard_grad_op: fsdp2's, preempted), ZeRO-1/2's
-# partitions (zero1: zero2's), DeepSpeed's CPU Adam state (zero2_offload: zero3_offload's), so those are not
-# resumed here again.
-RESUMED = ["zero2", "zero3_offload"]
+# test_resume_on_one_process_from_two), FSDP2's DCP (fsdp_shard_grad_op: fsdp2's, preempted), ZeRO-3's partitions
+# with DeepSpeed's CPU Adam state (zero3: zero3_offload's, preempted; zero2_offload: the same optimizer state),
+# ZeRO-1/2's partitions (zero1: zero2's), so those are not resumed here again.
+RESUMED = ["zero2"]
 # Unpacked: one conversation per row, so steps and rows are the same for every recipe (packing, the SFT default,
 # has its own launch: test_packed_run_matches_one_process).
 # Half the tiny data set: 16 steps show all the checks do, and each of the file's launches trains for half as long.
@@ -211,7 +211,7 @@ def test_hybrid_shard_on_two_nodes(reference, tmp_path):
 
 
 # Preemption: SIGTERM at a random step, then --resume auto, ends where the uninterrupted run ends. One config per
-# engine (PREEMPTED: DDP, DeepSpeed ZeRO-3, FSDP2). The uninterrupted runs are the matrix's own (run here if not
+# engine (PREEMPTED: DDP, DeepSpeed ZeRO-3 with its optimizer offloaded, FSDP2). The uninterrupted runs are the matrix's own (run here if not
 # yet).
 UNINTERRUPTED: dict[str, list[dict]] = {}  # config -> rank reports of its llama3_fft matrix run
 
