@@ -47,20 +47,18 @@ def summary(folder: Path) -> dict:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("config", ["fsdp2", "zero3"])
-def test_real_tied_model_trains_sharded_and_exports_the_tie(config, smollm2_reference, tmp_path):
-    """SmolLM2-135M-Instruct, real weights with tied embeddings, on 2 processes under FSDP2 (RAM-efficient loading
-    on) and ZeRO-3. (fsdp.yaml, fsdp_offload.yaml and SHARD_GRAD_OP run fsdp2.yaml's loading and export on a CPU:
-    their own part, the translation and the reshard setting, is the strategy matrix's.) Under FSDP2 rank 1 built
-    an untied model on the meta device and accelerate's parameter mapping failed (`FSDP2 mapping failed (missing:
-    ['lm_head.weight'])`); with that loading off, the export held the embeddings twice. Now each trains to the
-    1-process run's loss and weights, stores the embeddings once, and reloads tied."""
+def test_real_tied_model_trains_sharded_and_exports_the_tie(smollm2_reference, tmp_path):
+    """SmolLM2-135M-Instruct, real weights with tied embeddings, on 2 processes under ZeRO-3: it trains to the
+    1-process run's loss and weights, stores the embeddings once, and reloads tied. (FSDP2's tie, where rank 1 once
+    built an untied model on the meta device under RAM-efficient loading and accelerate's parameter mapping failed,
+    `FSDP2 mapping failed (missing: ['lm_head.weight'])`, is test_families_train_sharded_as_on_one_process's, with
+    the tied Gemma-2 and Qwen3: the same loading, sharding and export, at a tenth of the launch.)"""
     from transformers import AutoModelForCausalLM
 
     from toolkit.data.sources import resolve
 
     out = tmp_path / "run"
-    check(launch(config, "llama3_fft", *smollm2_flags(out, 2), cwd=tmp_path))
+    check(launch("zero3", "llama3_fft", *smollm2_flags(out, 2), cwd=tmp_path))
     ours, reference, initial = saved(out), saved(smollm2_reference), saved(Path(resolve(SMOLLM2)))
     assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(smollm2_reference)[0]["losses"], rel=1e-5)
     # the run's train loss averages every rank (it was rank 0's alone when the last step was not a logging step)
@@ -213,9 +211,14 @@ def test_families_train_sharded_as_on_one_process(family, config, one_process, t
     check(launch(config, recipe, *family_flags(FAMILIES[family][0], out, 4), cwd=tmp_path))
     assert rank_reports(out)[0]["losses"] == pytest.approx(rank_reports(one)[0]["losses"], rel=1e-5)
     ours, reference = saved(out), saved(one)
-    assert sorted(ours) == sorted(reference)  # Gemma-2's tied head stored by neither
+    assert sorted(ours) == sorted(reference)  # Gemma-2's and Qwen3's tied head stored by neither
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-3, atol=5e-5, msg=name)
+    if family in ("gemma2", "qwen3"):  # tied: FSDP2's RAM-efficient loading built rank 1's model untied once
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(out)
+        assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
     if family == "mixtral":  # the routers' balance: each rank's counts summed, the whole global batch's, as on one
         assert router_health(out) == router_health(one) and router_health(one)
 

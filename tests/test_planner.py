@@ -678,7 +678,7 @@ def test_make_plan_prints_fit_time_and_cost_offline(capsys):
     assert f"recommended: accelerate_configs/{plan['recommended']}.yaml" in table.stdout
 
 
-def test_plan_counts_the_tokens_the_data_has():
+def test_plan_counts_the_tokens_the_data_has(capsys):
     """smollm2_chat's data (chatterbot-corpus, short exchanges) and tokenizer are readable offline: the plan's tokens
     are the data's (a sample of its rows tokenized as the run will; after `toolkit prepare`, the prepared data's
     exact count), not max_seq_length (256) for every conversation, which overstated the cost of a packed run as
@@ -689,12 +689,13 @@ def test_plan_counts_the_tokens_the_data_has():
     from conftest import BIN, run_cmd
     from smollm2_chat import RECIPE
 
+    from toolkit.__main__ import entry
     from toolkit.data.loading import load_data
     from toolkit.data.preparation import prepared_folder, set_template
     from toolkit.models.loading import blueprint
     from toolkit.settings.parser import parse
 
-    def plan() -> dict:  # the command as a user runs it: its --json output is the JSON alone
+    def plan() -> dict:  # the command as a user runs it, once: its --json output is the JSON alone
         result = run_cmd([str(BIN / "python"), "-m", "toolkit", "plan", "smollm2_chat", "--gpu", "A100-80GB",
                           "--gpus", "1", "--json"], cwd=ROOT)  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
@@ -709,8 +710,10 @@ def test_plan_counts_the_tokens_the_data_has():
     shutil.rmtree(prepared_folder(raw, tokenizer, arguments.data, model_plan.packing), ignore_errors=True)
 
     sampled = plan()["data"]
-    assert run_cmd([str(BIN / "python"), "-m", "toolkit", "prepare", "smollm2_chat"], cwd=ROOT).returncode == 0
-    exact = plan()
+    assert entry("prepare")(["smollm2_chat"]) == 0
+    capsys.readouterr()
+    assert entry("plan")(["smollm2_chat", "--gpu", "A100-80GB", "--gpus", "1", "--json"]) == 0
+    exact = json.loads(capsys.readouterr().out)
     assert "a sample of 1,000 of the 1,822 raw rows" in sampled["tokens_source"]
     assert exact["data"]["tokens_source"] == "the prepared data's own count"
 
