@@ -14,7 +14,8 @@ or the sweep is interrupted; one JSON line per row in OUTPUT/rows.jsonl as each 
 raised, holds its error and the rest still runs. Offline. On one GPU: 42 rows, 61 launches (the expert-parallel
 row needs 2 GPUs); on an H100 a row took 20-140 s (the resumed and compiled ones longest): about 40 minutes one
 row at a time, estimated, so on one GPU 3 rows run side by side (--jobs; 3 sweeps side by side ran 11 rows in
-285 s there); then bench/mfu.py's 15 variants, 30-110 s each. --configs/--recipes narrow it.
+285 s there); then bench/mfu.py's 15 variants, 30-110 s each. --configs/--recipes narrow it (a task recipe
+named in --recipes runs under each config named, not only its own).
 
     make gpu-check                      # = python bench/gpu_check.py
     python bench/gpu_check.py --jobs 1 --no_bench   # one row at a time, no speed table
@@ -148,8 +149,9 @@ def own_flags(recipe: str) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def plan_rows(gpus: int, fp8: bool) -> list[Row]:
-    """Every (config, recipe) pair to launch on `gpus` GPUs, with why a pair is not launched."""
+def plan_rows(gpus: int, fp8: bool, named: tuple[str, ...] = ()) -> list[Row]:
+    """Every (config, recipe) pair to launch on `gpus` GPUs, with why a pair is not launched. The task recipes run
+    under the config each documents, and under every config where `named` (--recipes) names them."""
     import yaml
 
     from toolkit.project import load_recipe, strategy_files
@@ -164,7 +166,7 @@ def plan_rows(gpus: int, fp8: bool) -> list[Row]:
             skip = "needs FP8 tensor cores (compute capability 8.9+)"
         section = config.get("parallelism_config") or {}
         experts = "parallelism_config_ep_size" in section
-        tasks = tuple(recipe for recipe, own in TASK_RECIPES.items() if own == path.stem)
+        tasks = tuple(recipe for recipe, own in TASK_RECIPES.items() if own == path.stem or recipe in named)
         for recipe in EXPERT_RECIPES if experts else RECIPES + tasks:
             row = Row(path.stem, recipe, processes, flags, list(own_flags(recipe)))
             if "tp" in str(flags) and recipe.startswith("llama3"):  # the tiny Llama 3 has 1 key/value head: a
@@ -415,7 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     fp8 = args.dry_run or (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
-    rows = [r for r in plan_rows(gpus, fp8) if r.config in configs and r.recipe in recipes]
+    rows = [r for r in plan_rows(gpus, fp8, tuple(recipes) if args.recipes else ()) if r.config in configs
+            and r.recipe in recipes]  # fmt: skip
+    if not rows:
+        raise ConfigError(f"--configs {','.join(configs)} x --recipes {','.join(recipes)}: no row to launch (the "
+                          f"expert-parallel configs train {', '.join(EXPERT_RECIPES)} alone, and only under them); "
+                          "--dry_run lists every row.")  # fmt: skip
     if args.dry_run:
         for r in rows:
             steps = "train, resume, reload, generate" if r.resume else "train, reload"

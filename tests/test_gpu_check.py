@@ -61,6 +61,24 @@ def test_qlora_and_fp8_rows_follow_the_toolkits_refusals():
     assert "FP8 tensor cores" in rows[("fsdp2_fp8", "llama3_fft")].skip
 
 
+def test_a_task_recipe_named_runs_under_each_config_named(capsys):
+    """The GRPO, image-text and MoE LoRA recipes run under their own configs by default; named in --recipes they
+    run under each config named (`--configs zero2 --recipes qwen3_grpo` planned nothing and launched nothing, with
+    exit 0, on an H200). A pair that plans no row at all is one error line."""
+    default = {(r.config, r.recipe) for r in gpu_check.plan_rows(1, fp8=False)}
+    named = {(r.config, r.recipe) for r in gpu_check.plan_rows(1, fp8=False, named=("qwen3_grpo",))}
+    assert ("fsdp2", "qwen3_grpo") in default and ("zero2", "qwen3_grpo") not in default
+    assert named - default == {(c, "qwen3_grpo") for c, _ in default if c not in ("fsdp2", "fsdp2_ep")}
+    assert gpu_check.main(["--dry_run", "--gpus", "1", "--configs", "zero2,zero3", "--recipes", "qwen3_grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "zero2                qwen3_grpo" in out and "2 rows planned for 1 GPU(s)" in out
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--dry_run", "--gpus", "2", "--configs", "ddp", "--recipes", "qwen3_moe_fft"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --configs ddp x --recipes qwen3_moe_fft: no row"), err
+
+
 def setting(args, key: str):
     return next(getattr(part, key) for part in (args.model, args.data, args.run, args.training) if hasattr(part, key))
 
