@@ -210,9 +210,9 @@ def test_hybrid_shard_on_two_nodes(reference, tmp_path):
     check_resumed(reports, rank_reports(resumed))
 
 
-# Preemption: SIGTERM at a random step, then --resume auto, ends where the uninterrupted run ends. One config per
-# engine (PREEMPTED: DDP, DeepSpeed ZeRO-3 with its optimizer offloaded, FSDP2). The uninterrupted runs are the matrix's own (run here if not
-# yet).
+# Preemption: a signal at a random step (SIGTERM; DDP: SLURM's SIGUSR1), then --resume auto, ends where the
+# uninterrupted run ends. One config per engine (PREEMPTED: DDP, DeepSpeed ZeRO-3 with its optimizer offloaded,
+# FSDP2). The uninterrupted runs are the matrix's own (run here if not yet).
 UNINTERRUPTED: dict[str, list[dict]] = {}  # config -> rank reports of its llama3_fft matrix run
 
 
