@@ -48,6 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from toolkit.errors import ConfigError, command  # noqa: E402
+
 # variant -> the toolkit's flags on top of its defaults (the plain Trainer's rows: its TrainingArguments)
 OPTIONS = {
     "trainer": {},
@@ -247,7 +249,6 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
 def available(variant: str) -> str | None:
     """Why a variant cannot run here, or None: the toolkit's own refusal of its settings."""
     from toolkit.distributed.strategy import check_fp8, cuda_capability
-    from toolkit.errors import ConfigError
     from toolkit.settings.arguments import ModelArguments, check_liger
 
     try:
@@ -262,6 +263,7 @@ def available(variant: str) -> str | None:
     return None
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -285,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     requested = args.variants.split(",")
     unknown = [v for v in requested if v not in VARIANTS]
     if unknown:
-        parser.error(f"unknown variant {', '.join(unknown)}: pick from {','.join(VARIANTS)}")
+        raise ConfigError(f"unknown variant {', '.join(unknown)}: pick from {','.join(VARIANTS)}")
     import torch
 
     if not args.toy and not torch.cuda.is_available():  # a 1B model on a CPU: each variant runs out of memory
-        parser.error("no GPU here (torch sees none): this measures a GPU; pass --toy to run the code at toy size")
+        raise ConfigError("no GPU here (torch sees none): this measures a GPU; pass --toy to run the code at toy size")
     skipped = {v: reason for v in requested if (reason := available(v))}
     variants = [v for v in requested if v not in skipped]
     results: dict[str, list[dict]] = {v: [] for v in variants}
