@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -92,8 +94,21 @@ def offline_env(tmp_path_factory):
 
         env["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # Launched ranks start warm (warm_start/zygote.py): the stack imported once per worker, not once per rank.
+    # TOOLKIT_TEST_COLD=1 starts every process cold, as before.
+    warm = None
+    if not os.environ.get("TOOLKIT_TEST_COLD"):
+        folder = ROOT / "tests" / "warm_start"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
+        env["TOOLKIT_TEST_ZYGOTE"] = str(Path(tempfile.mkdtemp(prefix="zygote-")) / "socket")  # under 108 bytes
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    if "TOOLKIT_TEST_ZYGOTE" in env:
+        log = open(warm_log(), "w")  # noqa: SIM115  # open as long as the warm process runs
+        warm = subprocess.Popen([sys.executable, "-u", str(folder / "zygote.py"), env["TOOLKIT_TEST_ZYGOTE"]],
+                                stdin=subprocess.PIPE, stdout=log, stderr=log, cwd=ROOT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # torchrun's ranks' value  # fmt: skip
+        WARM.append(warm)
     # transformers prints "[INFO] Running in WANDB offline mode" when this module is first imported with
     # WANDB_MODE=offline: imported here, once, so no test's captured output depends on which test imported it first.
     import transformers.integrations.integration_utils  # noqa: F401
@@ -104,6 +119,10 @@ def offline_env(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(cwd)
+    if warm is not None:
+        warm.stdin.close()  # its end
+        warm.wait(timeout=30)
+        log.close()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
@@ -134,6 +153,7 @@ def own_environment():
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _PORTS = itertools.count(20000 + 3000 * _WORKER)
+WARM: list[subprocess.Popen] = []  # this worker's warm process (warm_start/zygote.py), once started
 
 
 def free_port() -> int:
@@ -147,10 +167,27 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
+def warm_log() -> Path:
+    """What this worker's warm process did: a line per rank, `warm SCRIPT` or `cold SCRIPT VARIABLE`."""
+    return Path(os.environ["TOOLKIT_TEST_ZYGOTE"]).with_name("log")
+
+
+def warm_ready() -> None:
+    """Wait for this worker's warm process to listen (its import, ~4 CPU-s, runs beside the first tests), so that the
+    first launches start warm too; a cold start if it is gone."""
+    path = os.environ.get("TOOLKIT_TEST_ZYGOTE")
+    if path and WARM and WARM[0].poll() is None:
+        for _ in range(600):
+            if os.path.exists(path):
+                return
+            time.sleep(0.1)
+
+
 def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a command; in `env`, a value of None removes that variable. On a timeout the whole process tree is
     killed (the launcher's ranks and their compilers too: left running, they would slow every later test)."""
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    warm_ready()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -346,7 +346,8 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     check(launch("fsdp2", "llama3_fft", "--tiny", "--model_name_or_path", str(bf16_checkpoint), "--dtype",
                  "bfloat16", "--bf16", "true", "--max_steps", "1", "--report_to", "none", "--packing", "false",
                  "--per_device_train_batch_size", "1", "--max_seq_length", "32",
-                 "--record_rank_reports", "true", "--output_dir", str(out), cwd=tmp_path))  # fmt: skip
+                 "--record_rank_reports", "true", "--output_dir", str(out), cwd=tmp_path,
+                 env={"TOOLKIT_TEST_ZYGOTE": None}))  # fmt: skip  # cold: forked ranks share pages, which PSS splits
     reports = rank_reports(out)
     copy = sum(r["param_bytes"] for r in reports)  # fp32 master weights, the shards summed
     assert copy == 4 * sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
