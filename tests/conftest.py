@@ -94,21 +94,14 @@ def offline_env(tmp_path_factory):
 
         env["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    # Launched ranks start warm (warm_start/zygote.py): the stack imported once per worker, not once per rank.
-    # TOOLKIT_TEST_COLD=1 starts every process cold, as before.
-    warm = None
+    # Launched ranks start warm (warm_start/zygote.py): the stack imported once per worker, not once per rank; the
+    # warm process starts with the first command the worker runs (warm_start). TOOLKIT_TEST_COLD=1: all cold.
     if not os.environ.get("TOOLKIT_TEST_COLD"):
-        folder = ROOT / "tests" / "warm_start"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_START), os.environ.get("PYTHONPATH")) if p)
         env["TOOLKIT_TEST_ZYGOTE"] = str(Path(tempfile.mkdtemp(prefix="zygote-")) / "socket")  # under 108 bytes
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    if "TOOLKIT_TEST_ZYGOTE" in env:
-        log = open(warm_log(), "w")  # noqa: SIM115  # open as long as the warm process runs
-        warm = subprocess.Popen([sys.executable, "-u", str(folder / "zygote.py"), env["TOOLKIT_TEST_ZYGOTE"]],
-                                stdin=subprocess.PIPE, stdout=log, stderr=log, cwd=ROOT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # torchrun's ranks' value  # fmt: skip
-        WARM.append(warm)
+    WARM_ENV.update(os.environ, OMP_NUM_THREADS="1")  # the session's settings, and torchrun's ranks' thread count
     # transformers prints "[INFO] Running in WANDB offline mode" when this module is first imported with
     # WANDB_MODE=offline: imported here, once, so no test's captured output depends on which test imported it first.
     import transformers.integrations.integration_utils  # noqa: F401
@@ -119,10 +112,9 @@ def offline_env(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(cwd)
-    if warm is not None:
+    for warm in WARM:
         warm.stdin.close()  # its end
         warm.wait(timeout=30)
-        log.close()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
@@ -153,7 +145,9 @@ def own_environment():
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _PORTS = itertools.count(20000 + 3000 * _WORKER)
+WARM_START = ROOT / "tests" / "warm_start"
 WARM: list[subprocess.Popen] = []  # this worker's warm process (warm_start/zygote.py), once started
+WARM_ENV: dict[str, str] = {}  # the environment it starts with: the session's
 
 
 def free_port() -> int:
@@ -172,22 +166,27 @@ def warm_log() -> Path:
     return Path(os.environ["TOOLKIT_TEST_ZYGOTE"]).with_name("log")
 
 
-def warm_ready() -> None:
-    """Wait for this worker's warm process to listen (its import, ~4 CPU-s, runs beside the first tests), so that the
-    first launches start warm too; a cold start if it is gone."""
+def warm_start() -> None:
+    """Start this worker's warm process if it is not running yet, and wait until it listens (its import: ~4 s), so
+    that the ranks of the command about to run start warm; a worker that runs no command starts none."""
     path = os.environ.get("TOOLKIT_TEST_ZYGOTE")
-    if path and WARM and WARM[0].poll() is None:
-        for _ in range(600):
-            if os.path.exists(path):
-                return
-            time.sleep(0.1)
+    if not path or WARM:
+        return
+    with open(warm_log(), "w") as log:  # the warm process writes it; this one's copy closes here
+        WARM.append(subprocess.Popen([sys.executable, "-u", str(WARM_START / "zygote.py"), path], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=log, stderr=log, env=WARM_ENV))  # fmt: skip
+    for _ in range(600):
+        if os.path.exists(path) or WARM[0].poll() is not None:
+            return
+        time.sleep(0.1)
 
 
 def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a command; in `env`, a value of None removes that variable. On a timeout the whole process tree is
     killed (the launcher's ranks and their compilers too: left running, they would slow every later test)."""
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    warm_ready()
+    if "TOOLKIT_TEST_ZYGOTE" in full_env:
+        warm_start()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -33,6 +33,7 @@ from conftest import (
     reference_run,
     run_cmd,
     slurm_stand_ins,
+    warm_start,
 )
 from safetensors.torch import load_file
 
@@ -224,6 +225,7 @@ def launch_and_preempt(config: str, out: Path, after_steps: int, cwd: Path, cmd:
     cmd = cmd or [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" /
                   f"{config}.yaml"), "--num_processes", "2", "--main_process_port", str(free_port()),
                   str(ROOT / "recipes" / "llama3_fft.py"), *run_flags("llama3_fft", 2, out)]  # fmt: skip
+    warm_start()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})  # fmt: skip
     lines, logged, sent = [], 0, False

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT, check, launch, rank_reports, warm_log
+from conftest import ROOT, check, launch, rank_reports, warm_log, warm_start
 
 sys.path.insert(0, str(ROOT / "tests" / "warm_start"))
 from zygote import differs  # noqa: E402
@@ -21,7 +21,7 @@ def test_only_settings_read_at_import_send_a_rank_cold():
     launched = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29501", "ACCELERATE_USE_FSDP": "true",
                 "FSDP_VERSION": "2", "TORCHELASTIC_RUN_ID": "none", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                 "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30", "PYTHONUNBUFFERED": "1",
-                "KMP_DUPLICATE_LIB_OK": "True", "TOOLKIT_FP8_ON_CPU": "1",
+                "KMP_DUPLICATE_LIB_OK": "True", "WANDB_SERVICE": "2-1-tcp-localhost-1", "TOOLKIT_FP8_ON_CPU": "1",
                 "PYTHONPATH": f"{env.get('PYTHONPATH')}:/elsewhere"}  # fmt: skip
     assert differs({**env, **launched}) is None  # what accelerate and torchrun set, read by the run itself
     for key, value in {"HF_HUB_OFFLINE": "0", "WANDB_MODE": "offline", "ATEN_CPU_CAPABILITY": "avx2",
@@ -35,6 +35,7 @@ def test_warm_ranks_train_as_cold_ones(tmp_path):
     """The same 2-rank launch, warm and then cold (no warm process named): both ranks forked warm the first time,
     and the two runs' losses and weights bit-identical."""
     flags = ["--tiny", "--max_steps", "3", "--record_rank_reports", "true", "--report_to", "none"]
+    warm_start()
     seen = len(warm_log().read_text().splitlines())
     check(launch("ddp", "llama3_fft", *flags, "--output_dir", str(tmp_path / "warm"), cwd=tmp_path))
     started = warm_log().read_text().splitlines()[seen:]

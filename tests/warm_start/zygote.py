@@ -9,6 +9,8 @@ Python before anything else) hands over its arguments, environment and streams, 
 (preemption's SIGTERM and SIGUSR1) and exits as the copy exits. Ranks whose environment differs from this process's
 in a variable read at import time (HF_HUB_OFFLINE, WANDB_MODE, the CPU kernel caps, ...) start cold, as do single
 processes and everything that is not a recipe: what they import is then what a user's process imports.
+What forked ranks share that cold ones would not: the string hash seed and numpy's global random state (the runs
+seed what they draw), and pages of memory, which is why the test that measures a rank's PSS launches cold.
 
     python tests/warm_start/zygote.py SOCKET   # the suite's conftest starts it; it ends when its stdin closes
 """
@@ -24,10 +26,11 @@ import struct
 import sys
 import threading
 
-# Environment variables read when the stack is imported (by torch, transformers, huggingface_hub, datasets, wandb's
-# integration, the C runtimes): a rank whose values differ starts cold. Everything else (RANK, MASTER_PORT,
-# ACCELERATE_*, FSDP_*, TOOLKIT_*, SLURM_*, PATH, ...) is read at run time, by the run itself.
-IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "WANDB_", "TORCH_", "PYTORCH_",
+# Environment variables read when the stack is imported (by torch, transformers, huggingface_hub, datasets, the C
+# runtimes; WANDB_MODE by transformers' W&B integration, wandb itself being imported by the run): a rank whose values
+# differ starts cold. Everything else (RANK, MASTER_PORT, ACCELERATE_*, FSDP_*, TOOLKIT_*, SLURM_*, WANDB_DIR, PATH,
+# ...) is read at run time, by the run itself.
+IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "WANDB_MODE", "TORCH_", "PYTORCH_",
                "USE_", "ATEN_", "ONEDNN_", "DNNL_", "MKL", "OMP_", "KMP_", "GOMP_", "OPENBLAS", "PYTHON", "LD_",
                "LC_", "LANG", "HOME", "XDG_", "TMPDIR", "CUDA", "BNB_")  # fmt: skip
 # KMP_DUPLICATE_LIB_OK: Intel's OpenMP reads it as it loads (torch's CPU wheel loads GNU's); scikit-learn sets it in
