@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT, check, launch, rank_reports, warm_log, warm_start
+from conftest import BIN, ROOT, check, launch, rank_reports, warm_log, warm_start
 
 sys.path.insert(0, str(ROOT / "tests" / "warm_start"))
 from zygote import differs  # noqa: E402
@@ -32,17 +32,17 @@ def test_only_settings_read_at_import_send_a_rank_cold():
 
 @pytest.mark.launch
 def test_warm_ranks_train_as_cold_ones(tmp_path):
-    """The same 2-rank launch, warm and then cold (no warm process named): both ranks forked warm the first time,
-    and the two runs' losses and weights bit-identical."""
+    """The same 2-rank launch, warm and then cold (no warm process named): the launcher and both ranks forked warm
+    the first time, and the two runs' losses and weights bit-identical."""
     flags = ["--tiny", "--max_steps", "3", "--record_rank_reports", "true", "--report_to", "none"]
     warm_start()
     seen = len(warm_log().read_text().splitlines())
     check(launch("ddp", "llama3_fft", *flags, "--output_dir", str(tmp_path / "warm"), cwd=tmp_path))
     started = warm_log().read_text().splitlines()[seen:]
-    assert started == [f"warm {ROOT / 'recipes' / 'llama3_fft.py'}"] * 2
+    assert started == [f"warm {BIN / 'accelerate'}", *[f"warm {ROOT / 'recipes' / 'llama3_fft.py'}"] * 2]
     check(launch("ddp", "llama3_fft", *flags, "--output_dir", str(tmp_path / "cold"), cwd=tmp_path,
                  env={"TOOLKIT_TEST_ZYGOTE": None}))  # fmt: skip
-    assert len(warm_log().read_text().splitlines()) == seen + 2
+    assert len(warm_log().read_text().splitlines()) == seen + 3
     warm, cold = rank_reports(tmp_path / "warm"), rank_reports(tmp_path / "cold")
     for a, b in zip(warm, cold, strict=True):
         assert a["losses"] == b["losses"] and len(a["losses"]) == 3

@@ -1,22 +1,28 @@
-"""Run by Python at the start of every process the suite starts (PYTHONPATH holds this folder): a rank that torchrun
-started for a recipe (`python -u recipes/NAME.py ...`) asks the worker's warm process (zygote.py) to run it in a
-forked copy, forwards the signals it gets, and exits as the copy did. Anything else, or any failure to hand over,
-goes on as a cold start: this file then changed nothing."""
+"""Run by Python at the start of every process the suite starts (PYTHONPATH holds this folder): a launcher
+(`accelerate launch ...`, `python -m toolkit launch ...`) and each rank torchrun starts for a recipe
+(`python -u recipes/NAME.py ...`) ask the worker's warm process (zygote.py) to run them in a forked copy, forward the
+signals they get, and exit as the copy did. Anything else, or any failure to hand over, goes on as a cold start:
+this file then changed nothing."""
 
 import os
 import sys
 
 
 def _request() -> list[str] | None:
-    """The script and its arguments, when this process is a launched rank running a recipe with no other options."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not os.environ.get("TOOLKIT_TEST_ZYGOTE"):
+    """What to run warm (a script or `-m MODULE`, with its arguments), for a launcher or a rank of a recipe."""
+    if not os.environ.get("TOOLKIT_TEST_ZYGOTE"):
         return None
     argv = sys.orig_argv[1:]
     if argv[:1] == ["-u"]:
         argv = argv[1:]
-    if not argv or not argv[0].endswith(".py") or os.path.basename(os.path.dirname(argv[0])) != "recipes":
-        return None
-    return argv
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank: its recipe
+        recipe = argv[:1] and argv[0].endswith(".py") and os.path.basename(os.path.dirname(argv[0])) == "recipes"
+        return argv if recipe else None
+    if argv[:2] == ["-m", "toolkit"] and argv[2:3] == ["launch"]:
+        return argv
+    if argv[:1] and os.path.basename(argv[0]) == "accelerate" and argv[1:2] == ["launch"]:
+        return argv
+    return None
 
 
 def _line(conn) -> str:

@@ -1,16 +1,17 @@
-"""The suite's warm start for launched ranks: one process per test worker imports the Trainer stack once, then forks
-a copy of itself for each rank that `accelerate launch` (torchrun) starts for a recipe; the copy runs the recipe as
-the rank would have, in the rank's working directory, environment and standard streams.
+"""The suite's warm start for launches: one process per test worker imports the Trainer stack once, then forks a
+copy of itself for each launcher (`accelerate launch`, `python -m toolkit launch`) and each rank that torchrun starts
+for a recipe; the copy runs it as the process would have, in its working directory, environment and streams.
 
-Why: a tiny launch spends most of its CPU importing torch, transformers, peft and datasets in every rank (~4 of
-~5.5 CPU-s a rank, docs/benchmarks.md), and the suite launches ~90 times. The launcher, torchrun and the rank
-processes stay real; only the import is shared. The rank's own process (sitecustomize.py in this folder, run by
-Python before anything else) hands over its arguments, environment and streams, forwards the signals it gets
-(preemption's SIGTERM and SIGUSR1) and exits as the copy exits. Ranks whose environment differs from this process's
-in a variable read at import time (HF_HUB_OFFLINE, WANDB_MODE, the CPU kernel caps, ...) start cold, as do single
-processes and everything that is not a recipe: what they import is then what a user's process imports.
-What forked ranks share that cold ones would not: the string hash seed and numpy's global random state (the runs
-seed what they draw), and pages of memory, which is why the test that measures a rank's PSS launches cold.
+Why: a tiny launch spends most of its CPU importing torch, transformers, peft and datasets, in the launcher and in
+every rank (~4 of a rank's ~5.5 CPU-s, docs/benchmarks.md), and the suite launches ~90 times. The launcher, torchrun
+and the rank processes stay real; only the import is shared. Each such process (sitecustomize.py in this folder, run
+by Python before anything else) hands over its arguments, environment and streams, forwards the signals it gets
+(preemption's SIGTERM and SIGUSR1, torchrun's to its ranks) and exits as the copy exits. One whose environment
+differs from this process's in a variable read at import time (HF_HUB_OFFLINE, WANDB_MODE, the CPU kernel caps, ...)
+starts cold, as do single-process runs of a recipe (the demos) and every other command: what they import is then
+what a user's process imports. What forked copies share that cold ones would not: the string hash seed and numpy's
+global random state (the runs seed what they draw), and pages of memory, which is why the test that measures a
+rank's PSS launches cold.
 
     python tests/warm_start/zygote.py SOCKET   # the suite's conftest starts it; it ends when its stdin closes
 """
@@ -124,8 +125,8 @@ def entries(env) -> tuple[str, ...]:
     return tuple(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
 
 
-def become(conn: socket.socket, request: dict, fds: list[int]) -> str:
-    """Turn this copy into the rank: its streams, directory, environment and arguments; returns the script."""
+def become(conn: socket.socket, request: dict, fds: list[int]) -> list[str]:
+    """Turn this copy into the process that asked: its streams, directory, environment and arguments."""
     for fd, target in zip(fds, (0, 1, 2), strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -135,19 +136,19 @@ def become(conn: socket.socket, request: dict, fds: list[int]) -> str:
     theirs = entries(request["env"])  # made absolute from the rank's directory, as its interpreter would
     os.environ.clear()
     os.environ.update(request["env"])
-    script, *args = request["argv"]
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    argv = request["argv"]
+    sys.argv = argv[1:] if argv[0] == "-m" else argv  # -m: runpy puts the module's path first
+    sys.path[0] = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
     if tuple(sys.path[1 : 1 + len(ours)]) == ours:
         sys.path[1 : 1 + len(ours)] = theirs
 
-    def orphaned() -> None:  # the rank's process died (SIGKILL, a timeout): so does its copy
+    def orphaned() -> None:  # the process that asked died (SIGKILL, a timeout): so does its copy
         while conn.recv(1):
             pass
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=orphaned, daemon=True).start()
-    return script
+    return argv
 
 
 if __name__ == "__main__":
@@ -158,5 +159,8 @@ if __name__ == "__main__":
 
     import runpy
 
-    script = become(*serve(sys.argv[1]))
-    runpy.run_path(script, run_name="__main__")
+    argv = become(*serve(sys.argv[1]))
+    if argv[0] == "-m":
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(argv[0], run_name="__main__")
