@@ -94,8 +94,8 @@ def offline_env(tmp_path_factory):
 
         env["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    # Launched ranks start warm (warm_start/zygote.py): the stack imported once per worker, not once per rank; the
-    # warm process starts with the first command the worker runs (warm_start). TOOLKIT_TEST_COLD=1: all cold.
+    # Launchers and their ranks start warm (warm_start/zygote.py): the stack imported once per worker, not per process;
+    # the warm process starts with the first command the worker runs (warm_start). TOOLKIT_TEST_COLD=1: all cold.
     if not os.environ.get("TOOLKIT_TEST_COLD"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WARM_START), os.environ.get("PYTHONPATH")) if p)
         env["TOOLKIT_TEST_ZYGOTE"] = str(Path(tempfile.mkdtemp(prefix="zygote-")) / "socket")  # under 108 bytes
@@ -162,13 +162,13 @@ def free_port() -> int:
 
 
 def warm_log() -> Path:
-    """What this worker's warm process did: a line per rank, `warm SCRIPT` or `cold SCRIPT VARIABLE`."""
+    """What this worker's warm process did: a line per launcher or rank, `warm SCRIPT` or `cold SCRIPT VARIABLE`."""
     return Path(os.environ["TOOLKIT_TEST_ZYGOTE"]).with_name("log")
 
 
 def warm_start() -> None:
     """Start this worker's warm process if it is not running yet, and wait until it listens (its import: ~4 s), so
-    that the ranks of the command about to run start warm; a worker that runs no command starts none."""
+    that the command about to run starts warm; a worker that runs no command starts none."""
     path = os.environ.get("TOOLKIT_TEST_ZYGOTE")
     if not path or WARM:
         return

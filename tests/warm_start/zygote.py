@@ -45,7 +45,7 @@ def import_time(key: str) -> bool:
 
 
 def differs(env: dict[str, str]) -> str | None:
-    """The first import-time variable whose value the rank does not share with this process, if any."""
+    """The first import-time variable whose value the asking process does not share with this one, if any."""
     for key in sorted(set(env) | set(os.environ)):
         if import_time(key) and env.get(key) != os.environ.get(key):
             return key
@@ -73,7 +73,7 @@ def serve(path: str) -> tuple[socket.socket, dict, list[int]]:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    running: dict[int, socket.socket] = {}  # pid -> its rank's connection, for the exit status
+    running: dict[int, socket.socket] = {}  # pid -> its asker's connection, for the exit status
     while True:
         ready, _, _ = select.select([listener, wake_r, sys.stdin], [], [])
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
@@ -88,7 +88,7 @@ def serve(path: str) -> tuple[socket.socket, dict, list[int]]:
             try:
                 conn.sendall(f"exit {status}\n".encode())
             except OSError:
-                pass  # the rank's process is gone (killed): nothing to tell
+                pass  # the process that asked is gone (killed): nothing to tell
             conn.close()
         if listener not in ready:
             continue
