@@ -26,6 +26,8 @@ def test_only_settings_read_at_import_send_a_rank_cold():
     assert differs({**env, **launched}) is None  # what accelerate and torchrun set, read by the run itself
     for key, value in {"HF_HUB_OFFLINE": "0", "WANDB_MODE": "offline", "ATEN_CPU_CAPABILITY": "avx2",
                        "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "7"}.items():  # fmt: skip
+        if env.get(key) == value:  # the suite itself runs with it (the kernel caps on a Xeon): another value
+            value = "default"
         assert differs({**env, key: value}) == key
     assert differs({k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}) == "HF_HUB_OFFLINE"
 
