@@ -14,8 +14,8 @@ were routed to: `top_k_index`), not off a family's router class:
   tokens_dropped         routed (token, expert) pairs sent to no expert, all layers together: transformers marks
                          them with an index outside the experts where a capacity applies; 0 for dropless routing
 
-Counted on every rank and summed over them at each log. Tokens a layer recomputes under activation checkpointing
-count twice, as all of that layer's do: the shares stand.
+Counted on every rank and summed over them at each log (pipeline stages: each its own layers' rows). Tokens a
+layer recomputes under activation checkpointing count twice, as all of that layer's do: the shares stand.
 """
 
 from __future__ import annotations
@@ -42,14 +42,22 @@ def fused_experts(module: torch.nn.Module) -> bool:
 class RouterStats:
     """Forward hooks on a model's fused experts modules, counting the tokens each expert receives."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
-        # per layer: the pairs routed to each expert (by global ids), then those routed to none
-        self.counts = [torch.zeros(expert_count(m) + 1, dtype=torch.long) for m in modules]
-        self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, m in enumerate(modules)]
+    def __init__(self, modules: list[torch.nn.Module | None], experts: int | None = None):
+        # per layer: the pairs routed to each expert (by global ids), then those routed to none; a layer held
+        # elsewhere (None: another pipeline stage's) keeps a row of zeros, which the sum over the ranks fills
+        experts = experts or next(expert_count(m) for m in modules if m is not None)
+        self.counts = [torch.zeros(experts + 1, dtype=torch.long) for _ in modules]
+        self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True)
+                      for i, m in enumerate(modules) if m is not None]  # fmt: skip
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> RouterStats | None:
-        """The stats of `model`'s fused experts (3-D weights stacking `num_experts`); None for a model without."""
+    def of(cls, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None,
+           experts: int | None = None) -> RouterStats | None:  # fmt: skip
+        """The stats of `model`'s fused experts (3-D weights stacking `num_experts`); None for a model without.
+        With `layers` (a pipeline stage's view of every block of the whole model) and the model's `experts`, one
+        row per block, held or not: every stage counts the same rows, so that their sum is the whole model's."""
+        if layers is not None and experts:
+            return cls([next((m for m in block.modules() if fused_experts(m)), None) for block in layers], experts)
         modules = [m for m in model.modules() if fused_experts(m)]
         return cls(modules) if modules else None
 

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from ..errors import ConfigError
 from ..settings.mesh import PIPELINE_SCHEDULES, describe
+from .balance import routing_sums
 from .parallel import check_mesh_size
 
 
@@ -96,17 +97,24 @@ def split_stage(model: torch.nn.Module, stage: int, stages: int) -> torch.nn.Mod
 
 class StageModule(torch.nn.Module):
     """One stage's forward for torch's PipelineStage: token ids (first stage) or hidden states in, hidden states
-    or (last stage) logits out; the keyword inputs (positions, the attention mask) reach every stage."""
+    or (last stage) logits out; the keyword inputs (positions, the attention mask) reach every stage. A mixture of
+    experts whose forward computes the load-balancing loss (`routing`: its experts and top-k) also passes on the
+    routing sums of the layers so far (models/balance.py), this stage's added: the last stage's loss needs all."""
 
-    def __init__(self, model: torch.nn.Module, stage: int, stages: int):
+    def __init__(self, model: torch.nn.Module, stage: int, stages: int, routing: tuple[int, int] | None = None):
         super().__init__()
-        self.model, self.first, self.last = model, stage == 0, stage == stages - 1
+        self.model, self.first, self.last, self.routing = model, stage == 0, stage == stages - 1, routing
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None, **kwargs):
         inputs = {"input_ids" if self.first else "inputs_embeds": x, **kwargs, "use_cache": False}
-        if self.last:
-            return self.model(**inputs).logits
-        return text_model(self.model)(**inputs).last_hidden_state
+        if self.routing is not None:
+            inputs["output_router_logits"] = True
+        outputs = self.model(**inputs) if self.last else text_model(self.model)(**inputs)
+        result = outputs.logits if self.last else outputs.last_hidden_state
+        if self.routing is None:
+            return result
+        mine = routing_sums(outputs.router_logits, *self.routing, kwargs.get("attention_mask"))
+        return result, mine if sums is None else sums + mine
 
 
 def check_pipeline_task(mesh: dict[str, int], task: str, *, load_in_4bit: bool = False,

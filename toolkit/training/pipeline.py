@@ -13,6 +13,11 @@ window's tokens on every replica (what one process accumulating the same rows co
 gradients are parts of the whole batch's and are summed over the replicas. Every batch is padded to
 max_seq_length (runner.py's padding_multiple): a schedule's stages exchange tensors of the shapes its first step
 had; a window or an evaluation batch of another shape gets its own schedule.
+
+A mixture of experts' load-balancing loss spans every stage's routers: each stage passes on the routing sums of
+the layers so far beside its hidden states (models/balance.py), and the last stage adds c x the whole model's
+loss to each micro-batch's, at 1 / (the window's micro-batches x replicas) of it, a micro-batch's share of the
+global batch (training/load_balance.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ..metrics.memory import plain_tensor
-from ..models.pipeline import StageModule, decoder_of, text_model, window_schedule
+from ..models.balance import balance_loss, balance_settings
+from ..models.parallel import routed_expert_count
+from ..models.pipeline import StageModule, decoder_of, layer_list, text_model, window_schedule
 from ..settings.mesh import launch_mesh, pipeline_schedule
 from .checkpoints import stage_optimizer
 
@@ -42,14 +49,17 @@ class Pipeline:
         self.stage, self.replica = grid["pp"].get_local_rank(), grid["dp"].get_local_rank()
         self.last_rank = dist.get_global_rank(self.pp_group, self.stages - 1)  # this pipeline's last stage
         self.trainer, self.device = trainer, device
-        self.module = StageModule(trainer.model, self.stage, self.stages)
         self.decoder = decoder_of(trainer.model)
+        balance = balance_settings(self.decoder.config)
+        self.module = StageModule(trainer.model, self.stage, self.stages, balance[1:] if balance else None)
         self.schedule_name = pipeline_schedule()
         self.schedules: dict[tuple, object] = {}
         self.window: list[dict] = []
         self.preprocess = trainer.preprocess_logits_for_metrics  # run here, on the last stage (eval_step)
         trainer.preprocess_logits_for_metrics = None
         self.items = torch.ones((), device=device)  # the window's loss tokens, all replicas
+        self.micro_batches = 1  # in the window the schedule runs
+        self.aux: list[torch.Tensor] = []  # the last stage's load-balancing losses of a window, for the log
 
     @property
     def first(self) -> bool:
@@ -92,7 +102,7 @@ class Pipeline:
 
         predictions = [None]
         if self.last:
-            logits = self.outputs
+            logits = self.outputs[0] if isinstance(self.outputs, tuple) else self.outputs
             scores = self.preprocess(logits, labels) if self.preprocess else logits
             predictions = [recursively_apply(torch.Tensor.cpu, scores)]
         dist.broadcast_object_list(predictions, src=self.last_rank, group=self.pp_group)
@@ -104,6 +114,7 @@ class Pipeline:
         inputs = {k: torch.cat([b[k] for b in batches]) if torch.is_tensor(v) else v
                   for k, v in batches[0].items() if k not in ("input_ids", "labels")}  # fmt: skip
         ids = torch.cat([b["input_ids"] for b in batches])
+        self.micro_batches = len(batches)
         schedule = self.schedule_for(len(batches), tuple(ids.shape), training)
         args = (ids,) if self.first else ()
         target = {"target": labels, "losses": (losses := [])} if self.last else {}
@@ -112,15 +123,34 @@ class Pipeline:
                 schedule.step(*args, **target, **inputs)
             else:
                 self.outputs = schedule.eval(*args, **target, **inputs)
+        if training and self.trainer.balance is not None:  # the window's own micro-batches: torch's first step
+            for aux in self.aux[-len(batches) :] if self.aux else ():  # also scores a stand-in, sizing its buffers
+                self.trainer.balance.record(aux)
+        self.aux = []
         total = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), device=self.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)
         return total
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of a micro-batch: its token losses summed, over the window's tokens (self.items),
-        by the model's own loss function (shifted labels, -100 ignored)."""
-        return self.decoder.loss_function(logits=logits, labels=labels, vocab_size=self.decoder.config.vocab_size,
+        by the model's own loss function (shifted labels, -100 ignored); with the routing sums of every stage
+        (`output`: logits and sums), c x the load-balancing loss at the micro-batch's share of the batch."""
+        logits, sums = output if isinstance(output, tuple) else (output, None)
+        loss = self.decoder.loss_function(logits=logits, labels=labels, vocab_size=self.decoder.config.vocab_size,
                                           num_items_in_batch=self.items)  # fmt: skip
+        balance = self.trainer.balance
+        if sums is None or balance is None:
+            return loss
+        aux = balance_loss(sums)
+        self.aux.append(aux.detach())
+        if torch.is_grad_enabled():  # training: the share of one micro-batch of the global batch
+            return loss + balance.coef * aux / (self.micro_batches * self.replicas)
+        return loss + balance.coef * aux  # an evaluation batch's mean loss, as one process computes it
+
+    def router_layers(self) -> tuple[list, int | None]:
+        """Every block of the whole model as this stage sees it (its own, the others' pass-throughs), and the
+        model's routed experts: the router statistics count one row per block on every stage."""
+        return list(layer_list(self.trainer.model)), routed_expert_count(self.decoder.config.get_text_config())
 
     def schedule_for(self, micro_batches: int, shape: tuple, training: bool):
         """A schedule for windows of this many micro-batches and this shape (its stage's buffers are sized by the

@@ -75,6 +75,7 @@ from .converted import load_converted, load_sharded
 from .evaluation import first_output
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
+from .load_balance import BalancedLoss, LoadBalance
 from .order import LengthGroupedOrder
 from .pipeline import Pipeline
 from .precision import keep_master_weights
@@ -99,6 +100,7 @@ class ToolkitTrainerMixin:
         super().__init__(*args, **kwargs)
         training.save_only_model = asked
         check_strategy(self.accelerator)  # before a single step is paid for
+        self.balance = LoadBalance.of(self.model)  # before the pipeline's stages, which add its term
         self.pipeline = Pipeline(self) if pipeline_stages() > 1 else None
         if self.pipeline is not None:  # the stage, driven by its schedule: accelerate wraps nothing
             self.model_wrapped, self.gather_function = self.pipeline.module, self.pipeline.gather
@@ -114,8 +116,8 @@ class ToolkitTrainerMixin:
                                   self.plan.peak_flops, model_parallel_size(), launch_mesh().get("sp", 1))  # fmt: skip
         self.health = Health(assumed_mfu(self.plan.layout, self.args.gradient_accumulation_steps),
                              self.is_world_process_zero())  # fmt: skip
-        # A mixture of experts' router balance (metrics/routing.py); a pipeline stage holds only some of the layers
-        self.routing = RouterStats.of(self.model) if self.pipeline is None else None
+        # A mixture of experts' router balance (metrics/routing.py) and load-balancing loss (load_balance.py)
+        self.routing = RouterStats.of(self.model, *(self.pipeline.router_layers() if self.pipeline else ()))
         self.checkpoints = StagedCheckpoints(self)
         self.safe_stop = SafeStop(over_budget=self.over_budget)
         self.order = LengthGroupedOrder()
@@ -245,9 +247,13 @@ class ToolkitTrainerMixin:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         training = "loss" in logs
         logs.update(self.tracker.metrics(self.state, training))
-        if training and self.routing is not None:  # every rank logs: the counts are summed over them
-            reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum").cpu()  # noqa: E731
-            logs.update(self.routing.metrics(reduce if self.accelerator.num_processes > 1 else None))
+        if training:  # every rank logs: the counts and losses are summed over them
+            reduce = None
+            if self.accelerator.num_processes > 1:
+                reduce = lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum").cpu()  # noqa: E731
+            for part in (self.routing, self.balance):
+                if part is not None:
+                    logs.update(part.metrics(reduce))
         if training:
             self.health.check(logs, memory_fraction())
         super().log(logs, start_time)
@@ -406,5 +412,6 @@ class ToolkitTrainerMixin:
         return summary
 
 
-class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, Trainer):
-    """The toolkit's parts on `transformers.Trainer`, and SFT's fused loss (TRL's DPOTrainer brings its own)."""
+class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, BalancedLoss, Trainer):
+    """The toolkit's parts on `transformers.Trainer`, SFT's fused loss (TRL's DPOTrainer brings its own) and a
+    mixture of experts' load-balancing term at its share."""

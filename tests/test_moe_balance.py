@@ -1,0 +1,89 @@
+"""A mixture of experts' load-balancing loss at the coefficient the user set, on N processes as on one.
+
+The recipe's tiny Qwen3-MoE routes each token to 2 of its 4 experts, with the recipe's coefficient 0.001. The
+Trainer once multiplied the whole loss, the family's `c x aux` in it, by the processes and left it undivided by the
+accumulation steps: 2 processes x 2 steps made c act as 4c, and pipeline stages dropped the term (issue 65)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check, logged, reference_run
+from safetensors.torch import load_file
+from test_pipeline import toolkit_launch
+
+from toolkit.models import tiny
+from toolkit.models.balance import balance_loss, routing_sums
+
+RECIPE, COEF = "qwen3_moe_fft", 0.001
+FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps", "1", "--save_strategy", "no"]
+# Each micro-batch's routers are balanced over its own tokens (training/load_balance.py): 2-row or 4-row
+# micro-batches' mean aux differs from the 8-row batch's by ~0.5% of aux (~0.01), c x that ~1e-5 a step, and the
+# weights that difference moves add as much again over 4 AdamW steps (measured: at most 2e-5); the coefficient
+# doubled moves the loss by c x aux ~ 2e-3. Pipeline stages pad every row to max_seq_length, and a packed batch
+# reaches the model without an attention mask: its padding is routed and balanced too, as the family's own forward
+# balances the (shorter) padding of a packed batch on one process (measured: 1.2e-4 at step 3).
+BOUND = {"pp": 2.5e-4}
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    """The exported weights (a pipeline's stages write one file each)."""
+    return {k: v for file in sorted(run.glob("model*.safetensors")) for k, v in load_file(file).items()}
+
+
+def distance(ours: dict, theirs: dict) -> float:
+    """Over the weights both name alike (the routers, attention, norms: one process exports the experts under
+    transformers' per-expert names, pipeline stages their fused tensors)."""
+    return float(
+        torch.cat([(ours[k].float() - theirs[k].float()).flatten() for k in sorted(ours.keys() & theirs.keys())]).norm()
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[float, Path]:
+    """One process, the global batch of 8 in one forward, at c and at 2c (what 2 processes made of c, before)."""
+    return {coef: reference_run(RECIPE, [*FLAGS, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps",
+                                         "1", "--router_aux_loss_coef", str(coef)],
+                                tmp_path_factory.mktemp(f"balance-{coef}"))
+            for coef in (COEF, 2 * COEF)}  # fmt: skip
+
+
+def test_the_tiny_moe_routes_and_its_balance_is_the_familys():
+    """The sums the pipeline's stages pass on add up to transformers' own load-balancing loss, with and without an
+    attention mask, and the tiny model routes (top-k below the experts), so the loss has a gradient to give."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint("Qwen/Qwen3-30B-A3B", "sft"))
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    assert top_k < experts
+    ids = torch.randint(1, 400, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    logits = model(input_ids=ids, output_router_logits=True).router_logits
+    for given in (None, mask):
+        whole = load_balancing_loss_func(logits, experts, top_k, given)
+        by_layer = sum(routing_sums(logits[i : i + 1], experts, top_k, given) for i in range(len(logits)))
+        torch.testing.assert_close(balance_loss(by_layer), whole)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["fsdp2", "fsdp2_ep", "zero3", "pp"])
+def test_the_balance_loss_is_the_one_process_runs(config, one_process, tmp_path):
+    """2 processes, 2 accumulation steps, the same global batch of 8: the losses and the weights after 4 steps
+    are the 1-process run's at c within what per-micro-batch balancing makes (BOUND), far nearer it than the run at
+    2c, and the aux loss is in the run's log, as on one process."""
+    per_device = "4" if config == "pp" else "2"  # a pipeline's stages share their rows
+    out = tmp_path / "run"
+    check(toolkit_launch(config, RECIPE, *FLAGS, "--per_device_train_batch_size", per_device,
+                         "--gradient_accumulation_steps", "2", "--output_dir", str(out), cwd=tmp_path,
+                         processes=2))  # fmt: skip
+    ours, at_c, at_2c = (torch.tensor(logged(run, "loss")) for run in (out, one_process[COEF], one_process[2 * COEF]))
+    assert len(ours) == 4 and (ours - at_c).abs().max() < BOUND.get(config, 5e-5), (ours - at_c).tolist()
+    assert (ours - at_c).abs().sum() < 0.1 * (ours - at_2c).abs().sum()
+    moved = weights(out)
+    assert distance(moved, weights(one_process[COEF])) < 0.5 * distance(moved, weights(one_process[2 * COEF]))
+    aux = logged(out, "aux_loss")
+    assert aux == pytest.approx(logged(one_process[COEF], "aux_loss"), rel=0.02) and len(aux) == 4
