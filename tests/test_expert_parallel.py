@@ -18,6 +18,7 @@ from test_bad_input import assert_one_clear_line
 from test_pipeline import toolkit_launch
 from transformers import AutoConfig
 
+from toolkit.distributed.strategy import check_mesh_engine
 from toolkit.errors import ConfigError
 from toolkit.models import tiny
 from toolkit.models.parallel import check_expert_parallel
@@ -177,6 +178,28 @@ def test_toolkit_check_refuses_what_expert_parallelism_cannot_train(argv, messag
         main([str(ROOT / "accelerate_configs" / f"{config}.yaml"), recipe])
     assert exit_info.value.code == 2
     assert_one_clear_line(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize(("dp_shard", "processes"), [(1, 2), (2, 4)], ids=["tp-instead-of-dp_shard", "beside-dp_shard"])
+def test_a_tensor_parallel_axis_beside_the_experts_is_refused_by_name(dp_shard, processes, tmp_path, capsys):
+    """fsdp2_ep.yaml with parallelism_config_tp_size, as `toolkit check` and every rank (runner.py's
+    check_mesh_engine) see it: refused naming tensor parallelism and both fixes; it had been a message about
+    MULTI_GPU and dp_shard (without dp_shard) or passed the check (beside it)."""
+    import yaml
+
+    from toolkit.distributed.launch_check import main
+
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2_ep.yaml").read_text())
+    config["num_processes"] = processes
+    config["parallelism_config"].update(parallelism_config_dp_shard_size=dp_shard, parallelism_config_tp_size=2)
+    path = tmp_path / "fsdp2_ep_tp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), RECIPE])
+    assert exit_info.value.code == 2
+    assert_one_clear_line(capsys.readouterr().err, "tensor parallelism does not combine with the toolkit's expert")
+    with pytest.raises(ConfigError, match="drop parallelism_config_tp_size and set parallelism_config_dp_shard_size"):
+        check_mesh_engine({"dp_shard": dp_shard, "tp": 2, "ep": 2}, "replicated", 1)
 
 
 def test_accelerates_own_launcher_is_refused_in_one_line(monkeypatch):

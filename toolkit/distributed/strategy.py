@@ -66,7 +66,7 @@ def check_4bit_engine(engine: str) -> None:
 def check_mesh_engine(mesh: dict[str, int], engine: str, fsdp_version: int) -> None:
     """Each sequence split has its engine (engine as Requested.engine names it): DeepSpeed's Ulysses (sp) runs
     inside DeepSpeed, torch's context parallelism (cp) inside FSDP2; elsewhere accelerate fails after the weights
-    load, or (sp) quietly trains without splitting."""
+    load, or (sp) quietly trains without splitting. Expert parallelism goes over dp_shard alone, without tp."""
     from ..errors import ConfigError
 
     if mesh.get("sp", 1) > 1 and engine != "DEEPSPEED":
@@ -77,6 +77,12 @@ def check_mesh_engine(mesh: dict[str, int], engine: str, fsdp_version: int) -> N
         raise ConfigError("parallelism_config_pp_size is the toolkit's pipeline on torch's own engine: it runs under "
                           "distributed_type MULTI_GPU, its stages' replicas reducing their gradients themselves "
                           "(accelerate_configs/pp.yaml, pp_ddp.yaml).")  # fmt: skip
+    if mesh.get("ep", 1) > 1 and mesh.get("tp", 1) > 1:  # before the next check, which would name dp_shard alone
+        raise ConfigError(f"parallelism_config_tp_size {mesh['tp']} with parallelism_config_ep_size {mesh['ep']}: "
+                          "tensor parallelism does not combine with the toolkit's expert parallelism, which splits "
+                          "the experts over the dp_shard ranks and FSDP2-shards the rest (fsdp2_ep.yaml): drop "
+                          "parallelism_config_tp_size and set parallelism_config_dp_shard_size to the processes, or "
+                          "drop parallelism_config_ep_size for tensor parallelism (fsdp2_tp.yaml).")  # fmt: skip
     if mesh.get("ep", 1) > 1 and (engine in ("FSDP", "DEEPSPEED") or "dp_shard" not in mesh):
         raise ConfigError("parallelism_config_ep_size is transformers' expert parallelism, applied with FSDP2 as the "
                           "weights load: it runs under distributed_type MULTI_GPU with parallelism_config_dp_shard_"
