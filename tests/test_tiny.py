@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModel
@@ -37,6 +39,41 @@ def test_tiny_llama_keeps_the_architecture():
     assert small.vocab_size == len(tok)
     # Meta-Llama-3-8B's end of sequence, not its chat turns' <|eot_id|> (which hid that answers must stop at both)
     assert small.eos_token_id == tok.convert_tokens_to_ids("<|end_of_text|>")
+
+
+HUB_CONFIGS = Path(tiny.__file__).parent.parent / "hub_configs"
+STORED = sorted(path.stem.replace("--", "/", 1) for path in HUB_CONFIGS.glob("*--*.json")
+                if "vision_config" not in path.read_text())  # fmt: skip  # image-text: tiny_vision's own tests
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_tiny_mode_keeps_each_familys_structure(name):
+    """Every family with a stored config keeps at toy size what makes it differ (issue 65: the tiny Qwen3-MoE
+    routed every token to all 4 of its experts, and dropout was switched off): a top-k below the experts, shared
+    experts, dense layers beside expert layers, grouped routing, dropout, each kind of layer, a sliding window,
+    a tied head, latent attention, grouped-query attention; and the tiny model builds and runs."""
+    from toolkit.settings.tasks import model_class
+
+    real = tiny.stored_config(name)
+    small = tiny.shrunk_config(tiny.stored_config(name), 512)
+    assert tiny.structure(small) == tiny.structure(real)
+    if small.get_text_config().to_dict().get("sliding_window"):  # short enough to mask inside the tiny rows
+        assert small.sliding_window < tiny.TINY_TRAINING["max_seq_length"]
+    task = "classification" if tiny.is_encoder(name) else "sft"
+    logits = model_class(task).from_config(small)(input_ids=torch.randint(1, 500, (2, 40))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_dropout_is_the_familys_unless_set(tmp_path):
+    """Tiny BERT keeps its 0.1 dropout (a train-mode path a run shows); --dropout 0 switches every probability the
+    config sets off, as runs compared number for number across process counts need."""
+    from toolkit import train
+
+    for flags, expected in (([], 0.1), (["--dropout", "0"], 0.0)):
+        result = train(load_recipe("bert"), ["--tiny", "--max_steps", "1", "--report_to", "none", *flags,
+                                             "--output_dir", str(tmp_path / str(expected))], "bert")  # fmt: skip
+        config = result.trainer.model.config
+        assert config.hidden_dropout_prob == config.attention_probs_dropout_prob == expected
 
 
 def test_tiny_bert_tokenizer_is_bert_like():

@@ -198,6 +198,12 @@ def local_config(model: str) -> dict | None:
         return None
 
 
+def dropout_names(config: PretrainedConfig) -> list[str]:
+    """The config's dropout probabilities that are set (BERT's hidden_dropout_prob, GPT-2's resid_pdrop, ...)."""
+    return sorted(k for k, v in config.to_dict().items()
+                  if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0)  # fmt: skip
+
+
 def architecture_difference(checkpoint: str | Path, model: str) -> str | None:
     """How the model a checkpoint's config.json describes differs from `model` (type and sizes), in words; None
     where they agree, or where either config is not at hand (a LoRA adapter's checkpoint has none)."""
@@ -237,6 +243,9 @@ def load_model(
     common = dict(attn_implementation=attention, trust_remote_code=args.trust_remote_code)
     if args.experts_implementation != "auto":  # else transformers' choice (grouped_mm where it can run)
         common["experts_implementation"] = args.experts_implementation
+    if args.dropout is not None:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+        kwargs.update(dict.fromkeys(dropout_names(config), args.dropout))
     if args.router_aux_loss_coef is not None:  # the family's load-balancing loss: its router logits requested
         kwargs.update(output_router_logits=args.router_aux_loss_coef > 0,
                       router_aux_loss_coef=args.router_aux_loss_coef)  # fmt: skip

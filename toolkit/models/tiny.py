@@ -30,12 +30,16 @@ from ..settings import tasks as task_table
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 from . import tiny_vision
-from .parallel import EXPERT_COUNTS
+from .loading import dropout_names
+from .parallel import EXPERT_COUNTS, routed_expert_count
 
-# Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying) is the recipe's.
+# Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying, dropout) is the
+# recipe's, and what makes the family differ is kept at toy size (`structure`, tested per family): a top-k below
+# the experts, shared experts, dense layers beside expert layers, grouped routing, each kind of layer, a sliding
+# window shorter than the tiny rows, latent attention.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-# Dropout off: its random masks differ between 1 and N processes, and tests compare those runs number for number.
-NO_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "classifier_dropout")
+TINY_EXPERTS = 4  # routed experts a layer, top-k at most half of them: a router that chooses
+TINY_WINDOW = 32  # a sliding window inside the tiny rows (64 tokens), so that it masks something
 
 CPU_PRECISION = {"dtype": "float32", "bf16": False, "fp16": False}
 
@@ -59,7 +63,7 @@ TINY_TRAINING = {
     # fp32 on a CPU: tiny runs are compared number for number in tests; on a GPU the recipe's own precision, so a
     # tiny run meets the kernels and dtypes a real one does (make gpu-check): CPU_PRECISION below
     "attn_implementation": "auto",  # the recipe's kernel may not exist in the tiny family (Gemma-2: no sdpa)
-    "lora_dropout": 0.0,  # dropout off, as in the tiny model itself (see NO_DROPOUT)
+    "lora_dropout": 0.0,  # adapters compared number for number across process counts (--dropout: the model's own)
 }
 
 LLAMA3_SPECIAL_TOKENS = [
@@ -104,27 +108,84 @@ def shrunk_config(config: PretrainedConfig, vocab_size: int, layers: int | None 
     for key in ("word_embed_proj_dim", "pooler_hidden_size"):  # OPT's embedding projection, DeBERTa's pooler
         if getattr(config, key, None):
             setattr(config, key, config.hidden_size)
-    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer: keep the first pattern
-        config.layer_types = config.layer_types[: config.num_hidden_layers]
-    for key in NO_DROPOUT:
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer: the first ones, each kind
+        config.layer_types = kept_layer_types(config.layer_types, config.num_hidden_layers)
+    if isinstance(getattr(config, "sliding_window", None), int):
+        config.sliding_window = min(config.sliding_window, TINY_WINDOW)
     if kv_heads:  # keep grouped-query attention grouped: same heads per KV head, at least one KV head
         kv_name = "num_key_value_heads" if hasattr(config, "num_key_value_heads") else "num_kv_heads"
         setattr(config, kv_name, max(1, TINY_SIZES["num_attention_heads"] * kv_heads // heads))
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: low ranks, small heads
+        for key in ("q_lora_rank", "kv_lora_rank"):
+            if getattr(config, key, None):
+                setattr(config, key, config.hidden_size // 2)
+        for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(config, key, None):
+                setattr(config, key, 16)
+        if hasattr(config, "qk_head_dim"):
+            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if getattr(config, "qk_rope_head_dim", None):  # multi-head latent attention: its rotary part is its head_dim
         config.head_dim = config.qk_rope_head_dim
     elif getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    for key in EXPERT_COUNTS:  # a MoE stays a MoE, with few experts
-        if getattr(config, key, None):
-            setattr(config, key, min(getattr(config, key), 4))
-            config.num_experts_per_tok = min(getattr(config, "num_experts_per_tok", 2) or 2, getattr(config, key))
+    shrink_experts(config)
     config.vocab_size = vocab_size
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids of the full vocabulary (Phi-3's pad 32000)
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab_size:
             setattr(config, name, None)  # nn.Embedding refuses a padding index past the table
     return config
+
+
+def kept_layer_types(types: list[str], layers: int) -> list[str]:
+    """The first `layers` of a per-layer list, each kind of the whole list among them (Gemma-3's 5 sliding : 1
+    full keeps a full layer), the last ones replaced."""
+    kept, missing = types[:layers], [kind for kind in dict.fromkeys(types) if kind not in types[:layers]]
+    if missing and len(missing) < layers:
+        kept[-len(missing) :] = missing
+    return kept
+
+
+def shrink_experts(config: PretrainedConfig) -> None:
+    """A mixture of experts at toy size, still routing: TINY_EXPERTS experts, the top-k at most half of them (all
+    of them would route every token everywhere, and no router choice, statistic or balance would show), groups
+    of experts still grouped, a dense layer still before the expert layers."""
+    key = next((k for k in EXPERT_COUNTS if getattr(config, k, None)), None)
+    if key is None:
+        return
+    experts, top_k = getattr(config, key), getattr(config, "num_experts_per_tok", 2) or 2
+    setattr(config, key, min(experts, TINY_EXPERTS))
+    tiny_experts = getattr(config, key)
+    config.num_experts_per_tok = min(top_k, tiny_experts) if top_k >= experts else max(1, min(top_k, tiny_experts // 2))
+    if (getattr(config, "n_group", None) or 1) > 1:  # DeepSeek's grouped routing: 2 groups, the top-k's in one
+        config.n_group, config.topk_group = 2, 1
+        config.num_experts_per_tok = min(config.num_experts_per_tok, tiny_experts // 2)
+    if (getattr(config, "first_k_dense_replace", None) or 0) >= config.num_hidden_layers:
+        config.first_k_dense_replace = config.num_hidden_layers - 1  # dense layers first, then experts
+
+
+def structure(config: PretrainedConfig) -> dict[str, Any]:
+    """What makes a family's architecture differ, in any size: the fields tiny mode must keep."""
+    text = config.get_text_config()
+    experts, top_k = routed_expert_count(text), getattr(text, "num_experts_per_tok", None)
+    types = getattr(text, "layer_types", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
+    window = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    return {
+        "experts": experts is not None,
+        "top-k below the experts": experts is not None and top_k < experts,
+        "shared experts": bool(getattr(text, "n_shared_experts", None) or
+                               getattr(text, "shared_expert_intermediate_size", None)),
+        "dense layers beside expert layers": bool(getattr(text, "first_k_dense_replace", None) or
+                                                  getattr(text, "mlp_only_layers", None)),
+        "grouped routing": (getattr(text, "n_group", None) or 1) > 1,
+        "dropout": dropout_names(text),
+        "layer kinds": sorted(set(types)) if isinstance(types, list) else None,
+        "sliding window": bool(window),
+        "tied head": bool(getattr(text, "tie_word_embeddings", False)),
+        "latent attention": bool(getattr(text, "kv_lora_rank", None)),
+        "grouped-query attention": kv_heads is not None and heads is not None and kv_heads < heads,
+    }  # fmt: skip
 
 
 def is_encoder(model_name: str) -> bool:

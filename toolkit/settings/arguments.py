@@ -99,6 +99,14 @@ class ModelArguments:
             "coefficient, 0.001-0.02 is usual; 0 turns it off. Default: the model's config (Mixtral's: off)."
         },
     )
+    dropout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Every dropout probability of the model's config (attention, hidden, classifier) set to this: "
+            "0 turns dropout off, as for runs compared number for number across process counts (dropout's random "
+            "masks fall on other rows there). Default: the model's own."
+        },
+    )
     experts_implementation: str = field(
         default="auto",
         metadata={
@@ -164,6 +172,8 @@ class ModelArguments:
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"router_aux_loss_coef must be 0 (off) or positive, got {self.router_aux_loss_coef:g}: "
                               "pass 0.001, say.")  # fmt: skip
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout is a probability below 1, got {self.dropout:g}: pass 0 (off) or 0.1, say.")
         at_least("lora_r", self.lora_r, 1, " (the adapter's rank; 8-64 is usual)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha} (twice lora_r is usual).")
