@@ -91,10 +91,12 @@ def test_router_health_counts_what_the_routers_chose(name):
         router.register_forward_hook(lambda module, args, out: chosen.append(out[-1]))  # (logits, scores, indices)
     ids = torch.randint(1, 400, (2, 48), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids)
-    experts = stats.counts[0].numel() - 1  # and the pairs sent to no expert
+    experts = stats.counts[0].numel() - 2  # and the pairs sent to no expert, and the tokens
     counts = torch.stack([torch.bincount(c.reshape(-1), minlength=experts) for c in chosen])
-    k = model.config.num_experts_per_tok  # Mixtral's tiny 2 of 4; Qwen3-MoE's 8 capped at its tiny 4: all
-    assert torch.equal(torch.stack(stats.counts)[:, :experts], counts) and int(counts.sum()) == len(routers) * 96 * k
+    k = model.config.num_experts_per_tok  # 2 of the tiny 4, both families
+    assert k < experts and torch.equal(torch.stack(stats.counts)[:, :experts], counts)
+    assert int(counts.sum()) == len(routers) * 96 * k and [int(row[-1]) for row in stats.counts] == [96] * len(routers)
+    busiest = [int(row.max()) / 96 for row in counts]
     imbalance = [experts * int(row.max()) / int(row.sum()) for row in counts]
     entropy = [-sum(n / row.sum() * math.log(n / row.sum()) for n in row.tolist() if n) / math.log(experts)
                for row in counts]  # fmt: skip
@@ -104,6 +106,8 @@ def test_router_health_counts_what_the_routers_chose(name):
     assert figures["router_imbalance_mean"] == pytest.approx(sum(imbalance) / len(imbalance))
     assert figures["experts_idle"] == int((counts == 0).sum())
     assert figures["router_load_entropy"] == pytest.approx(min(entropy)) and figures["tokens_dropped"] == 3
+    assert figures["router_busiest_share"] == pytest.approx(max(busiest))
+    assert figures["router_busiest_layer"] == busiest.index(max(busiest))
     assert stats.metrics() == {}  # cleared: nothing routed since
     assert RouterStats.of(AutoModelForCausalLM.from_pretrained(tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B",
                                                                                     "sft"))) is None  # fmt: skip
@@ -215,3 +219,45 @@ def test_batched_mm_at_a_training_batch_is_refused_before_the_weights(monkeypatc
     captured = capsys.readouterr()
     assert_one_clear_line(captured.out + captured.err, "batched_mm copies each token's experts' weights")
     assert "use grouped_mm (auto's choice on a GPU) or eager" in captured.err
+
+
+def test_a_router_sending_most_tokens_to_one_expert_warns_once(capsys):
+    """Layer 1's router sends 97 of 100 tokens to expert 0 (their second expert spread over the other three, so
+    none is idle, and the collapse warning of idle experts is silent): one warning, naming the layer and the
+    shares; routers near their fair share (k/E = 50% of the tokens each for 2 of 4 experts) warn of nothing."""
+    from toolkit.metrics.health import Health
+    from toolkit.metrics.routing import RouterStats
+
+    class Experts(torch.nn.Module):  # a fused experts module as transformers 5 calls it: its tokens' top-k indices
+        def __init__(self):
+            super().__init__()
+            self.num_experts, self.gate_up_proj = 4, torch.nn.Parameter(torch.zeros(4, 2, 2))
+
+        def forward(self, hidden, top_k_index, top_k_weights):
+            return hidden
+
+    layers = [Experts(), Experts()]
+    stats = RouterStats(layers)
+    rng = torch.Generator().manual_seed(0)
+    balanced = torch.stack([torch.randperm(4, generator=rng)[:2] for _ in range(100)])
+    first = torch.tensor([0] * 97 + [1, 2, 3])
+    second = torch.tensor([1, 2, 3] * 33 + [0])
+    hot = torch.stack([first, torch.where(second == first, (second + 1) % 4, second)], dim=1)
+    health = Health(None, is_main=True)
+    for index in (balanced, balanced):
+        layers[0](torch.zeros(100, 2), top_k_index=index, top_k_weights=None)
+        layers[1](torch.zeros(100, 2), top_k_index=index, top_k_weights=None)
+        health.check(stats.metrics(), 0.1)
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        layers[0](torch.zeros(100, 2), top_k_index=balanced, top_k_weights=None)
+        layers[1](torch.zeros(100, 2), top_k_index=hot, top_k_weights=None)
+        figures = stats.metrics()
+        assert figures["experts_idle"] == 0 and figures["router_busiest_layer"] == 1
+        assert figures["router_busiest_share"] == pytest.approx(0.98)  # expert 0: 97 first choices, 1 second
+        health.check(figures, 0.1)
+    assert capsys.readouterr().err == (
+        "warning: router imbalance: layer 1's busiest expert took 98% of its tokens in the last logging interval, "
+        "2.0x its fair share of 50%: turn on the load-balancing loss or raise it (--router_aux_loss_coef 0.001, "
+        "say), or lower the learning rate\n"
+    )

@@ -5,7 +5,8 @@
   data       waiting for batches takes more than a fifth of the step
   nonfinite  the loss is NaN or infinite (the run stops: stopping.py)
   router     a mixture of experts' router has collapsed: in one layer half its experts or more got no token in
-             the interval (metrics/routing.py)
+             the interval, or one expert took far more than its fair share k/E of the tokens: HOT_EXPERT times
+             it, or half the way from it to every token where E/k leaves no room for that (metrics/routing.py)
 The first logging interval is not judged for speed: it includes start-up (first batches, kernel selection).
 """
 
@@ -17,6 +18,7 @@ MEMORY_LIMIT = 0.95
 DATA_WAIT_LIMIT = 0.2
 MFU_FRACTION = 0.5
 COLLAPSED = 0.5  # the share of one layer's experts left idle
+HOT_EXPERT = 4.0  # the busiest expert's tokens over its fair share (Qwen3-MoE's 8 of 128: 25% of the tokens)
 
 
 class Health:
@@ -38,6 +40,14 @@ class Health:
             self.warn("router", f"router collapse: {100 * idle:.0f}% of one layer's experts got no token in the last "
                       "logging interval: turn on the load-balancing loss (--router_aux_loss_coef 0.001, say), "
                       "or lower the learning rate")  # fmt: skip
+        share, imbalance = metrics.get("router_busiest_share"), metrics.get("router_imbalance")
+        if share and imbalance:
+            fair = share / imbalance  # k / E: the busiest layer's share over its imbalance (metrics/routing.py)
+            if share >= min(HOT_EXPERT * fair, (1 + fair) / 2):
+                self.warn("router", f"router imbalance: layer {metrics['router_busiest_layer']}'s busiest expert took "
+                          f"{100 * share:.0f}% of its tokens in the last logging interval, {imbalance:.1f}x its fair "
+                          f"share of {100 * fair:.0f}%: turn on the load-balancing loss or raise it "
+                          "(--router_aux_loss_coef 0.001, say), or lower the learning rate")  # fmt: skip
         if self._intervals < 2:
             return
         share = metrics.get("data_wait_share", 0.0)

@@ -13,6 +13,9 @@ were routed to: `top_k_index`), not off a family's router class:
                          distributions differ by family, softmax or sigmoid: the load they produce does not)
   tokens_dropped         routed (token, expert) pairs sent to no expert, all layers together: transformers marks
                          them with an index outside the experts where a capacity applies; 0 for dropless routing
+  router_busiest_share   the share of a layer's tokens its busiest expert received (top-k: its fair share is k/E,
+                         1 when every token went through it); the layer where it is largest, and that layer's
+  router_busiest_layer   index (health.py warns of a router that sends far more than its fair share to one expert)
 
 Counted on every rank and summed over them at each log (pipeline stages: each its own layers' rows). Tokens a
 layer recomputes under activation checkpointing count twice, as all of that layer's do: the shares stand.
@@ -43,10 +46,10 @@ class RouterStats:
     """Forward hooks on a model's fused experts modules, counting the tokens each expert receives."""
 
     def __init__(self, modules: list[torch.nn.Module | None], experts: int | None = None):
-        # per layer: the pairs routed to each expert (by global ids), then those routed to none; a layer held
+        # per layer: the pairs routed to each expert (by global ids), those routed to none, the tokens; a layer held
         # elsewhere (None: another pipeline stage's) keeps a row of zeros, which the sum over the ranks fills
         experts = experts or next(expert_count(m) for m in modules if m is not None)
-        self.counts = [torch.zeros(experts + 1, dtype=torch.long) for _ in modules]
+        self.counts = [torch.zeros(experts + 2, dtype=torch.long) for _ in modules]
         self.hooks = [m.register_forward_pre_hook(self._counter(i), with_kwargs=True)
                       for i, m in enumerate(modules) if m is not None]  # fmt: skip
 
@@ -65,10 +68,12 @@ class RouterStats:
         def count(module, args, kwargs):
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if isinstance(index, torch.Tensor):
-                experts = len(self.counts[layer]) - 1
+                experts = len(self.counts[layer]) - 2
+                tokens = index.shape[0] if index.dim() > 1 else index.numel()
                 index = index.detach().reshape(-1).to(torch.long)
-                index = torch.where((index < 0) | (index >= experts), experts, index)  # sent nowhere: the last
-                self.counts[layer] += torch.bincount(index, minlength=experts + 1).cpu()
+                index = torch.where((index < 0) | (index >= experts), experts, index)  # sent nowhere: after them
+                self.counts[layer][: experts + 1] += torch.bincount(index, minlength=experts + 1).cpu()
+                self.counts[layer][-1] += tokens
 
         return count
 
@@ -80,19 +85,22 @@ class RouterStats:
             counts = reduce(counts)
         for c in self.counts:
             c.zero_()
-        dropped, counts = int(counts[:, -1].sum()), counts[:, :-1]
+        dropped, tokens, counts = int(counts[:, -2].sum()), counts[:, -1], counts[:, :-2]
         totals = counts.sum(dim=1)
         routed = totals > 0
         if not routed.any():
             return {}
         experts = counts.shape[1]
+        busiest = counts.max(dim=1).values / tokens.clamp(min=1)  # a share of the tokens: at most 1
+        hot = int(torch.where(routed, busiest, -1.0).argmax())
         imbalance = counts[routed].max(dim=1).values * experts / totals[routed]
         idle = (counts[routed] == 0).sum(dim=1)
         shares = counts[routed] / totals[routed, None]
         entropy = -(shares * shares.clamp_min(1e-30).log()).sum(dim=1) / torch.log(torch.tensor(float(experts)))
         return {"router_imbalance": float(imbalance.max()), "router_imbalance_mean": float(imbalance.mean()),
                 "experts_idle": int(idle.sum()), "experts_idle_share": float(idle.max()) / experts,
-                "router_load_entropy": float(entropy.min()), "tokens_dropped": dropped}  # fmt: skip
+                "router_load_entropy": float(entropy.min()), "tokens_dropped": dropped,
+                "router_busiest_share": float(busiest[hot]), "router_busiest_layer": hot}  # fmt: skip
 
     def remove(self) -> None:
         for hook in self.hooks:
