@@ -115,6 +115,32 @@ def test_secrets_masked_in_resolved_config():
     assert "hf_supersecret" not in str(args.resolved())
 
 
+def test_a_named_save_interval_turns_saving_on_and_a_contradiction_is_refused(tmp_path, capsys):
+    """save_steps above the layer that left save_strategy at no (the toolkit's default, or a recipe's) makes it
+    steps, said in one line; no and save_steps in one layer (flags, a --config file) are refused; a higher layer's
+    --save_strategy no still turns a recipe's saving off."""
+
+    def strategy(recipe: dict, argv: list[str]) -> str:
+        return parse({**RECIPE, **recipe}, "bert", argv).training.save_strategy.value
+
+    assert strategy({}, []) == "no" and capsys.readouterr().err == ""  # the toolkit's default, said nothing
+    assert strategy({}, ["--save_steps", "2"]) == "steps"
+    assert "save_steps 2 (the command line) without save_strategy steps" in capsys.readouterr().err
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("save_steps: 50\n")
+    assert strategy({}, ["--config", str(overrides)]) == "steps"
+    assert strategy({"save_steps": 100}, []) == "steps"
+    assert strategy({"save_strategy": "no"}, ["--save_steps", "2"]) == "steps"  # the flag over the recipe's no
+    assert "instead of no from recipe 'bert'" in capsys.readouterr().err.splitlines()[-1]
+    assert strategy({"save_strategy": "steps", "save_steps": 100}, ["--save_strategy", "no"]) == "no"
+    assert strategy({"save_strategy": "epoch"}, ["--save_steps", "2"]) == "epoch"  # not the default: as given
+    with pytest.raises(ConfigError, match="save_strategy no and save_steps 2 are both set in the command line"):
+        strategy({}, ["--save_strategy", "no", "--save_steps", "2"])
+    overrides.write_text("save_strategy: 'no'\nsave_steps: 50\n")
+    with pytest.raises(ConfigError, match=f"both set in --config {overrides}: they conflict"):
+        strategy({}, ["--config", str(overrides)])
+
+
 def test_a_recipes_bf16_runs_in_fp32_on_a_cpu_that_would_emulate_it(monkeypatch, capsys):
     recipe = {**RECIPE, "dtype": "bfloat16", "bf16": True}
     monkeypatch.setattr(parser, "computes_bf16", lambda: False)

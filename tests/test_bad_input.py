@@ -170,6 +170,7 @@ RUNS = [
     ("flag-choice", "bert", ["--optim", "adamw_bogus"], "choose from 'adamw_torch'"),
     ("flag-type", "bert", ["--max_steps", "lots"], "invalid int value"),
     ("save-steps-0", "bert", ["--save_strategy", "steps", "--save_steps", "0"], "pass --save_steps N"),
+    ("save-no-and-steps", "bert", ["--save_strategy", "no", "--save_steps", "2"], "drop save_strategy no"),
     ("eval-without-data", "bert", ["--eval_strategy", "steps"], "--eval_fraction 0.1"),
     ("best-metric", "bert", ["--metric_for_best_model", "f1"], "--metric_for_best_model accuracy"),
     ("best-without-eval", "llama3_fft", ["--load_best_model_at_end", "true"], "tiny mode turns the"),

@@ -40,6 +40,16 @@ def test_checkpoints_are_published_whole_and_rotated_by_step(tmp_path):
         assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
 
 
+def test_a_save_interval_alone_saves(tmp_path, capsys):
+    """--save_steps without --save_strategy (whose toolkit default is no) saves every N steps, and says so: it had
+    saved nothing."""
+    out = tmp_path / "run"
+    train(BERT, ["--tiny", "--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--output_dir", str(out)],
+          "bert")  # fmt: skip
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert "the run saves a checkpoint every 2 steps (save_strategy steps" in capsys.readouterr().err
+
+
 def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, capsys):
     """kill -9 while checkpoint-4 is being written (weights on disk, optimizer not): --resume auto ignores the
     half-written folder, continues from checkpoint-2, and ends with the uninterrupted run's weights."""

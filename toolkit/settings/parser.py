@@ -196,6 +196,31 @@ def load_overrides(path: str) -> dict[str, Any]:
     return coerce(values, path)
 
 
+def save_interval(values: dict[str, Any], layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """A save interval the user names is one the run keeps: save_steps given in a layer above the one that left
+    save_strategy at `no` (the toolkit's default, or a recipe's) makes it `steps`, said in one line; `no` and
+    save_steps set in the same layer contradict each other. `layers`: (where, its settings), lowest first."""
+
+    def top(key: str) -> int:  # the highest layer that sets `key`; -1: none (a default)
+        return max((i for i, (_, layer) in enumerate(layers) if key in layer), default=-1)
+
+    strategy, steps = values.get("save_strategy"), values.get("save_steps")
+    steps_at, strategy_at = top("save_steps"), top("save_strategy")
+    if steps_at < 0 or strategy_at > steps_at or str(getattr(strategy, "value", strategy)).lower() != "no":
+        return  # no interval named, a higher layer's save_strategy (`--save_strategy no` over a recipe's), or in use
+    if not steps > 0:
+        return  # not an interval: TrainingArguments says what is wrong with it
+    where = layers[steps_at][0]
+    if strategy_at == steps_at:
+        raise ConfigError(f"save_strategy no and save_steps {steps:g} are both set in {where}: they conflict (no "
+                          f"checkpoints, or one every {steps:g} steps?): drop save_strategy no to save every "
+                          f"{steps:g} steps, or drop save_steps.")  # fmt: skip
+    values["save_strategy"] = "steps"
+    below = layers[strategy_at][0] if strategy_at >= 0 else "the toolkit's default"
+    warn(f"save_steps {steps:g} ({where}) without save_strategy steps: the run saves a checkpoint every {steps:g} "
+         f"steps (save_strategy steps, instead of no from {below}).")  # fmt: skip
+
+
 def parse(
     recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None, here: bool = False
 ) -> Arguments:
@@ -234,7 +259,8 @@ def parse(
         hint = f" Did you mean '--{close[0]}'?" if close else ""
         raise ConfigError(f"Unknown command-line argument '{unknown[0]}'.{hint}")
     flags = vars(namespace)
-    overrides = load_overrides(flags.pop("config")) if "config" in flags else {}
+    config_file = flags.pop("config", None)
+    overrides = load_overrides(config_file) if config_file is not None else {}
 
     values: dict[str, Any] = {**toolkit_defaults(recipe_name), **recipe}
     if {**values, **overrides, **flags}.get("tiny") and tiny_defaults is not None:
@@ -243,6 +269,8 @@ def parse(
         values.update(machine_layer(values, set(overrides) | set(flags)))
     values.update(overrides)
     values.update(flags)
+    save_interval(values, [(f"recipe '{recipe_name}'", recipe), (f"--config {config_file}", overrides),
+                           ("the command line", flags)])  # fmt: skip
     missing = [k for k in required if values.get(k) is None]
     if missing:
         raise ConfigError(
