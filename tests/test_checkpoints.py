@@ -255,6 +255,25 @@ def test_a_batch_mismatch_names_the_micro_batch_of_the_mesh(tmp_path, monkeypatc
         check_resumable(checkpoint, "replicated", 4, 16, accumulation=1)
 
 
+def test_a_grpo_checkpoint_resumes_with_its_own_step_only(tmp_path):
+    """A GRPO checkpoint records what a step is (group size, completions sampled at once, micro-batches a sampling):
+    the same global batch cut otherwise is refused, naming the setting and the value that continues the run."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.checkpoints import check_resumable
+
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    shape = {"num_generations": 4, "generation_batch_size": 8, "steps_per_generation": 2}
+    (checkpoint / OWNER).write_text(json.dumps({"recipe": "smollm2_grpo", "model": "m", "engine": "replicated",
+                                                "world_size": 1, "global_batch_size": 8, **shape}))  # fmt: skip
+    assert check_resumable(checkpoint, "replicated", 1, 8, 2, shape=shape) == ""
+    assert check_resumable(checkpoint, "replicated", 1, 8, 2) == ""  # no step of GRPO's to compare
+    with pytest.raises(ConfigError, match="num_generations 4; this launch has 2.* Pass --num_generations 4 "):
+        check_resumable(checkpoint, "replicated", 1, 8, 2, shape={**shape, "num_generations": 2})
+    with pytest.raises(ConfigError, match="steps_per_generation 2; this .* --gradient_accumulation_steps 2"):
+        check_resumable(checkpoint, "replicated", 1, 8, 2, shape={**shape, "steps_per_generation": 1})
+
+
 # ---------------------------------------------------------------------------------------- damaged checkpoints
 
 

@@ -7,6 +7,7 @@ on) is one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,14 @@ def later(prompts, completions, trainer_state=None, **kwargs):
     if trainer_state is not None and trainer_state.global_step >= 1:
         raise ZeroDivisionError("division by zero")
     return [0.5] * len(completions)
+
+def silent(prompts, completions, **kwargs):
+    return [None] * len(completions)
+
+def goes_silent(prompts, completions, trainer_state=None, **kwargs):
+    if trainer_state is not None and trainer_state.global_step >= 1:
+        return [None] * len(completions)
+    return [float(len(str(c)) % 3) for c in completions]
 """
 
 
@@ -136,6 +145,7 @@ def later(prompts, completions, trainer_state=None, **kwargs):
         ("raises", r"reward .*:raises raised KeyError: 'score' \(called on the first 2 prompts before training\)"),
         ("too_few", r"reward .*:too_few returned 1 values for 2 completions"),
         ("text", r"reward .*:text returned 'high' \(str\): each reward must be a number"),
+        ("silent", r"reward .*:silent returned None for all 2 probed completions .*nothing to learn from"),
     ],
 )
 def test_a_reward_that_fails_before_training_is_one_line(function, key, tmp_path, capsys):
@@ -163,6 +173,67 @@ def test_a_reward_that_fails_during_training_is_one_line_and_keeps_the_checkpoin
     assert errors == [f"error: reward {tmp_path / 'rewards.py'}:later raised ZeroDivisionError: division by zero"]
     assert "Traceback" not in err
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+def test_a_reward_that_is_none_for_every_probed_completion_beside_one_that_judges_is_a_warning(capsys):
+    """None is no opinion: beside a reward that judges, TRL sums the others (nansum), so the probe only warns."""
+    from toolkit.training.rewards import Checked, check_rewards
+
+    rows = [{"prompt": "What is 1 plus 2?", "answer": "3"}] * 2
+    check_rewards([Checked(lambda prompts, completions, **_: [1.0, 0.0], "judges"),
+                   Checked(lambda prompts, completions, **_: [None, None], "abstains")], rows)  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: reward abstains returned None for all 2 probed")
+
+
+def test_rewards_that_turn_none_during_training_stop_the_run(tmp_path, capsys, caplog):
+    """Numbers in the probe and at step 1, then None for every completion: one warning at the stretch's first step
+    (not one a step), and after NO_REWARD_STEPS such steps the run stops as a diverged one does: one error line,
+    exit 3, no checkpoint of the last of them, no export, the summary's status no_rewards."""
+    from toolkit.errors import DIVERGED
+    from toolkit.training.stopping import NO_REWARD_STEPS
+
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(GRPO, grpo_flags(out, 8, "--reward_funcs", f"{tmp_path / 'rewards.py'}:goes_silent", "--save_strategy",
+                             "steps", "--save_steps", "1"), NAME)  # fmt: skip
+    assert exit_info.value.code == DIVERGED
+    last = 1 + NO_REWARD_STEPS
+    err = capsys.readouterr().err
+    # (mid-run, a line follows the progress bar's)
+    assert re.findall(r"warning: step .*", err) == [
+        f"warning: step 2: every reward returned None for all 8 completions, so it trains on nothing (no "
+        f"advantages); {NO_REWARD_STEPS} such steps in a row stop the run."]  # fmt: skip
+    assert "All reward functions returned None" not in err + caplog.text  # TRL's, every such step: said above
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"at steps 2-{last}: there is nothing to learn from" in errors[0], errors
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{k}" for k in range(1, last)]
+    assert not (out / "adapter_model.safetensors").exists()
+    assert json.loads((out / "run_summary.json").read_text())["summary"]["status"] == "no_rewards"
+
+
+def test_a_grpo_resume_with_another_group_size_is_refused_and_touches_nothing(tmp_path, capsys):
+    """A finished 2-step run (2 prompts x 4 completions a step, checkpoint-2, its export) trained on to step 3 with
+    --num_generations 2: the same 8 completions a step would be 4 prompts x 2, not the run it continues. One line
+    naming num_generations and the value that continues it, exit 2, before any weights load; every file of the
+    folder as it was (without the check it trained on, exit 0, and rewrote the export and card)."""
+    out = tmp_path / "run"
+    train(GRPO, grpo_flags(out, 2, "--save_strategy", "steps", "--save_steps", "2"), NAME)
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    before = {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(GRPO, grpo_flags(out, 3, "--save_strategy", "steps", "--save_steps", "2", "--num_generations", "2",
+                             "--resume", "auto"), NAME)  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "num_generations 4; this launch has 2" in errors[0], errors
+    assert "Pass --num_generations 4 to continue" in errors[0] and "Traceback" not in err
+    after = {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    assert after == before
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ before they exit, since the launcher kills the whole job when its first process 
 say why (a mistake only one rank met is printed by that rank after the wait). Anything else that escapes is a
 bug in the toolkit, and keeps its traceback.
 
-Exit codes: 2 bad input (fix and relaunch); 3 the loss diverged; 4 the budget is spent; 75 preempted (resume).
+Exit codes: 2 bad input (fix and relaunch); 3 the loss diverged (or GRPO's rewards judged nothing: stopping.py);
+4 the budget is spent; 75 preempted (resume).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import traceback
 from collections.abc import Callable
 
 USER_ERROR = 2  # exit code of a refused launch or command
-DIVERGED = 3  # the loss became NaN or infinite
+DIVERGED = 3  # the loss became NaN or infinite, or GRPO's rewards judged nothing for steps in a row
 BUDGET_SPENT = 4  # stopped with a checkpoint before passing --budget_usd
 PREEMPTED = 75  # EX_TEMPFAIL, "try again": stopped with a checkpoint on one of PREEMPTION_SIGNALS
 # A spot instance's notice, `kill`, a launcher shutting down (SIGTERM); SLURM's warning before the time limit

@@ -147,7 +147,8 @@ def checked_launch(args: Arguments) -> tuple[str | None, str]:
     if resume:
         engine, batch = Requested.from_env().engine, global_batch_size(training)
         changed = checkpoints.check_resumable(resume, engine, training.world_size, batch,
-                                              training.gradient_accumulation_steps, owner)  # fmt: skip
+                                              training.gradient_accumulation_steps, owner,
+                                              checkpoints.step_shape(training))  # fmt: skip
         note = f"{note} ({changed})" if changed else note
     if training.push_to_hub:  # refused now, not after the training, where it cannot work
         from .results.push import check_push

@@ -27,6 +27,15 @@ from ..settings.arguments import global_batch_size
 from ..settings.mesh import data_parallel_replicas, pipeline_stages
 
 TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
+# What a GRPO step is (GRPOConfig's, resolved): completions a prompt, completions sampled at once, micro-batches each
+# sampling serves. The same global batch can be cut into other groups, whose prompts, advantages and data order a
+# resume would silently change.
+GRPO_STEP = ("num_generations", "generation_batch_size", "steps_per_generation")
+
+
+def step_shape(training) -> dict[str, int]:
+    """GRPO's step settings of a run's config (TRL's GRPOConfig), empty for the other tasks' configs."""
+    return {key: getattr(training, key) for key in GRPO_STEP if getattr(training, key, None) is not None}
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -242,11 +251,11 @@ def engine_of(distributed_type: str) -> str:
 
 
 def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int,
-                    owner: dict | None = None) -> str:  # fmt: skip
+                    owner: dict | None = None, shape: dict[str, int] | None = None) -> str:  # fmt: skip
     """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
-    schedule, or one of another recipe or model (`owner`: this run's, as check_output_dir takes it), whose optimizer
-    groups would not match; returns a note when the process count changes (supported: the Trainer's and FSDP's
-    formats)."""
+    schedule or what a step is (`shape`: GRPO's, step_shape), or one of another recipe or model (`owner`: this
+    run's, as check_output_dir takes it), whose optimizer groups would not match; returns a note when the process
+    count changes (supported: the Trainer's and FSDP's formats)."""
     path = Path(checkpoint) / OWNER
     if json_damage(path):  # not written by the toolkit (a damaged record was refused before): its config.json
         from ..models.loading import architecture_difference
@@ -277,6 +286,7 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
                           f"has {global_batch}, which would change the data order and the schedule it resumes. "
                           f"Pass {fix} (or change --gradient_accumulation_steps) to continue the same "
                           "run.")  # fmt: skip
+    check_step_shape(checkpoint, then, shape or {})
     stages = pipeline_stages()
     if engine == "PIPELINE" and then.get("pipeline_stages", 1) != stages:
         raise ConfigError(f"{checkpoint} holds the optimizer states of {then['pipeline_stages']} pipeline stages and "
@@ -300,6 +310,22 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
         f"resuming a {then['world_size']}-process checkpoint on {world_size} process(es), same global batch "
         f"{global_batch}"
     )
+
+
+def check_step_shape(checkpoint: str | Path, then: dict, shape: dict[str, int]) -> None:
+    """GRPO: a resume whose step is cut otherwise (another group size, sampling batch or micro-batches a sampling)
+    is refused, naming the setting and the value that continues the run. Only num_generations is a flag; the other
+    two follow from the batch settings (TRL's steps_per_generation is gradient_accumulation_steps)."""
+    changed = [key for key in GRPO_STEP if key in then and key in shape and then[key] != shape[key]]
+    if not changed:
+        return
+    key = changed[0]
+    fix = {"num_generations": f"--num_generations {then[key]}",
+           "steps_per_generation": f"--gradient_accumulation_steps {then[key]}"}.get(
+        key, f"the batch settings that sample {then[key]} completions at once")  # fmt: skip
+    raise ConfigError(f"{checkpoint} was trained with {key} {then[key]}; this launch has {shape[key]}, which would "
+                      f"change what a step samples and trains on (its prompts, groups and data order). Pass {fix} "
+                      "to continue the same run, or another --output_dir to start a new one.")  # fmt: skip
 
 
 def check_steps_left(checkpoint: str | Path, steps: int) -> None:
@@ -427,6 +453,7 @@ class StagedCheckpoints:
             "pipeline_stages": trainer.pipeline.stages if trainer.pipeline else 1,
             "world_size": trainer.accelerator.num_processes,
             "global_batch_size": global_batch_size(trainer.args),
+            **step_shape(trainer.args),  # GRPO's (check_step_shape)
         }
 
     def save(self, write: Callable[[], None], files: dict[str, str]) -> None:

@@ -10,7 +10,9 @@ The built-in ones:
   format    1 if the whole completion matches --format_pattern, else 0
   length    1 - tokens / --max_completion_length: the shorter, the better (a brevity bonus beside accuracy)
 A function that raises, returns the wrong count or a non-number ends the run with one line naming it (its last
-checkpoint kept); `check_rewards` calls each once on the first prompts before any weights load.
+checkpoint kept); `check_rewards` calls each once on the first prompts before any weights load, and refuses rewards
+that all return None there (no opinion on anything: nothing to learn from). Steps where they all do during training
+are counted by stopping.py's SafeStop.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ToolkitError
+from ..errors import ConfigError, ToolkitError, warn
 from ..settings.policy import PolicyArguments
 
 
@@ -224,11 +226,13 @@ class Checked:
 
 def check_rewards(functions: list[Callable | str], rows: list[dict[str, Any]]) -> None:
     """Each reward called once on the first prompts, each answered with its own `answer` (or nothing), before any
-    weights load: a function that cannot run on these columns fails now, in one line, not after the first step."""
+    weights load: a function that cannot run on these columns fails now, in one line, not after the first step; so
+    do rewards that all return None for every one of them (one such beside a reward that judges is a warning)."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     prompts = [row["prompt"] for row in rows]
     completions = [[{"role": "assistant", "content": str(row.get("answer", ""))}] if isinstance(row["prompt"], list)
                    else str(row.get("answer", "")) for row in rows]  # fmt: skip
+    silent = []  # the functions that returned None for every probed completion
     for function in functions:
         if isinstance(function, str) and isinstance(prompts[0], list) and not chat_template_in(Path(function)):
             raise ConfigError(f"reward model {function}: its tokenizer has no chat template, which TRL formats these "
@@ -236,6 +240,19 @@ def check_rewards(functions: list[Callable | str], rows: list[dict[str, Any]]) -
                               "beside it (tokenizer.save_pretrained(folder)).")  # fmt: skip
         if isinstance(function, Checked):
             try:
-                function(prompts, completions, [[0] for _ in rows], **columns)
+                values = function(prompts, completions, [[0] for _ in rows], **columns)
             except RewardError as error:
                 raise ConfigError(f"{error} (called on the first {len(rows)} prompts before training)") from None
+            if all(v is None for v in values):
+                silent.append(function.spec)
+    if not silent:
+        return
+    named = (f"reward{'s' if len(silent) > 1 else ''} {', '.join(silent)} returned None for all {len(rows)} probed "
+             "completions (the first prompts, answered with their own `answer`)")  # fmt: skip
+    if len(silent) == len(functions):
+        # TRL gives a completion no reward judged no advantage: every step would train on nothing, loss 0, silently
+        raise ConfigError(f"{named}: no reward has an opinion on any of them, so there is nothing to learn from. "
+                          "Return a number for the completions it can judge (None only for those it "
+                          "cannot).")  # fmt: skip
+    # Beside a reward that judges them, None is legitimate (TRL sums the weighted rewards with nansum): a word only.
+    warn(f"{named}: only the other rewards score them; check it judges the completions it should.")

@@ -11,6 +11,7 @@ grpo runs: TRL takes a second to import.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 from trl import GRPOTrainer
@@ -37,6 +38,24 @@ def grpo_parts(args: Arguments, train_rows) -> dict:
     return {"reward_funcs": functions, "rollout_func": rollout}
 
 
+TRL_LOGGER = logging.getLogger("trl.trainer.grpo_trainer")
+ALL_NONE = "All reward functions returned None"  # TRL's warning of a completion no reward judged (after its rank)
+
+
+class HeldWarnings(logging.Filter):
+    """Holds back a logger's records that contain `text` (in `records`), to be handled or dropped later."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.records = text, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text in str(record.msg):
+            self.records.append(record)
+            return False
+        return True
+
+
 class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
     """The toolkit's parts on TRL's `GRPOTrainer`."""
 
@@ -53,6 +72,25 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
                 self.rank_reports.record(sequences)
             self.tracker.count_batch(len(sequences["input_ids"]), sequences["attention_mask"].sum())
         return inputs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's: every reward on the sampled completions, None as NaN, gathered over the ranks. A training step
+        whose every value is None is counted (stopping.py's SafeStop.note_rewards warns once, then stops the run)
+        and TRL's warning of it, a few lines with the row's columns at every such step, is left out; where only
+        some completions went unjudged, TRL's warning is the notice, and stays."""
+        unjudged = HeldWarnings(ALL_NONE)
+        TRL_LOGGER.addFilter(unjudged)
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            TRL_LOGGER.removeFilter(unjudged)
+        judged = not bool(torch.isnan(rewards).all())
+        if self.model.training:
+            self.safe_stop.note_rewards(judged, self.state.global_step + 1, len(rewards))
+        if judged or not self.model.training:
+            for record in unjudged.records:
+                TRL_LOGGER.handle(record)
+        return rewards
 
     def _get_train_sampler(self, dataset=None):
         """TRL's RepeatSampler always: a prompt's group of completions must stay together, which length-grouped

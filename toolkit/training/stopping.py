@@ -12,6 +12,11 @@ loss is checked on the device, unread; the first bad step is read at the end of 
 saves or stops (as the Trainer reads its loss only to log it), so no checkpoint or evaluation ever sees the weights
 a non-finite loss produced, and no other step waits on the device.
 
+No rewards (GRPO): a step whose every reward returned None for every completion trains on nothing (TRL gives each
+such completion no advantage): the first of a stretch of them is one warning line; NO_REWARD_STEPS of them in a
+row stop the run as a non-finite loss does: no checkpoint of the step it stops at, the earlier ones kept, exit
+DIVERGED (3).
+
 Budget: when the next step would take the run's cost past --budget_usd, every rank stops after this step, a
 checkpoint is written, and the process exits with BUDGET_SPENT (4); raising the budget and `--resume auto`
 continue the run, its cost so far carried over.
@@ -32,11 +37,14 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..errors import BUDGET_SPENT, DIVERGED, PREEMPTED, PREEMPTION_SIGNALS
+from ..errors import BUDGET_SPENT, DIVERGED, PREEMPTED, PREEMPTION_SIGNALS, warn
 from ..metrics.cost import dollars
 from .checkpoints import complete_checkpoints
 
 SIGNALS = PREEMPTION_SIGNALS
+# GRPO steps in a row whose every reward was None before the run stops: one or two can be a batch no reward had an
+# opinion on; three in a row is a reward that judges nothing, and every step more is paid for and learns nothing.
+NO_REWARD_STEPS = 3
 
 
 class Stopped(Exception):
@@ -60,6 +68,12 @@ class Diverged(Stopped):
     status, exit_code, label = "diverged", DIVERGED, "error"
 
 
+class NoRewards(Stopped):
+    """GRPO: every reward returned None for every completion, NO_REWARD_STEPS steps in a row."""
+
+    status, exit_code, label = "no_rewards", DIVERGED, "error"
+
+
 class BudgetSpent(Stopped):
     """Training stopped, with a checkpoint, before passing --budget_usd."""
 
@@ -75,6 +89,8 @@ class SafeStop(TrainerCallback):
         self.preempted_at: int | None = None
         self.diverged_at: int | None = None
         self.budget_at: int | None = None
+        self.unjudged: int = 0  # GRPO: steps in a row whose every reward was None (note_rewards)
+        self.unjudged_at: int | None = None  # the step that made them NO_REWARD_STEPS
         self.group = None
         self.previous: dict[int, object] = {}
 
@@ -94,6 +110,19 @@ class SafeStop(TrainerCallback):
         if not self.nonfinite_at and self._first_bad is not None:
             self.nonfinite_at = int(self._first_bad)
         return self.nonfinite_at
+
+    def note_rewards(self, judged: bool, step: int, completions: int) -> None:
+        """GRPO, at each step's sampling: whether any reward judged any of its completions. TRL's rewards are
+        gathered over the ranks, so every rank counts the same steps and stops at the same one."""
+        if judged:
+            self.unjudged = 0
+            return
+        self.unjudged += 1
+        if self.unjudged == 1:  # once a stretch, not once a step
+            warn(f"step {step}: every reward returned None for all {completions} completions, so it trains on "
+                 f"nothing (no advantages); {NO_REWARD_STEPS} such steps in a row stop the run.")  # fmt: skip
+        if self.unjudged >= NO_REWARD_STEPS and self.unjudged_at is None:
+            self.unjudged_at = step
 
     def on_train_begin(self, args, state, control, **kwargs):
         for sig in SIGNALS:  # kept until uninstall(): a signal during the final save must not cut it short
@@ -130,6 +159,10 @@ class SafeStop(TrainerCallback):
         last = state.global_step >= state.max_steps
         if self.diverged(control, read=bool(signum or over_budget or last)):
             return control
+        if self.unjudged_at is not None:  # a step that learned nothing: no checkpoint of it
+            control.should_save = control.should_evaluate = False
+            control.should_training_stop = True
+            return control
         if signum and self.preempted_at is None:
             self.preempted_at = state.global_step
             self.received = signum
@@ -160,6 +193,17 @@ class SafeStop(TrainerCallback):
                 f"{kept[-1] if kept else 'none'}). Likely causes: a learning rate too high (lower --learning_rate, "
                 "add --warmup_steps), fp16 overflow (use --bf16 true instead of --fp16), or a batch without a "
                 "single label token."
+            )
+        if self.unjudged_at is not None:
+            first = self.unjudged_at - NO_REWARD_STEPS + 1
+            kept = complete_checkpoints(args.output_dir)  # the newest is what --resume auto continues from
+            trainer.health.warn("no_rewards", f"no reward judged any completion at steps {first}-{self.unjudged_at}: "
+                                "run stopped")  # fmt: skip
+            return NoRewards(
+                f"every reward returned None for every completion at steps {first}-{self.unjudged_at}: there is "
+                f"nothing to learn from, so training stopped (newest checkpoint: {kept[-1] if kept else 'none'}). "
+                "Make the rewards return a number for the completions they can judge (None only for those they "
+                "cannot), then --resume auto."
             )
         if self.preempted_at is not None:
             if trainer.is_world_process_zero():
