@@ -290,6 +290,15 @@ COMMANDS = [  # (id, command, argv, key word of the fix)
         "Known: bert",
     ),
     ("launch-missing-script", "launch", ["my_train.py"], "pass a recipe"),
+    # A plain `accelerate launch` of this is refused by its ranks, and accelerate's launcher then adds a traceback of
+    # its own and exit code 1 (it re-raises any failed rank: docs/strategies.md#launching); the toolkit's launcher
+    # refuses it before any rank starts, in one line, exit 2.
+    (
+        "launch-pipeline-classification",
+        "launch",
+        ["--config_file", "accelerate_configs/pp.yaml", "--num_processes", "2", "recipes/bert.py", "--tiny"],
+        "a classification recipe is not supported",
+    ),
     ("launch-wrong-type", "launch", ["--config_file", "{two_processes.yaml}", "recipes/bert.py"], "an integer, got"),
     ("plan-mfu-negative", "plan", ["llama3_fft", "--mfu", "-0.3"], "--mfu is a share of the GPU's peak"),
     ("plan-epochs-negative", "plan", ["llama3_fft", "--epochs", "-1"], "--epochs must be positive"),
