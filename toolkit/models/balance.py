@@ -32,7 +32,8 @@ def routing_sums(router_logits: tuple[torch.Tensor, ...] | None, experts: int, t
         probs = torch.softmax(logits.float(), dim=-1)
         chosen = torch.topk(probs, top_k, dim=-1).indices
         weight = torch.ones(probs.shape[0], device=probs.device)
-        if attention_mask is not None:
+        # a mask of other tokens (a sequence split's shard of them) is not this forward's: all its tokens count
+        if attention_mask is not None and attention_mask.numel() == probs.shape[0]:
             weight = attention_mask.reshape(-1).to(probs.device, torch.float32)
         counts = torch.zeros(experts, device=probs.device).scatter_add_(0, chosen.reshape(-1),
                                                                           weight.repeat_interleave(top_k))  # fmt: skip

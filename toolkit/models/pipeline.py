@@ -105,7 +105,8 @@ class StageModule(torch.nn.Module):
         super().__init__()
         self.model, self.first, self.last, self.routing = model, stage == 0, stage == stages - 1, routing
 
-    def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None, **kwargs):
+    def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None, routing_mask=None, **kwargs):
+        """`routing_mask`: a packed batch's real tokens, for the balance alone (training/load_balance.py)."""
         inputs = {"input_ids" if self.first else "inputs_embeds": x, **kwargs, "use_cache": False}
         if self.routing is not None:
             inputs["output_router_logits"] = True
@@ -113,7 +114,8 @@ class StageModule(torch.nn.Module):
         result = outputs.logits if self.last else outputs.last_hidden_state
         if self.routing is None:
             return result
-        mine = routing_sums(outputs.router_logits, *self.routing, kwargs.get("attention_mask"))
+        mask = routing_mask if routing_mask is not None else kwargs.get("attention_mask")
+        mine = routing_sums(outputs.router_logits, *self.routing, mask)
         return result, mine if sums is None else sums + mine
 
 

@@ -13,26 +13,46 @@ The balance is per micro-batch, as in the families' own forward and as Megatron-
 routers are balanced over its own tokens, not over the global batch's (a global balance would all-reduce the
 expert counts in every layer's forward). One process with the whole global batch in one forward computes `aux`
 over all of it: the runs differ by the gap between the micro-batches' mean `aux` and the whole batch's.
+
+Over real tokens only: a packed batch reaches the model without its attention mask (data/packing.py), so the
+family's forward balances its padding too, and each rank pads to its own longest row. Its router logits are
+balanced again here with the batch's mask (`ROUTING_MASK`, beside the model's inputs), as pipeline stages do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models.balance import balance_settings
+from ..data.packing import model_inputs
+from ..models.balance import balance_loss, balance_settings, routing_sums
+
+ROUTING_MASK = "routing_mask"  # a packed batch's attention mask, for the balance alone (never the model's input)
 
 
 class LoadBalance:
     """The coefficient, and the interval's `aux` values for the log (each rank's own, summed over ranks)."""
 
-    def __init__(self, coef: float):
-        self.coef = coef
+    def __init__(self, coef: float, experts: int, top_k: int):
+        self.coef, self.experts, self.top_k = coef, experts, top_k
         self.total, self.count = 0.0, 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> LoadBalance | None:
         settings = balance_settings(model.config)
-        return cls(settings[0]) if settings else None
+        return cls(*settings) if settings else None
+
+    @staticmethod
+    def model_inputs(inputs: dict) -> dict:
+        """What of a batch reaches the model (data/packing.py's model_inputs), with a packed batch's attention mask
+        beside it for the balance."""
+        kept = model_inputs(inputs)
+        if "attention_mask" in inputs and "attention_mask" not in kept:
+            kept = {**kept, ROUTING_MASK: inputs["attention_mask"]}
+        return kept
+
+    def loss(self, router_logits, mask: torch.Tensor | None) -> torch.Tensor:
+        """The load-balancing loss of one forward's router logits over its real tokens."""
+        return balance_loss(routing_sums(router_logits, self.experts, self.top_k, mask))
 
     def record(self, aux: torch.Tensor) -> None:
         self.total, self.count = self.total + aux.detach().float(), self.count + 1
@@ -54,15 +74,19 @@ class BalancedLoss:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         balance = getattr(self, "balance", None)
+        mask = inputs.get(ROUTING_MASK, inputs.get("attention_mask"))
+        inputs = {k: v for k, v in inputs.items() if k != ROUTING_MASK}
         own = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
         if balance is None or not own:  # no term, or none the model added itself
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
-        if aux is not None:
-            aux = aux.to(loss.device)
+        added = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+        if added is not None:
+            added = added.to(loss.device)
+            logits = outputs.get("router_logits")  # TRL's fused head returns none: its own aux stands
+            aux = balance.loss(logits, mask).to(loss.device) if logits else added
             scale, share = self.term_scaling(num_items_in_batch, model.training)
-            loss = loss + balance.coef * aux * (share - scale)  # c x aux x scale, as added, becomes c x aux x share
+            loss = loss + balance.coef * (aux * share - added * scale)  # the family's c x aux x scale, replaced
             if model.training:
                 balance.record(aux)
         return (loss, outputs) if return_outputs else loss

@@ -17,19 +17,22 @@ order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Tra
   GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
   RankReports          rows, weights and bytes per rank (--record_rank_reports) rank_reports.py (callback)
   FusedLoss            SFT's loss on TRL's fused head (RecipeTrainer only)      fused_loss.py
+  LoadBalance          a MoE's load-balancing term at its share, aux_loss      load_balance.py (BalancedLoss)
 
 Per micro-batch, `training_step` (the package's only override of it), in this order:
   1. RankReports.record    the rows this rank trains on (only with --record_rank_reports: a device sync)
   2. RunTracker.count_batch  its examples (a packed row holds several) and real tokens, these added up on the
                            device, unread: summed over ranks once per log line and checkpoint
   3. model_inputs          the collator's bookkeeping, and a packed batch's mask, kept from the model
-                           (data/packing.py); the batch itself stays whole for the Trainer's token count
+                           (data/packing.py; the mask beside it for a load-balancing loss); the batch itself
+                           stays whole for the Trainer's token count
   4. the Trainer's step    forward, the loss (FusedLoss.compute_loss for SFT), backward; under pipeline stages
                            the micro-batch is kept until the window's last, then the schedule runs them all
   5. SafeStop.note_loss    a non-finite loss marks its optimizer step
 Per optimizer step, the callbacks in the order added: SafeStop (every rank agrees on a signal, a non-finite loss or
 a spent budget, and stops with a checkpoint), then RankReports (gradient bytes).
-Per log line, `log`: the tracker's figures added, health judged, the line appended to OUTPUT/run_log.jsonl.
+Per log line, `log`: the tracker's figures added, the routers' and the load-balancing loss's, health judged, the
+line appended to OUTPUT/run_log.jsonl.
 Per evaluation, `evaluate`: the tracker's training clock paused; the Trainer's, then GenerationSamples (on_evaluate).
 Per checkpoint, `_save_checkpoint`: the token count brought up to date, then StagedCheckpoints writes it with the
 cost so far (RunTracker) and publishes it.
@@ -170,13 +173,18 @@ class ToolkitTrainerMixin:
             if reports is not None:
                 reports.record(inputs)
             self.tracker.count_batch(examples_in(inputs, task(self.recipe.data.task).pairs), tokens_in(inputs))
+        batch = self.model_inputs(inputs)
         if self.pipeline is not None:
-            loss = self.pipeline_step(model, model_inputs(inputs))
+            loss = self.pipeline_step(model, batch)
         else:
             with reports.saving() if reports is not None else contextlib.nullcontext():
-                loss = super().training_step(model, model_inputs(inputs), num_items_in_batch)
+                loss = super().training_step(model, batch, num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
+
+    def model_inputs(self, inputs: dict) -> dict:
+        """What of a batch reaches the model (data/packing.py), and a packed batch's mask for the balance."""
+        return self.balance.model_inputs(inputs) if self.balance is not None else model_inputs(inputs)
 
     def pipeline_step(self, model, inputs):
         """Under pipeline stages, what the Trainer's training_step does around its forward and backward (the model
@@ -218,8 +226,9 @@ class ToolkitTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.pipeline is not None:
-            return self.pipeline.eval_step(self._prepare_inputs(model_inputs(inputs)), prediction_loss_only)
-        loss, logits, labels = super().prediction_step(model, model_inputs(inputs), prediction_loss_only, ignore_keys)
+            return self.pipeline.eval_step(self._prepare_inputs(self.model_inputs(inputs)), prediction_loss_only)
+        loss, logits, labels = super().prediction_step(model, self.model_inputs(inputs), prediction_loss_only,
+                                                       ignore_keys)  # fmt: skip
         return loss, first_output(logits), labels  # the metrics read the logits alone
 
     def get_train_dataloader(self):
