@@ -27,6 +27,7 @@ from ..settings.mesh import launch_mesh, pipeline_schedule
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, support_flag
 from .counts import LoadRecord, ParameterCounts
+from .dropout import dropout_names
 from .lora import add_lora
 from .meta import meta_model
 from .parallel import check_expert_parallel, check_sequence_split, check_tensor_parallel, lora_on_experts
@@ -196,12 +197,6 @@ def local_config(model: str) -> dict | None:
         return json.loads(path.read_text()) if path else None
     except (OSError, ValueError):
         return None
-
-
-def dropout_names(config: PretrainedConfig) -> list[str]:
-    """The config's dropout probabilities that are set (BERT's hidden_dropout_prob, GPT-2's resid_pdrop, ...)."""
-    return sorted(k for k, v in config.to_dict().items()
-                  if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0)  # fmt: skip
 
 
 def architecture_difference(checkpoint: str | Path, model: str) -> str | None:

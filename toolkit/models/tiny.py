@@ -30,7 +30,7 @@ from ..settings import tasks as task_table
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 from . import tiny_vision
-from .loading import dropout_names
+from .dropout import dropout_names
 from .parallel import EXPERT_COUNTS, routed_expert_count
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying, dropout) is the
