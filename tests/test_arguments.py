@@ -25,6 +25,17 @@ RECIPE = dict(
 )
 
 
+def test_yaml_words_read_as_flags_are_words_again(tmp_path):
+    """YAML 1.1 reads an unquoted `no` as False: `save_strategy: no` was refused as "False is not a valid
+    SaveStrategy". A setting that takes words gets the word; a flag (bf16) and a flag-or-word setting
+    (torch_compile) keep the flag."""
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("save_strategy: no\neval_strategy: no\nbf16: no\ntorch_compile: no\n")
+    args = parse(RECIPE, "bert", ["--config", str(overrides)])
+    assert args.training.save_strategy == "no" and args.training.eval_strategy == "no"
+    assert args.training.bf16 is False and args.torch_compile is False
+
+
 def test_layers_later_wins(tmp_path):
     overrides = tmp_path / "o.yaml"
     overrides.write_text("learning_rate: 3.0e-5\nmax_seq_length: 256\nlora_r: 8\n")

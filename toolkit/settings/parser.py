@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import enum
 import importlib.util
 import sys
 import types
@@ -149,12 +150,28 @@ def scalar_types() -> dict[str, type]:
     return out
 
 
+def word_settings() -> set[str]:
+    """Settings that take words and never a flag (save_strategy's "no", an enum of TrainingArguments')."""
+    out = set()
+    for cls in ARGUMENT_CLASSES:
+        for name, hint in typing.get_type_hints(cls).items():
+            options = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            words = str in options or any(isinstance(o, type) and issubclass(o, enum.Enum) for o in options)
+            if words and bool not in options:
+                out.add(name)
+    return out
+
+
 def coerce(values: dict[str, Any], where: str) -> dict[str, Any]:
     """Numbers and flags written as text, as YAML 1.1 leaves them (`learning_rate: 1e-5` is the string "1e-5"),
-    converted to the setting's type; a value that is not one is an error naming the setting."""
-    kinds = scalar_types()
+    converted to the setting's type; a value that is not one is an error naming the setting. Words YAML 1.1 reads
+    as flags (`save_strategy: no` is False) are the words again where the setting takes words."""
+    kinds, words = scalar_types(), word_settings()
     out = dict(values)
     for key, value in values.items():
+        if isinstance(value, bool) and key in words:
+            out[key] = "yes" if value else "no"
+            continue
         kind = kinds.get(key)
         if kind is None or not isinstance(value, str) or (key in AUTO_SETTINGS and value.strip().lower() == AUTO):
             continue
