@@ -73,7 +73,7 @@ def test_the_tiny_moe_routes_and_its_balance_is_the_familys():
 def test_the_balance_loss_is_the_one_process_runs(config, one_process, tmp_path):
     """2 processes, 2 accumulation steps, the same global batch of 8: the losses and the weights after 4 steps
     are the 1-process run's at c within what per-micro-batch balancing makes (BOUND), far nearer it than the run at
-    2c, and the aux loss is in the run's log, as on one process."""
+    2c; the aux loss and the routers' figures are in the run's log, as on one process."""
     per_device = "4" if config == "pp" else "2"  # a pipeline's stages share their rows
     out = tmp_path / "run"
     check(toolkit_launch(config, RECIPE, *FLAGS, "--per_device_train_batch_size", per_device,
@@ -86,3 +86,7 @@ def test_the_balance_loss_is_the_one_process_runs(config, one_process, tmp_path)
     assert distance(moved, weights(one_process[COEF])) < 0.5 * distance(moved, weights(one_process[2 * COEF]))
     aux = logged(out, "aux_loss")
     assert aux == pytest.approx(logged(one_process[COEF], "aux_loss"), rel=0.02) and len(aux) == 4
+    # the routers' figures, counted over every rank's real tokens (a pipeline's stages: each its own layers'; its
+    # schedule's first step, which also runs torch's shape inference, uncounted), as on one process
+    for key in ("router_imbalance", "router_load_entropy", "router_busiest_share"):
+        assert logged(out, key)[-3:] == pytest.approx(logged(one_process[COEF], key)[-3:], rel=0.02), key

@@ -18,12 +18,32 @@ were routed to: `top_k_index`), not off a family's router class:
   router_busiest_layer   index (health.py warns of a router that sends far more than its fair share to one expert)
 
 Counted on every rank and summed over them at each log (pipeline stages: each its own layers' rows). Tokens a
-layer recomputes under activation checkpointing count twice, as all of that layer's do: the shares stand.
+layer recomputes under activation checkpointing count twice, as all of that layer's do: the shares stand. Real
+tokens only, where the forward runs inside `real_tokens(mask)`: a packed batch reaches the model without its
+attention mask, so its padding is routed too (each rank pads to its own longest row, pipeline stages to
+max_seq_length); under pipeline stages, a layer that activation checkpointing recomputes counts its padding again
+(the recomputation runs outside the stage's forward), and the first step of a schedule is not counted (torch's
+schedule infers its shapes with a forward of its own inside it).
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+
 import torch
+
+_REAL_TOKENS: ContextVar[torch.Tensor | None] = ContextVar("real_tokens", default=None)
+
+
+@contextlib.contextmanager
+def real_tokens(mask: torch.Tensor | None):
+    """The forwards (and their recomputations) inside count only these tokens: a batch's attention mask."""
+    token = _REAL_TOKENS.set(mask)
+    try:
+        yield
+    finally:
+        _REAL_TOKENS.reset(token)
 
 
 def expert_count(module: torch.nn.Module) -> int | None:
@@ -69,6 +89,9 @@ class RouterStats:
             index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if isinstance(index, torch.Tensor):
                 experts = len(self.counts[layer]) - 2
+                mask = _REAL_TOKENS.get()
+                if mask is not None and index.dim() > 1 and mask.numel() == index.shape[0]:  # else another split's
+                    index = index[mask.reshape(-1).to(index.device).bool()]
                 tokens = index.shape[0] if index.dim() > 1 else index.numel()
                 index = index.detach().reshape(-1).to(torch.long)
                 index = torch.where((index < 0) | (index >= experts), experts, index)  # sent nowhere: after them
@@ -77,14 +100,18 @@ class RouterStats:
 
         return count
 
+    def clear(self) -> None:
+        """Forget what was counted since the last log (a pass that was not training's own)."""
+        for c in self.counts:
+            c.zero_()
+
     def metrics(self, reduce=None) -> dict[str, float]:
         """The interval's figures (module docstring), its counts summed by `reduce` (a tensor -> the sum over the
         ranks), then cleared."""
         counts = torch.stack(self.counts)
         if reduce is not None:
             counts = reduce(counts)
-        for c in self.counts:
-            c.zero_()
+        self.clear()
         dropped, tokens, counts = int(counts[:, -2].sum()), counts[:, -1], counts[:, :-2]
         totals = counts.sum(dim=1)
         routed = totals > 0

@@ -23,6 +23,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from ..metrics.routing import real_tokens
 from ..settings.mesh import PIPELINE_SCHEDULES, describe
 from .balance import routing_sums
 from .parallel import check_mesh_size
@@ -110,11 +111,12 @@ class StageModule(torch.nn.Module):
         inputs = {"input_ids" if self.first else "inputs_embeds": x, **kwargs, "use_cache": False}
         if self.routing is not None:
             inputs["output_router_logits"] = True
-        outputs = self.model(**inputs) if self.last else text_model(self.model)(**inputs)
+        mask = routing_mask if routing_mask is not None else kwargs.get("attention_mask")
+        with real_tokens(mask):  # the routers' statistics too (metrics/routing.py)
+            outputs = self.model(**inputs) if self.last else text_model(self.model)(**inputs)
         result = outputs.logits if self.last else outputs.last_hidden_state
         if self.routing is None:
             return result
-        mask = routing_mask if routing_mask is not None else kwargs.get("attention_mask")
         mine = routing_sums(outputs.router_logits, *self.routing, mask)
         return result, mine if sums is None else sums + mine
 

@@ -115,6 +115,7 @@ class Pipeline:
                   for k, v in batches[0].items() if k not in ("input_ids", "labels")}  # fmt: skip
         ids = torch.cat([b["input_ids"] for b in batches])
         self.micro_batches = len(batches)
+        first = (len(batches), tuple(ids.shape), training) not in self.schedules
         schedule = self.schedule_for(len(batches), tuple(ids.shape), training)
         args = (ids,) if self.first else ()
         target = {"target": labels, "losses": (losses := [])} if self.last else {}
@@ -123,6 +124,8 @@ class Pipeline:
                 schedule.step(*args, **target, **inputs)
             else:
                 self.outputs = schedule.eval(*args, **target, **inputs)
+        if training and first and self.trainer.routing is not None:  # a new schedule's step also ran torch's shape
+            self.trainer.routing.clear()  # inference, a forward of stand-in inputs: its routing is not counted
         if training and self.trainer.balance is not None:  # the window's own micro-batches: torch's first step
             for aux in self.aux[-len(batches) :] if self.aux else ():  # also scores a stand-in, sizing its buffers
                 self.trainer.balance.record(aux)

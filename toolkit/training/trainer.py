@@ -62,7 +62,7 @@ from ..distributed.strategy import check_strategy, set_fsdp_wrap_class
 from ..errors import ToolkitError
 from ..metrics.health import Health
 from ..metrics.memory import device_memory, memory_fraction
-from ..metrics.routing import RouterStats
+from ..metrics.routing import RouterStats, real_tokens
 from ..metrics.samples import RUN_LOG, Prompt
 from ..metrics.tracking import SPENT_FILE, RunTracker, TimedIterator
 from ..metrics.wandb_run import finish_run, launch_environment, redacted_command, run_callback
@@ -85,6 +85,11 @@ from .precision import keep_master_weights
 from .rank_reports import RankReports, held_bytes
 from .run_plan import RunPlan
 from .stopping import SafeStop, Stopped
+
+
+def real(inputs) -> torch.Tensor | None:
+    """A batch's real tokens, which the routers' statistics count (its padding is routed too)."""
+    return inputs.get("attention_mask") if isinstance(inputs, dict) else None
 
 
 class ToolkitTrainerMixin:
@@ -177,7 +182,7 @@ class ToolkitTrainerMixin:
         if self.pipeline is not None:
             loss = self.pipeline_step(model, batch)
         else:
-            with reports.saving() if reports is not None else contextlib.nullcontext():
+            with reports.saving() if reports is not None else contextlib.nullcontext(), real_tokens(real(inputs)):
                 loss = super().training_step(model, batch, num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
