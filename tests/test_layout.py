@@ -13,7 +13,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 # Bottom to top: a room may import the rooms before it, never one after it.
 ROOMS = ["startup", "errors", "project", "outputs", "settings", "metrics", "data", "models", "planner", "distributed",
-         "training", "results", "runner", "generate", "__main__", "__init__"]  # fmt: skip
+         "training", "results", "checks", "runner", "generate", "__main__", "__init__"]  # fmt: skip
+# What a reader holds at once (issue 66): a module, a class, a function or method, in lines from its first to last.
+MOST_LINES = {"module": 400, "class": 150, "function": 80}
 
 
 def modules() -> dict[str, Path]:
@@ -108,6 +110,36 @@ def test_no_room_holds_more_than_a_quarter_of_the_code():
         lines[room(module)] += len(path.read_text().splitlines())
     biggest = max(lines, key=lines.get)
     assert lines[biggest] / sum(lines.values()) <= 0.25, f"{biggest}: {dict(lines)}"
+
+
+def test_no_unit_is_longer_than_a_reader_holds():
+    """No module, class or function of the package past MOST_LINES: a unit that grows past them is split by
+    concern (the trainer's overrides into mixins, a plan's assembly apart from its rendering)."""
+    longer = []
+    for module, path in modules().items():
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MOST_LINES["module"]:
+            longer.append((module, lines))
+        for node in ast.walk(ast.parse(text)):
+            kind = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}.get(
+                type(node)
+            )
+            if kind and (lines := node.end_lineno - node.lineno + 1) > MOST_LINES[kind]:
+                longer.append((f"{module}.{node.name}", lines))
+    assert longer == []
+
+
+def test_the_runs_checks_are_one_list():
+    """The checks a run passes before its data and weights are checks.py's ordered lists: the runner calls none of
+    the rooms' check functions itself (a new one goes into the list, not into the runner)."""
+    import toolkit.checks as checks
+
+    called = set()
+    for node in ast.walk(ast.parse((PACKAGE / "runner.py").read_text())):
+        if isinstance(node, ast.Call):
+            called.add(getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+    assert {name for name in called if name and name.startswith("check_")} == set()
+    assert {"run_checks"} <= called and all(callable(c) for c in (*checks.LAUNCH, *checks.MODEL, *checks.DATA))
 
 
 def test_one_training_step_and_its_order_written_down():

@@ -1,8 +1,8 @@
 """The recipe runner: a recipe goes through the rooms in order, each entered once, then trains, evaluates, saves.
 
     settings   parse            the recipe, its overrides and flags, each checked             settings/
-    launch     checked_launch   patches, the processes asked for, the resume point            distributed/, training/
-    model      blueprint        config, tokenizer, packing, attention: no weights yet         models/
+    launch     checked_launch   checks.py's LAUNCH: the processes asked for, the resume point    checks.py
+    model      checked_blueprint  config, checks.py's MODEL, tokenizer, packing, attention      models/
     data       prepare_data     read, checked, tokenized, packed (cached)                     data/
     plan       plan_workload    the workload; the activations measured before weights load    planner/
     rewards    reward_parts     grpo's rewards, each called once on the first prompts         training/rl.py
@@ -11,7 +11,7 @@
     run        fit              train, evaluate, save the consolidated (and merged) model     training/
 
 Cheap checks run first (arguments, process group, Hub reachability, the model's config), so a bad launch fails in
-seconds, before any data is tokenized or weights are loaded.
+seconds, before any data is tokenized or weights are loaded: their order is one list, in checks.py.
 """
 
 from __future__ import annotations
@@ -28,48 +28,39 @@ import torch
 import torch.distributed as dist
 from transformers import set_seed
 
+from .checks import DATA, LAUNCH, MODEL, Launch, run_checks
 from .data.preparation import PreparedData, prepare_data
 from .distributed import op_builds, patches
 from .distributed.launch import (
     Requested,
-    env_flag,
     is_local_main_process,
     receives_weights_from_rank0,
     tell_deepspeed_the_local_processes,
     weights_arrive_upcast,
 )
 from .distributed.strategy import (
-    check_4bit_engine,
-    check_fp8,
-    check_launcher_axes,
-    check_mesh_engine,
-    check_processes,
-    cuda_capability,
     resolve_config_paths,
 )
 from .errors import ConfigError, ToolkitError, command, report
-from .metrics.cost import check_device_name
 from .metrics.samples import side_by_side
 from .metrics.wandb_run import finish_run, redact_argv
-from .models.attention import FLEX_ON_CPU, pad_multiple
-from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_for_training
+from .models.attention import pad_multiple
+from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype, load_config, load_for_training
 from .models.lora import save_merged
-from .models.parallel import accelerator_parallelism, check_split_task
+from .models.parallel import accelerator_parallelism
 from .models.tiny import tiny_layer
-from .outputs import check_run_output
 from .planner.activations import measured_activations
 from .planner.estimate import workload_for
 from .planner.memory import Workload
 from .project import is_recipe, load_recipe, recipe_name, recipe_names
 from .results.card import write_card
-from .settings.arguments import Arguments, global_batch_size
+from .settings.arguments import Arguments
 from .settings.compile import choose_compile, set_compile
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, split_multiple
 from .settings.parser import parse
 from .settings.tasks import task
 from .training import checkpoints
 from .training.evaluation import metrics_for
-from .training.run_plan import planned_steps
 from .training.stopping import Stopped
 from .training.trainer import RecipeTrainer
 
@@ -86,11 +77,10 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     prepare_process()
     args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer, here=True)
     resume, resume_note = checked_launch(args)
-    model_plan = blueprint(args)
+    model_plan = checked_blueprint(args)
     resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args), model_plan.processor)
-    if resume:  # the steps it will train are known once the data is
-        checkpoints.check_steps_left(resume, planned_steps(args.training, len(data.train)))
+    run_checks(DATA, Launch(args, resume=resume, rows=len(data.train)))  # the steps left, known once the data is
     rewards = reward_parts(args, data)  # checked first: the plan reads a reward model's config
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
@@ -116,54 +106,29 @@ def prepare_process() -> None:
 
 
 def checked_launch(args: Arguments) -> tuple[str | None, str]:
-    """What the launch can refuse before any weights load: the device's price entry, QLoRA under a sharding engine,
-    flex attention on a CPU, an output folder of another run, a process group that is not what was asked for, a
-    checkpoint this launch cannot resume. Returns the checkpoint to resume from, and a line saying so."""
+    """The launch's checks (checks.py's LAUNCH, in order), then what they let it settle: the config's FP8, the one
+    push of the finished model, the seed. Returns the checkpoint to resume from, and a line saying so."""
     redact_argv(sys.argv)  # parsed: no credential needs to stay where loggers read the command line
-    check_run_output(args.training.output_dir)  # where it writes, before it writes anything (outputs.py)
-    check_device_name(args.run.gpu_type, args.run.hourly_usd)
-    engine = Requested.from_env().engine
-    check_launcher_axes(args.training.world_size)
-    check_mesh_engine(launch_mesh(), engine, int(os.environ.get("FSDP_VERSION") or 1))
-    check_split_task(launch_mesh(), args.data.task)  # the axes a task cannot be split on
-    if args.model.load_in_4bit:
-        check_4bit_engine("tensor parallel" if model_parallel_size() > 1 else engine)
+    launch = run_checks(LAUNCH, Launch(args))
+    training = args.training
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # the config's; the recipe's bf16 would override it
-        check_fp8(os.environ.get("ACCELERATE_FP8_BACKEND"), args.model.load_in_4bit, cuda_capability(), engine,
-                  env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"))  # fmt: skip
-        args.training.mixed_precision = "fp8"
-        if engine != "FSDP":  # torchao's float8 all-gather wrapper is FSDP2's; elsewhere it only swaps each
+        training.mixed_precision = "fp8"
+        if launch.engine != "FSDP":  # torchao's float8 all-gather wrapper is FSDP2's; elsewhere it only swaps each
             # float8 layer's Parameter for a new one, which an optimizer made before accelerate converts never sees
             os.environ["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] = "false"
-    if args.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
-        raise ConfigError(FLEX_ON_CPU)
-    training = args.training
-    resume, note = checkpoints.resume_point(args.run.resume or training.resume_from_checkpoint, training.output_dir,
-                                            engine, bool(training.save_only_model))  # fmt: skip
-    owner = {"recipe": args.recipe_name, "model": args.model.model_name_or_path}
-    checkpoints.check_output_dir(training.output_dir, owner, resuming=resume is not None)
-    checkpoints.replace_finished_run(training.output_dir, resuming=resume is not None)
-    check_processes(training.world_size)  # creating the process group happens on first access of the device
-    if resume:
-        engine, batch = Requested.from_env().engine, global_batch_size(training)
-        changed = checkpoints.check_resumable(resume, engine, training.world_size, batch,
-                                              training.gradient_accumulation_steps, owner,
-                                              checkpoints.step_shape(training))  # fmt: skip
-        note = f"{note} ({changed})" if changed else note
-    if training.push_to_hub:  # refused now, not after the training, where it cannot work
-        from .results.push import check_push
-
-        check_push(training.hub_model_id)
+    if training.push_to_hub:
         private = True if training.hub_private_repo is None else bool(training.hub_private_repo)
         args.hub_push = (training.hub_model_id, private, training.hub_revision)
         training.push_to_hub = False  # one push, of the finished model: the Trainer's would push every save
-    if args.run.eval_after_training:  # likewise its tasks, as `toolkit eval` checks them
-        from .results.eval_checks import check_eval_tasks
-
-        check_eval_tasks(args.data.task, args.run.eval_tasks, args.data.eval_split is not None or
-                         args.data.eval_fraction > 0)  # fmt: skip
     set_seed(training.seed)
-    return resume, note
+    return launch.resume, launch.note
+
+
+def checked_blueprint(args: Arguments) -> Blueprint:
+    """The model's config, checked against the settings (checks.py's MODEL, in order), then its blueprint."""
+    config = load_config(args.model)
+    run_checks(MODEL, Launch(args, config=config))
+    return blueprint(args, config)
 
 
 def padding_multiple(args: Arguments, on_gpu: bool | None = None) -> int | None:
@@ -298,7 +263,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
     if not is_recipe(argv[0]):
         raise ConfigError(f"No recipe '{argv[0]}' in recipes/. Known: {', '.join(recipe_names())}.")
     args = parse(load_recipe(argv[0]), argv[0], argv[1:], tiny_defaults=tiny_layer)
-    model_plan = blueprint(args)
+    model_plan = checked_blueprint(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, processor=model_plan.processor)
     rows = f"{len(data.train):,} training rows" + (f", {len(data.eval):,} held out" if data.eval is not None else "")
     print(f"{argv[0]}: {rows}{' (packed)' if model_plan.packing else ''} from {data.note}")

@@ -19,19 +19,19 @@ from ..data.conversations import stop_token_ids
 from ..data.packing import use_packing
 from ..data.sources import check_hub_model, read_config, resolve
 from ..errors import ConfigError, first_line
-from ..metrics.memory import HostMemoryPeak, device_memory, human_bytes
+from ..metrics.memory import HostMemoryPeak, human_bytes
 from ..metrics.routing import expert_count, fused_experts
 from ..settings import tasks
 from ..settings.arguments import Arguments, ModelArguments, torch_dtype
-from ..settings.mesh import launch_mesh, pipeline_schedule
+from ..settings.mesh import launch_mesh
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, support_flag
 from .counts import LoadRecord, ParameterCounts
 from .dropout import dropout_names
 from .lora import add_lora
 from .meta import meta_model
-from .parallel import check_expert_parallel, check_sequence_split, check_tensor_parallel, lora_on_experts
-from .pipeline import check_pipeline, split_stage
+from .parallel import lora_on_experts
+from .pipeline import split_stage
 
 
 def allocate_placeholders(model: torch.nn.Module, upcast: bool) -> None:
@@ -301,23 +301,11 @@ class Blueprint:
     processor: Any = None  # an image-text model's (AutoProcessor): its image processor, tokenizer, chat template
 
 
-def blueprint(args: Arguments) -> Blueprint:
-    """The model room's first entry: the config alone (a few KB), what the model cannot honour refused (task,
-    attention, LoRA targets, sequence length), packing decided, `--attn_implementation auto` resolved where
-    packing is known, and the tokenizer: seconds, before any data is read or weight loaded."""
-    config = load_config(args.model)
-    check_model_settings(config, args.model, args.data.task)
-    check_sequence_length(config, args.data.max_seq_length)
-    check_experts_kernel(config, args, device_memory())
-    mesh = launch_mesh()
-    lora = args.model.lora_settings()
-    check_tensor_parallel(config, mesh, args.training.world_size, lora["target_modules"] if lora else None,
-                          args.data.task)  # fmt: skip
-    check_expert_parallel(config, mesh, args.training.world_size, args.model.use_lora)
-    check_sequence_split(config, mesh, args, on_gpu=torch.cuda.is_available(), world_size=args.training.world_size)
-    check_pipeline(config, mesh, args.data.task, world_size=args.training.world_size,
-                   load_in_4bit=args.model.load_in_4bit, schedule=pipeline_schedule(),
-                   micro_batches=args.training.gradient_accumulation_steps, fp16=args.training.fp16)  # fmt: skip
+def blueprint(args: Arguments, config: PretrainedConfig | None = None) -> Blueprint:
+    """The model room's first entry: the config alone (a few KB; `config`: read and checked already, checks.py's
+    MODEL), packing decided, `--attn_implementation auto` resolved where packing is known, and the tokenizer (an
+    image-text model's processor): seconds, before any data is read or weight loaded."""
+    config = load_config(args.model) if config is None else config
     packing = use_packing(args.data.task, args.data.packing, config)
     m = args.model
     m.attn_implementation, m.attention_note = choose_attention(config, m.attn_implementation, args.data.task,
@@ -325,10 +313,7 @@ def blueprint(args: Arguments) -> Blueprint:
     if not tasks.task(args.data.task).images:
         return Blueprint(config, load_tokenizer(args.model), packing)
     from .processors import load_processor
-    from .vision import check_parts
 
-    if not args.model.use_lora:
-        check_parts(args.model.train_parts)
     processor = load_processor(resolve(args.model.model_name_or_path), args.model.trust_remote_code)
     return Blueprint(config, processor.tokenizer, packing, processor)
 
