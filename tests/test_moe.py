@@ -212,7 +212,7 @@ def test_batched_mm_at_a_training_batch_is_refused_before_the_weights(monkeypatc
 
     gathered = gathered_expert_bytes(Qwen3MoeConfig(**QWEN3_MOE_SMALL), "sft", 2 * 4096, 2)
     assert gathered * 2 / 3 == 384 * 2**30  # gate/up: 2 x 768 of each expert's 3 x 768 rows of 2,048
-    monkeypatch.setattr("toolkit.models.loading.device_memory", lambda: 2**20)
+    monkeypatch.setattr("toolkit.checks.device_memory", lambda: 2**20)
     monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(SystemExit):
         run(load_recipe("qwen3_moe_fft"), ["--tiny", "--experts_implementation", "batched_mm"], "qwen3_moe_fft")
