@@ -18,26 +18,25 @@ A mixture of experts' load-balancing loss spans every stage's routers: each stag
 the layers so far beside its hidden states (models/balance.py), and the last stage adds c x the whole model's
 loss to each micro-batch's, at 1 / (the window's micro-batches x replicas) of it, a micro-batch's share of the
 global batch (training/load_balance.py).
+
+The stages' saves and loads are pipeline_saves.py's; what they exchange beside the schedule (gradients, the
+loader's shards, evaluation's gather, generation) pipeline_exchange.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
-from ..metrics.memory import plain_tensor
 from ..models.balance import balance_loss, balance_settings
 from ..models.parallel import routed_expert_count
-from ..models.pipeline import StageModule, decoder_of, layer_list, text_model, window_schedule
+from ..models.pipeline import StageModule, decoder_of, layer_list, window_schedule
 from ..settings.mesh import launch_mesh, pipeline_schedule
-from .checkpoints import stage_optimizer
+from .pipeline_exchange import PipelineExchange
+from .pipeline_saves import PipelineSaves
 
 
-class Pipeline:
+class Pipeline(PipelineExchange, PipelineSaves):
     def __init__(self, trainer):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -170,193 +169,9 @@ class Pipeline:
         return self.schedules[key]
 
     # ------------------------------------------------------------------------------------- the gradients
-    def reduce_gradients(self) -> None:
-        """Each replica's gradients are its part of the whole batch's: summed over the replicas, one flat buffer
-        per dtype."""
-        grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch._utils._flatten_dense_tensors(same)
-            dist.all_reduce(flat, group=self.dp_group)
-            for grad, reduced in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
-                grad.copy_(reduced)
-
-    def clip(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradients: each stage's squares summed over the stages."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        squares = torch.zeros((), device=self.device, dtype=torch.float32)
-        for grad in grads:
-            squares += grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares, group=self.pp_group)
-        total = squares.sqrt()
-        if 0 < max_norm < float("inf"):
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-        return total
 
     # --------------------------------------------------------------------------------------- the data
-    def shard(self, loader):
-        """The Trainer's loader, prepared by accelerate over every rank, sharded over the replicas instead: the
-        stages of one pipeline read the same rows."""
-        sampler = getattr(loader, "batch_sampler", None)
-        if sampler is not None and hasattr(sampler, "num_processes"):
-            sampler.num_processes, sampler.process_index = self.replicas, self.replica
-        return loader
-
-    def gather(self, data):
-        """The Trainer's gather_function for evaluation: over the replicas (a pipeline's stages hold the same rows),
-        the last batch cut to the rows the data set has, as accelerate's gather_for_metrics does."""
-        from accelerate.utils import recursively_apply
-
-        def over_replicas(tensor: torch.Tensor) -> torch.Tensor:
-            if self.replicas == 1:
-                return tensor
-            parts = [torch.empty_like(tensor) for _ in range(self.replicas)]
-            dist.all_gather(parts, tensor.contiguous(), group=self.dp_group)
-            return torch.cat(parts)
-
-        gathered = recursively_apply(over_replicas, data)
-        state = self.trainer.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            return recursively_apply(lambda tensor: tensor[: state.remainder], gathered)
-        return gathered
 
     # ------------------------------------------------------------------------------------- generation
-    @contextlib.contextmanager
-    def generating(self):
-        """`generate` on every rank, each forward through the stages in turn (without a KV cache: each stage's
-        cache would count only its own layers' positions), the last stage's next-token logits sent to all."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        decoder, group = self.decoder, self.pp_group
-        base = text_model(decoder)
-        neighbours = [dist.get_global_rank(group, s) for s in range(self.stages)]
-
-        def forward(input_ids=None, attention_mask=None, position_ids=None, **_):
-            inputs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-            hidden = (*input_ids.shape, decoder.config.hidden_size)
-            if self.first:
-                x = base(input_ids=input_ids, **inputs).last_hidden_state
-            else:
-                x = torch.empty(hidden, dtype=self.hidden_dtype, device=self.device)
-                dist.recv(x, src=neighbours[self.stage - 1], group=group)
-            if self.last:
-                logits = type(decoder).forward(decoder, inputs_embeds=x, **inputs).logits[:, -1:].float()
-            else:
-                if not self.first:
-                    x = base(inputs_embeds=x, **inputs).last_hidden_state
-                dist.send(x.to(self.hidden_dtype).contiguous(), dst=neighbours[self.stage + 1], group=group)
-                logits = torch.empty((input_ids.shape[0], 1, decoder.config.vocab_size), device=self.device)
-            dist.broadcast(logits, src=self.last_rank, group=group)
-            return CausalLMOutputWithPast(logits=logits)
-
-        decoder.forward = forward
-        try:
-            yield
-        finally:
-            del decoder.forward
-
-    @property
-    def hidden_dtype(self):
-        """The dtype the stages pass on: their weights' (the most of them; LoRA's fp32 adapters aside)."""
-        counts: dict[torch.dtype, int] = {}
-        for p in self.decoder.parameters():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-        return max(counts, key=counts.get)
 
     # ----------------------------------------------------------------------------------- checkpoints
-    def save(self, output_dir: str) -> None:
-        """The model as one Hugging Face folder: each stage's weights one safetensors file of a sharded checkpoint
-        (written by the stage's first replica), rank 0 the index, config, tokenizer and training arguments; a LoRA
-        adapter (small) gathered to rank 0 and written whole into peft's folder."""
-        import json
-        import os
-
-        from safetensors.torch import save_file
-
-        trainer, folder = self.trainer, Path(output_dir)
-        if trainer.args.should_save:
-            folder.mkdir(parents=True, exist_ok=True)
-        if self.replica == 0:
-            dist.barrier(group=self.pp_group)  # the folder exists before the stages write into it
-            peft = hasattr(trainer.model, "peft_config")
-            if peft:  # the adapter's part of this stage, as peft names it in its file
-                from peft import get_peft_model_state_dict
-
-                weights = get_peft_model_state_dict(trainer.model)
-            else:
-                weights = plain(trainer.model.state_dict())
-            own = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-            name = f"model-{self.stage + 1:05d}-of-{self.stages:05d}.safetensors"
-            if not peft:
-                save_file(own, folder / name, metadata={"format": "pt"})
-            parts = [None] * self.stages
-            dist.all_gather_object(
-                parts, own if peft else (name, {k: v.nbytes for k, v in own.items()}), group=self.pp_group
-            )
-            if trainer.args.should_save:
-                if peft:  # peft's folder (its config, its card) with the whole adapter
-                    trainer.model.save_pretrained(folder)
-                    adapter = {k: v for part in parts for k, v in part.items()}
-                    save_file(adapter, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-                else:
-                    weight_map = {k: file for file, sizes in parts for k in sizes}
-                    total = sum(size for _, sizes in parts for size in sizes.values())
-                    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-                    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-                    self.decoder.config.architectures = [type(self.decoder).__name__]
-                    self.decoder.config.save_pretrained(folder)
-                    if self.decoder.can_generate():
-                        self.decoder.generation_config.save_pretrained(folder)
-                if trainer.processing_class is not None:
-                    trainer.processing_class.save_pretrained(folder)
-                torch.save(trainer.args, os.path.join(folder, "training_args.bin"))
-        dist.barrier()
-
-    def save_optimizer(self, output_dir: str) -> None:
-        """Each stage's optimizer state (its first replica's: the replicas' are equal), the scheduler once."""
-        trainer = self.trainer
-        if self.replica == 0:
-            torch.save(trainer.optimizer.state_dict(), stage_optimizer(output_dir, self.stage))
-        if trainer.args.should_save:
-            torch.save(trainer.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
-
-    def load_optimizer(self, checkpoint: str) -> None:
-        trainer = self.trainer
-        trainer.optimizer.load_state_dict(torch.load(stage_optimizer(checkpoint, self.stage), weights_only=True,
-                                                     map_location="cpu"))  # fmt: skip
-        trainer.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
-
-    def load_weights(self, folder: str | Path) -> None:
-        """This stage's weights from a folder `save` wrote (or any Hugging Face checkpoint of the whole model)."""
-        from safetensors import safe_open
-
-        from ..errors import ConfigError
-
-        folder, model = Path(folder), self.trainer.model
-        if hasattr(model, "peft_config"):
-            from peft import get_peft_model_state_dict, set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            saved = load_file(folder / "adapter_model.safetensors", device=self.device.type)
-            own = get_peft_model_state_dict(model)
-            set_peft_model_state_dict(model, {k: v for k, v in saved.items() if k in own})
-            return
-        index = folder / "model.safetensors.index.json"
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.is_file()
-            else ["model.safetensors"]
-        )
-        wanted, found = set(model.state_dict()), {}
-        for file in files:
-            with safe_open(folder / file, framework="pt") as f:
-                found.update({k: f.get_tensor(k) for k in f.keys() if k in wanted})
-        if missing := wanted - set(found):
-            raise ConfigError(f"{folder} lacks {len(missing)} of stage {self.stage}'s weights ({sorted(missing)[0]}, "
-                              "...): resume from a checkpoint of this model.")  # fmt: skip
-        model.load_state_dict(found, strict=False)
-
-
-def plain(state_dict: dict) -> dict:
-    """Weight wrappers (FP8's) unwrapped, as every save writes them (metrics/memory.py's plain_tensor)."""
-    return {name: plain_tensor(t) for name, t in state_dict.items()}
