@@ -448,7 +448,7 @@ def test_a_checkpoint_of_another_model_is_not_resumed(files, tmp_path):
     from transformers import LlamaConfig
 
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_resumable
+    from toolkit.training.resume import check_resumable
 
     def resumable(checkpoint: Path, model: str) -> str:
         return check_resumable(checkpoint, "replicated", 1, 8, 1, {"recipe": "llama3_fft", "model": model})

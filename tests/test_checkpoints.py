@@ -208,7 +208,7 @@ def test_nan_loss_stops_without_saving_over_good_checkpoints(tmp_path, monkeypat
 def test_resume_refusals_name_the_fix(tmp_path, engine, world, batch, message):
     """A ZeRO checkpoint of 2 processes, global batch 16: what cannot be resumed is refused before loading."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_resumable
+    from toolkit.training.resume import check_resumable
 
     checkpoint = tmp_path / "checkpoint-16"
     checkpoint.mkdir()
@@ -223,7 +223,8 @@ def test_a_tensor_parallel_checkpoint_resumes_on_its_own_processes_only(tmp_path
     """A checkpoint of a model sharded at load holds one optimizer file a rank (sharded_state.py): another process
     count is refused before loading, and a rank's file missing makes the checkpoint incomplete."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_resumable, optimizer_damage, rank_optimizer
+    from toolkit.training.checkpoint_damage import optimizer_damage, rank_optimizer
+    from toolkit.training.resume import check_resumable
 
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()
@@ -243,7 +244,7 @@ def test_a_batch_mismatch_names_the_micro_batch_of_the_mesh(tmp_path, monkeypatc
     """fsdp2_tp on 4 processes (dp_shard=2 x tp=2): the ranks of a tensor-parallel group share their rows, so a
     global batch of 8 is 4 a device, not 8 / 4 processes (the hint said 2, which would not have resumed either)."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_resumable
+    from toolkit.training.resume import check_resumable
 
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
@@ -259,7 +260,7 @@ def test_a_grpo_checkpoint_resumes_with_its_own_step_only(tmp_path):
     """A GRPO checkpoint records what a step is (group size, completions sampled at once, micro-batches a sampling):
     the same global batch cut otherwise is refused, naming the setting and the value that continues the run."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_resumable
+    from toolkit.training.resume import check_resumable
 
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
@@ -311,7 +312,7 @@ def test_a_damaged_checkpoint_is_never_resumed(kind, saved_run, tmp_path):
     (before, a missing optimizer.pt resumed with a fresh optimizer, exit 0, and the others ended in tracebacks);
     `--resume auto` falls back to the newest good one and says which it skipped and why."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import resume_point
+    from toolkit.training.resume import resume_point
 
     out = tmp_path / "run"
     shutil.copytree(saved_run[0], out)
@@ -339,7 +340,7 @@ def test_auto_resumes_from_the_newest_good_checkpoint_and_ends_as_the_uninterrup
 
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused(saved_run, tmp_path):
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import resume_point
+    from toolkit.training.resume import resume_point
 
     out = tmp_path / "run"
     shutil.copytree(saved_run[0], out)
@@ -360,7 +361,7 @@ def test_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
     records, a torch file from its zip directory."""
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.training.checkpoints import dcp_damage, weights_damage
+    from toolkit.training.checkpoint_damage import dcp_damage, weights_damage
 
     dcp.save({"weight": torch.randn(256, 64)}, checkpoint_id=str(tmp_path / "pytorch_model_fsdp_0"))
     assert dcp_damage(tmp_path / "pytorch_model_fsdp_0") is None
@@ -401,7 +402,7 @@ def test_a_resume_on_another_length_says_the_schedule_changes(tmp_path, capsys):
     recomputes the schedule for the new length (a 10-step cosine resumed with --max_steps 20 logged 0.0 at step 11,
     then jumped to 0.000843): said in one warning. A resume on the run's own length says nothing."""
     from toolkit.errors import ConfigError
-    from toolkit.training.checkpoints import check_steps_left
+    from toolkit.training.resume import check_steps_left
 
     checkpoint = tmp_path / "checkpoint-10"
     checkpoint.mkdir()

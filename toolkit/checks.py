@@ -37,7 +37,7 @@ from .models.pipeline import check_pipeline
 from .outputs import check_run_output
 from .settings.arguments import Arguments, global_batch_size
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_schedule
-from .training import checkpoints
+from .training import checkpoints, resume
 
 
 @dataclass
@@ -77,32 +77,32 @@ def flex_attention_device(launch: Launch) -> None:
 
 def resume_point(launch: Launch) -> None:
     """The checkpoint --resume names (or none), and the output folder: this run's own, a finished run's replaced
-    only by a new one (training/checkpoints.py)."""
+    only by a new one (training/resume.py, checkpoints.py)."""
     training = launch.args.training
-    launch.resume, launch.note = checkpoints.resume_point(launch.args.run.resume or training.resume_from_checkpoint,
+    launch.resume, launch.note = resume.resume_point(launch.args.run.resume or training.resume_from_checkpoint,
                                                           training.output_dir, launch.engine,
                                                           bool(training.save_only_model))  # fmt: skip
-    checkpoints.check_output_dir(training.output_dir, launch.owner, resuming=launch.resume is not None)
+    resume.check_output_dir(training.output_dir, launch.owner, resuming=launch.resume is not None)
     checkpoints.replace_finished_run(training.output_dir, resuming=launch.resume is not None)
 
 
 def resumable(launch: Launch) -> None:
-    """A checkpoint this launch can continue: its engine, processes, batch and step (training/checkpoints.py)."""
+    """A checkpoint this launch can continue: its engine, processes, batch and step (training/resume.py)."""
     if not launch.resume:
         return
     training = launch.args.training
-    changed = checkpoints.check_resumable(launch.resume, Requested.from_env().engine, training.world_size,
+    changed = resume.check_resumable(launch.resume, Requested.from_env().engine, training.world_size,
                                           global_batch_size(training), training.gradient_accumulation_steps,
                                           launch.owner, checkpoints.step_shape(training))  # fmt: skip
     launch.note = f"{launch.note} ({changed})" if changed else launch.note
 
 
 def steps_left(launch: Launch) -> None:
-    """A resume with steps left to train, known once the data is (training/checkpoints.py)."""
+    """A resume with steps left to train, known once the data is (training/resume.py)."""
     if launch.resume:
         from .training.run_plan import planned_steps
 
-        checkpoints.check_steps_left(launch.resume, planned_steps(launch.args.training, launch.rows))
+        resume.check_steps_left(launch.resume, planned_steps(launch.args.training, launch.rows))
 
 
 def hub_push(launch: Launch) -> None:
@@ -155,9 +155,9 @@ LAUNCH: tuple[Check, ...] = (
     qlora_engine,  # distributed/strategy.py
     fp8_engine,  # distributed/strategy.py
     flex_attention_device,  # models/attention.py
-    resume_point,  # training/checkpoints.py
+    resume_point,  # training/resume.py
     lambda launch: check_processes(launch.args.training.world_size),  # distributed/strategy.py: the process group
-    resumable,  # training/checkpoints.py
+    resumable,  # training/resume.py
     hub_push,  # results/push.py
     eval_tasks,  # results/eval_checks.py
 )
@@ -171,7 +171,7 @@ MODEL: tuple[Check, ...] = (
 
 
 DATA: tuple[Check, ...] = (
-    steps_left,  # training/checkpoints.py
+    steps_left,  # training/resume.py
 )
 
 

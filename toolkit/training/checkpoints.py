@@ -5,7 +5,8 @@ disk) leaves a folder that looks like the newest checkpoint and cannot be resume
 into `OUTPUT/.staging/checkpoint-N`; once all ranks are done, rank 0 flushes it to disk and renames it into
 place (one atomic `rename` on the same file system). So any `OUTPUT/checkpoint-N` is complete, `--resume auto`
 can take the newest, and rotation (`save_total_limit`) only ever counts complete ones. `StagedCheckpoints` is
-the trainer part that writes them, and makes the final save one consolidated Hugging Face folder.
+the trainer part that writes them, and makes the final save one consolidated Hugging Face folder. Which checkpoint
+a run resumes from and what refuses it are resume.py's; whether a folder's files are whole, checkpoint_damage.py's.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
 from ..metrics.memory import plain_tensor
 from ..outputs import CHECKPOINT, OWNER, STAGING, SUMMARY
 from ..settings.arguments import global_batch_size
-from ..settings.mesh import data_parallel_replicas, pipeline_stages
+from .checkpoint_damage import TRAINER_STATE
 
-TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
 # What a GRPO step is (GRPOConfig's, resolved): completions a prompt, completions sampled at once, micro-batches each
 # sampling serves. The same global batch can be cut into other groups, whose prompts, advantages and data order a
 # resume would silently change.
@@ -36,6 +35,11 @@ GRPO_STEP = ("num_generations", "generation_batch_size", "steps_per_generation")
 def step_shape(training) -> dict[str, int]:
     """GRPO's step settings of a run's config (TRL's GRPOConfig), empty for the other tasks' configs."""
     return {key: getattr(training, key) for key in GRPO_STEP if getattr(training, key, None) is not None}
+
+
+def engine_of(distributed_type: str) -> str:
+    """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
+    return distributed_type if distributed_type in ("DEEPSPEED", "FSDP") else "replicated"
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -79,295 +83,6 @@ def publish(staged: Path, output_dir: str | Path, owner: dict) -> Path:
 
 
 # ------------------------------------------------------------------------------------ damage, before a resume
-
-
-def json_damage(path: Path) -> str | None:
-    if not path.is_file():
-        return f"{path.name} is missing"
-    try:
-        json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        return f"{path.name} is not JSON"
-    return None
-
-
-def torch_file_damage(path: Path) -> str | None:
-    """A torch.save file (a zip archive): present, and its central directory, written last, readable: a file cut
-    short by a kill or a full disk fails here in microseconds, without reading its tensors."""
-    import zipfile
-
-    if not path.is_file():
-        return f"{path.name} is missing"
-    try:
-        with zipfile.ZipFile(path):
-            return None
-    except (zipfile.BadZipFile, OSError):
-        return f"{path.name} is truncated or not a torch file"
-
-
-def safetensors_damage(path: Path) -> str | None:
-    """A safetensors file: its header readable and the file as long as the header says its tensors reach."""
-    if not path.is_file():
-        return f"{path.name} is missing"
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            header_bytes = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_bytes))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, MemoryError, OverflowError):
-        return f"{path.name} has no readable safetensors header"
-    expected = 8 + header_bytes + end
-    return f"{path.name} is truncated ({size:,} of {expected:,} bytes)" if size < expected else None
-
-
-def dcp_damage(folder: Path) -> str | None:
-    """A torch.distributed.checkpoint folder (FSDP's sharded state dicts): its metadata readable and every shard file
-    as long as the metadata says its tensors reach."""
-    if not folder.is_dir():
-        return f"{folder.name}/ is missing"
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        storage = FileSystemReader(str(folder)).read_metadata().storage_data
-    except Exception:  # noqa: BLE001 - a missing or unpicklable .metadata, whatever the error
-        return f"{folder.name}/.metadata is missing or unreadable"
-    for info in storage.values():
-        path = folder / info.relative_path
-        if not path.is_file() or path.stat().st_size < info.offset + info.length:
-            return f"{folder.name}/{info.relative_path} is missing or truncated"
-    return None
-
-
-def weights_damage(folder: Path, engine: str) -> str | None:
-    """The model's weights as the engine checkpoints them: DeepSpeed's global_step folder (named by `latest`), FSDP's
-    sharded folder or whole file, the Trainer's safetensors (sharded with an index, or a LoRA adapter)."""
-    if engine == "DEEPSPEED":
-        latest = folder / "latest"
-        if not latest.is_file() or not (folder / latest.read_text().strip()).is_dir():
-            return "latest (DeepSpeed's pointer to its global_step folder) or that folder is missing"
-        for part in sorted((folder / latest.read_text().strip()).glob("*.pt")):
-            if damage := torch_file_damage(part):
-                return f"{latest.read_text().strip()}/{damage}"
-        return None
-    if engine == "FSDP" and (folder / "pytorch_model_fsdp_0").exists():
-        return dcp_damage(folder / "pytorch_model_fsdp_0")
-    for single in ("model.safetensors", "adapter_model.safetensors"):
-        if (folder / single).exists():
-            return safetensors_damage(folder / single)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        if damage := json_damage(index):
-            return damage
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            if damage := safetensors_damage(folder / shard):
-                return damage
-        return None
-    return "the model's weights are missing (no model.safetensors, adapter or shards)"
-
-
-def stage_optimizer(folder: str | Path, stage: int) -> Path:
-    """A pipeline stage's optimizer state in a checkpoint (training/pipeline.py writes one a stage)."""
-    return Path(folder) / f"optimizer-stage{stage}.pt"
-
-
-def rank_optimizer(folder: str | Path, rank: int) -> Path:
-    """A rank's optimizer state in a checkpoint of a model transformers sharded at load (sharded_state.py)."""
-    return Path(folder) / f"optimizer-rank{rank}.pt"
-
-
-def optimizer_damage(folder: Path, engine: str, stages: int = 1, ranks: int = 1) -> str | None:
-    """The optimizer's state and the scheduler's, without which a resume would silently start a fresh optimizer
-    (DeepSpeed keeps both in its global_step folder, checked with the weights; a pipeline one file a stage; a model
-    sharded at load one file a rank)."""
-    if engine == "DEEPSPEED":
-        return None
-    if engine == "FSDP" and (folder / "optimizer_0").exists():
-        damage = dcp_damage(folder / "optimizer_0")
-    elif engine == "PIPELINE":
-        damage = next(filter(None, (torch_file_damage(stage_optimizer(folder, s)) for s in range(stages))), None)
-    elif rank_optimizer(folder, 0).exists():
-        damage = next(filter(None, (torch_file_damage(rank_optimizer(folder, r)) for r in range(ranks))), None)
-    else:
-        damage = torch_file_damage(folder / "optimizer.pt")
-    return damage or torch_file_damage(folder / "scheduler.pt")
-
-
-def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | None:
-    """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. The
-    Trainer's state, the toolkit's own files (where the toolkit wrote it), the weights, and unless checkpoints are
-    of the weights only (`weights_only`: --save_only_model) the optimizer and scheduler. Cheap: headers, zip
-    directories and file sizes, never the tensors."""
-    from ..metrics.tracking import SPENT_FILE
-
-    if damage := json_damage(folder / TRAINER_STATE):
-        return damage
-    toolkit_files = [folder / name for name in (OWNER, SPENT_FILE)]
-    if any(p.exists() for p in toolkit_files):
-        for path in toolkit_files:
-            if damage := json_damage(path):
-                return damage
-    recorded = json.loads((folder / OWNER).read_text()) if (folder / OWNER).is_file() else {}
-    engine = recorded.get("engine", engine)
-    stages = recorded.get("pipeline_stages", 1)
-    ranks = recorded.get("world_size", 1)
-    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine, stages, ranks))
-
-
-def resume_point(resume: str | None, output_dir: str | Path, engine: str = "replicated",
-                 weights_only: bool = False) -> tuple[str | None, str]:  # fmt: skip
-    """What to resume from, and a line saying so. `auto`: the newest checkpoint in OUTPUT that is complete and
-    readable (checkpoint_damage), the damaged ones after it named and skipped; a run whose every checkpoint is
-    damaged is refused rather than started over them. An explicit folder that is damaged: one error line."""
-    if not resume:
-        return None, ""
-    if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        if not found:
-            return None, f"resume auto: no complete checkpoint in {output_dir}, starting fresh"
-        skipped = []
-        for folder in reversed(found):
-            damage = checkpoint_damage(folder, engine, weights_only)
-            if damage is None:
-                note = "; ".join(f"skipped {name}: {why}" for name, why in skipped)
-                return str(folder), f"resume auto: continuing from {folder}" + (f" ({note})" if note else "")
-            skipped.append((folder.name, damage))
-        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
-        raise ConfigError(f"resume auto: no checkpoint in {output_dir} can be resumed from ({reasons}). Move them "
-                          "away, or pass another --output_dir, to start over.")  # fmt: skip
-    folder = Path(resume)
-    if not folder.is_dir():
-        raise ConfigError(f"Cannot resume from '{resume}': no such folder. Pass --resume auto to take the newest "
-                          "complete checkpoint in the output folder.")  # fmt: skip
-    if damage := checkpoint_damage(folder, engine, weights_only):
-        raise ConfigError(f"Cannot resume from '{resume}': {damage}. Pass --resume auto to take the newest complete "
-                          "and readable checkpoint in the output folder, or another checkpoint.")  # fmt: skip
-    return resume, f"resuming from {resume}"
-
-
-def engine_of(distributed_type: str) -> str:
-    """What decides a checkpoint's format: DeepSpeed's, FSDP's, or the Trainer's own (single, DDP)."""
-    return distributed_type if distributed_type in ("DEEPSPEED", "FSDP") else "replicated"
-
-
-def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global_batch: int, accumulation: int,
-                    owner: dict | None = None, shape: dict[str, int] | None = None) -> str:  # fmt: skip
-    """Refuse, before any weights load, a resume that would fail deep in the engine or silently change the
-    schedule or what a step is (`shape`: GRPO's, step_shape), or one of another recipe or model (`owner`: this
-    run's, as check_output_dir takes it), whose optimizer groups would not match; returns a note when the process
-    count changes (supported: the Trainer's and FSDP's formats)."""
-    path = Path(checkpoint) / OWNER
-    if json_damage(path):  # not written by the toolkit (a damaged record was refused before): its config.json
-        from ..models.loading import architecture_difference
-
-        if owner and (difference := architecture_difference(checkpoint, owner["model"])):
-            raise ConfigError(f"{checkpoint} holds {difference}: its weights and optimizer states do not fit. Pass the "
-                              "--model_name_or_path it was trained from, or resume from a checkpoint of this "
-                              "model.")  # fmt: skip
-        return ""
-    then = json.loads(path.read_text())
-    other = [k for k in ("recipe", "model") if owner and k in then and then[k] != owner[k]]
-    if other:
-        fix = " and ".join({"recipe": f"run recipe {then['recipe']}",
-                            "model": f"pass --model_name_or_path {then['model']}"}[k] for k in other)  # fmt: skip
-        raise ConfigError(f"{checkpoint} is a checkpoint of recipe {then.get('recipe')} with model "
-                          f"{then.get('model')}, and this run is recipe {owner['recipe']} with model {owner['model']}: "
-                          f"its weights and optimizer states do not fit. To continue it, {fix}; or resume from a "
-                          "checkpoint of this run.")  # fmt: skip
-    if "engine" not in then:
-        return ""
-    if then["engine"] != engine:
-        raise ConfigError(f"{checkpoint} was written under {then['engine']} and this launch runs {engine}: the "
-                          "formats differ. Resume with a config of the same kind.")  # fmt: skip
-    if then["global_batch_size"] != global_batch:
-        per_device, rest = divmod(then["global_batch_size"], data_parallel_replicas(world_size) * accumulation)
-        fix = f"--per_device_train_batch_size {per_device}" if per_device and not rest else "a matching batch"
-        raise ConfigError(f"{checkpoint} was trained with a global batch of {then['global_batch_size']}; this launch "
-                          f"has {global_batch}, which would change the data order and the schedule it resumes. "
-                          f"Pass {fix} (or change --gradient_accumulation_steps) to continue the same "
-                          "run.")  # fmt: skip
-    check_step_shape(checkpoint, then, shape or {})
-    stages = pipeline_stages()
-    if engine == "PIPELINE" and then.get("pipeline_stages", 1) != stages:
-        raise ConfigError(f"{checkpoint} holds the optimizer states of {then['pipeline_stages']} pipeline stages and "
-                          f"this launch cuts the model into {stages}: resume with parallelism_config_pp_size "
-                          f"{then['pipeline_stages']}.")  # fmt: skip
-    if then["world_size"] == world_size:
-        return ""
-    if rank_optimizer(checkpoint, 0).exists():
-        raise ConfigError(f"{checkpoint} holds the optimizer shards of a model split over {then['world_size']} "
-                          f"processes (tensor or expert parallel) and this launch has {world_size}: resume on "
-                          f"{then['world_size']} processes, with the same mesh.")  # fmt: skip
-    if engine == "DEEPSPEED":
-        step = Path(checkpoint).name.split("-")[-1]
-        raise ConfigError(f"{checkpoint} holds ZeRO partitions for {then['world_size']} processes and this launch "
-                          f"has {world_size}; DeepSpeed cannot repartition them on load. Resume on "
-                          f"{then['world_size']} processes, or convert it to DeepSpeed's universal format: "
-                          f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {checkpoint}/global_step"
-                          f"{step} --output_folder {checkpoint}/global_step{step}_universal` and set "
-                          '"checkpoint": {"load_universal": true} in the DeepSpeed JSON.')  # fmt: skip
-    return (
-        f"resuming a {then['world_size']}-process checkpoint on {world_size} process(es), same global batch "
-        f"{global_batch}"
-    )
-
-
-def check_step_shape(checkpoint: str | Path, then: dict, shape: dict[str, int]) -> None:
-    """GRPO: a resume whose step is cut otherwise (another group size, sampling batch or micro-batches a sampling)
-    is refused, naming the setting and the value that continues the run. Only num_generations is a flag; the other
-    two follow from the batch settings (TRL's steps_per_generation is gradient_accumulation_steps)."""
-    changed = [key for key in GRPO_STEP if key in then and key in shape and then[key] != shape[key]]
-    if not changed:
-        return
-    key = changed[0]
-    fix = {"num_generations": f"--num_generations {then[key]}",
-           "steps_per_generation": f"--gradient_accumulation_steps {then[key]}"}.get(
-        key, f"the batch settings that sample {then[key]} completions at once")  # fmt: skip
-    raise ConfigError(f"{checkpoint} was trained with {key} {then[key]}; this launch has {shape[key]}, which would "
-                      f"change what a step samples and trains on (its prompts, groups and data order). Pass {fix} "
-                      "to continue the same run, or another --output_dir to start a new one.")  # fmt: skip
-
-
-def check_steps_left(checkpoint: str | Path, steps: int) -> None:
-    """A resume with nothing left to train (its checkpoint at or past the run's last step, e.g. --max_steps lowered
-    below it) is refused: the Trainer would train a step past it and rewrite the finished run's summary and log."""
-    state = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
-    step, planned = state.get("global_step", 0), state.get("max_steps")
-    if step >= steps:
-        raise ConfigError(f"{checkpoint} is at step {step}, and this run ends at step {steps}: there is nothing left "
-                          f"to train. Raise --max_steps (or --num_train_epochs) above {step} to train on from it (on "
-                          "a learning-rate schedule for the new length), or pass another --output_dir to train "
-                          "afresh.")  # fmt: skip
-    if planned and planned != steps:
-        from ..errors import warn
-
-        # The Trainer builds the scheduler for this run's length and loads the checkpoint's step into it: the first
-        # step keeps the rate the checkpoint ended on, the next jumps to the new schedule's.
-        warn(f"{checkpoint} was saved by a run of {planned} steps and this one ends at step {steps}: from step "
-             f"{step + 1} the learning rate follows a {steps}-step schedule, not the one it was on (it jumps there); "
-             f"--max_steps {planned} continues the run as it was.")  # fmt: skip
-
-
-def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> None:
-    """Refuse, before any weights load, to train into a folder whose checkpoints a new run would mix with or
-    rotate away: another recipe's or model's, or this one's when not resuming."""
-    found = complete_checkpoints(output_dir)
-    if not found:
-        return
-    newest = found[-1]
-    recorded = {}
-    if json_damage(newest / OWNER) is None:  # a damaged one names no owner (resume_point says why it is skipped)
-        recorded = json.loads((newest / OWNER).read_text())
-    mismatch = {k: v for k, v in recorded.items() if k in owner and owner[k] != v}
-    if mismatch:
-        held = ", ".join(f"{k} {v}" for k, v in recorded.items())
-        raise ConfigError(f"{output_dir} holds checkpoints of another run ({held}); this is "
-                          f"{', '.join(f'{k} {v}' for k, v in owner.items())}. Pass another --output_dir, or move "
-                          "those checkpoints away.")  # fmt: skip
-    if not resuming:
-        raise ConfigError(f"{output_dir} already holds checkpoints of this recipe (newest: {newest.name}); training "
-                          "again from the start would mix with them and rotate them away. Pass --resume auto to "
-                          "continue, or another --output_dir to start over.")  # fmt: skip
 
 
 # An export's weights as from_pretrained and peft read them: whole, sharded with an index, or an adapter.

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..metrics.memory import plain_tensor
-from .checkpoints import stage_optimizer
+from .checkpoint_damage import stage_optimizer
 
 
 class PipelineSaves:

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.trainer import SCHEDULER_NAME
 
-from .checkpoints import rank_optimizer
+from .checkpoint_damage import rank_optimizer
 
 
 def local(value: Any) -> Any:
