@@ -67,7 +67,7 @@ def test_mfu_matches_torchtitans_published_figures(llama):
     8,192 tokens, 5,762 tokens/s per GPU without torch.compile and 6,667 with it, stated as 33% and 39% MFU. The
     same throughputs through the toolkit's FLOPs per token and the H100's datasheet peak give the same MFU; the
     embedding table, only looked up, costs no FLOPs (counted as a matmul it would read 35.6% and 41.2%)."""
-    from toolkit.metrics.tracking import mfu
+    from toolkit.metrics.figures import mfu
     from toolkit.planner import training_flops_per_token
     from toolkit.planner.estimate import ASSUMED_MFU
 
