@@ -14,7 +14,7 @@ from toolkit.data.packing import IGNORE_INDEX
 from toolkit.data.preparation import prepare
 from toolkit.data.sources import SourceUnavailable, resolve
 from toolkit.errors import DataError
-from toolkit.models import tiny
+from toolkit.models import tiny, tiny_data
 from toolkit.settings.arguments import DataArguments
 
 CONVERSATION = [
@@ -170,7 +170,7 @@ def conversations(count: int = 60) -> list[list[dict]]:
     """Tiny chat rows plus longer ones (up to 30 messages), with a system prompt, padding spaces, repeated texts."""
     import random
 
-    rows = [row["messages"] for row in tiny.chat_rows(count)]
+    rows = [row["messages"] for row in tiny_data.chat_rows(count)]
     rng = random.Random(1)
     for n in range(count // 3):
         turns = []

@@ -2,7 +2,8 @@
 
 Lets any recipe x any accelerate config launch on a CPU in seconds, offline. The architecture comes from the
 recipe model's real `config.json`, stored in `toolkit/hub_configs/` (public hyper-parameters), with only the
-sizes scaled down; the data is small, deterministic and learnable, so a test can see the loss go down.
+sizes scaled down; the data is small, deterministic and learnable, so a test can see the loss go down
+(tiny_data.py).
 
 The tiny model is a checkpoint folder created once (seeded, content-addressed in the cache) and then loaded
 like any local model, so every strategy goes through its real loading path (ZeRO-3 partitioned loading,
@@ -13,10 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import random
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +23,14 @@ from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from ..data.sources import stored_config
 from ..errors import ConfigError
-from ..project import cache_root, looks_like_path, recipe_writing
+from ..project import looks_like_path, recipe_writing
 from ..settings import tasks as task_table
 from ..settings.parser import has_accelerator
 from ..settings.tasks import kind_of_model, model_class
 from . import tiny_vision
 from .dropout import dropout_names
 from .parallel import EXPERT_COUNTS, routed_expert_count
+from .tiny_data import cache_dir, classification_rows, save_atomically, texts_of, write_tiny_dataset
 
 # Sizes of the tiny model; every other hyper-parameter (activation, norms, rope, GQA, tying, dropout) is the
 # recipe's, and what makes the family differ is kept at toy size (`structure`, tested per family): a top-k below
@@ -75,10 +74,6 @@ LLAMA3_SPECIAL_TOKENS = [
     "<|finetune_right_pad_id|>",
 ]
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def cache_dir() -> Path:
-    return cache_root() / "tiny"
 
 
 def tiny_config(model_name: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
@@ -229,116 +224,6 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     return values
 
 
-# ----------------------------------------------------------------------------------------------- data
-
-POSITIVE = ["great", "wonderful", "superb", "lovely", "brilliant", "delightful", "charming", "excellent"]
-NEGATIVE = ["awful", "dreadful", "boring", "terrible", "clumsy", "tedious", "bland", "poor"]
-NOUNS = ["film", "story", "cast", "script", "ending", "score", "pacing", "camera work", "dialogue", "plot"]
-FILLER = ["the", "really", "quite", "was", "felt", "overall", "honestly", "a bit", "in places", "truly"]
-
-
-def classification_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
-    """Sentences whose label is the sentiment of their adjectives: learnable in a few steps, of varied length."""
-    rng = random.Random(seed)
-    rows, seen = [], set()
-    while len(rows) < n:
-        label = rng.randrange(2)
-        adjectives = [rng.choice(POSITIVE if label else NEGATIVE) for _ in range(rng.randint(2, 6))]
-        words = [rng.choice(FILLER) for _ in range(rng.randint(0, 6))] + [rng.choice(NOUNS), *adjectives]
-        rng.shuffle(words)
-        text = " ".join(words)
-        if text not in seen:  # unique rows, so a test can tell which rank saw which
-            seen.add(text)
-            rows.append({"text": text, "label": label})
-    return rows
-
-
-def chat_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
-    """Arithmetic conversations of one to three turns, some with a system prompt."""
-    rng = random.Random(seed)
-    rows, seen = [], set()
-    while len(rows) < n:
-        messages = []
-        if rng.random() < 0.3:
-            messages.append({"role": "system", "content": "You are a helpful calculator."})
-        for _ in range(rng.randint(1, 3)):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            messages.append({"role": "user", "content": f"What is {a} plus {b}?"})
-            messages.append({"role": "assistant", "content": f"{a} plus {b} is {a + b}."})
-        key = json.dumps(messages)
-        if key not in seen:
-            seen.add(key)
-            rows.append({"messages": messages})
-    return rows
-
-
-def preference_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
-    """Preference pairs on the arithmetic conversations: the right sum, stated, against a wrong one, hedged. The
-    preference is learnable within a few steps (the hedge), and more slowly (the sum)."""
-    rng = random.Random(seed)
-    rows = []
-    for row in chat_rows(n, seed):
-        *context, answer = row["messages"]
-        a, b = (int(word) for word in context[-1]["content"].removesuffix("?").split() if word.isdigit())
-        wrong = a + b + rng.choice([-1, 1]) * rng.randint(1, 9)
-        rejected = {"role": "assistant", "content": f"{a} plus {b} is {wrong}, or maybe not."}
-        rows.append({"chosen": [*context, answer], "rejected": [*context, rejected]})
-    return rows
-
-
-def prompt_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
-    """Prompts for GRPO: the arithmetic conversations' first question, with its answer for the accuracy reward."""
-    rows = []
-    for row in chat_rows(n, seed):
-        question = next(m for m in row["messages"] if m["role"] == "user")
-        a, b = (int(word) for word in question["content"].removesuffix("?").split() if word.isdigit())
-        rows.append({"prompt": [question], "answer": str(a + b)})
-    return rows
-
-
-def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
-    """The tiny data's text, to train its tokenizer on."""
-    if task == "classification":
-        return [r["text"] for r in rows]
-    if task == "grpo":
-        return [m["content"] for r in rows for m in r["prompt"]] + [f"{r['answer']}." for r in rows]
-    return [m["content"] for r in rows for c in ([r["messages"]] if task == "sft" else [r["chosen"], r["rejected"]])
-            for m in c]  # fmt: skip
-
-
-TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows,
-             "reward": preference_rows}  # fmt: skip
-
-
-def write_tiny_dataset(task: str) -> Path:
-    if task_table.task(task).images:
-        return write_tiny_images()
-    rows = TINY_ROWS[task]()
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    path = cache_dir() / f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.jsonl"
-    if not path.exists():  # content-addressed: concurrent ranks write the same bytes
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-    return path
-
-
-def write_tiny_images() -> Path:
-    """The image-text tiny data (tiny_vision.image_rows): its JSON lines beside their images, in a folder named by
-    its content (written aside, then renamed: concurrent ranks write the same files)."""
-    scratch = cache_dir() / f"images.{os.getpid()}.tmp"
-    shutil.rmtree(scratch, ignore_errors=True)
-    text = "".join(json.dumps(r) + "\n" for r in tiny_vision.image_rows(scratch))
-    (scratch / "data.jsonl").write_text(text)
-    folder = cache_dir() / f"vlm_sft-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
-    if (folder / "data.jsonl").is_file():
-        shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        _save_atomically(folder, lambda tmp: scratch.replace(tmp))
-    return folder / "data.jsonl"
-
-
 # ------------------------------------------------------------------------------------------ tokenizer
 
 
@@ -402,7 +287,7 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
         return path
     torch.manual_seed(0)
     model = model_class(task).from_config(config)
-    _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return path
 
 
@@ -428,18 +313,8 @@ def tiny_image_checkpoint(model_name: str, task: str) -> Path:
         return path
     torch.manual_seed(0)
     model, processor = model_class(task).from_config(config), spec.processor(tokenizer)
-    _save_atomically(path, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
+    save_atomically(path, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
     return path
-
-
-def _save_atomically(path: Path, save) -> None:
-    """Write into a temporary folder, then rename: concurrent ranks never see half a folder."""
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    save(tmp)
-    try:
-        tmp.replace(path)
-    except OSError:  # another rank got there first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
@@ -450,5 +325,5 @@ def tiny_tokenizer(model_name: str, task: str) -> PreTrainedTokenizerFast:
     path = cache_dir() / f"tokenizer-{kind}-{data.stem}"
     if not (path / "tokenizer.json").exists():
         rows = [json.loads(line) for line in data.read_text().splitlines()]
-        _save_atomically(path, train_tokenizer(encoder, texts_of(task, rows)).save_pretrained)
+        save_atomically(path, train_tokenizer(encoder, texts_of(task, rows)).save_pretrained)
     return PreTrainedTokenizerFast.from_pretrained(path)
