@@ -249,7 +249,8 @@ def run_variant(variant: str, steps: int, batch: int, row_length: int, toy: bool
 def available(variant: str) -> str | None:
     """Why a variant cannot run here, or None: the toolkit's own refusal of its settings."""
     from toolkit.distributed.strategy import check_fp8, cuda_capability
-    from toolkit.settings.arguments import ModelArguments, check_liger
+    from toolkit.settings.arguments import check_liger
+    from toolkit.settings.model_arguments import ModelArguments
 
     try:
         if "liger" in variant:

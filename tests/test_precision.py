@@ -92,7 +92,7 @@ def test_receiving_ranks_placeholders_take_rank_0s_dtype_when_fsdp_sends_it(vers
     from toolkit.distributed.launch import weights_arrive_upcast
     from toolkit.models import tiny
     from toolkit.models.loading import allocate_placeholders, load_model
-    from toolkit.settings.arguments import ModelArguments
+    from toolkit.settings.model_arguments import ModelArguments
 
     checkpoint = tmp_path / "bf16"
     source = tiny.tiny_checkpoint("meta-llama/Meta-Llama-3-8B", "sft")

@@ -18,7 +18,7 @@ from toolkit.models.loading import load_model
 from toolkit.models.lora import add_lora
 from toolkit.planner import Layout, Shape, Workload, meta_model, plan_memory
 from toolkit.project import PROJECT_ROOT
-from toolkit.settings.arguments import ModelArguments
+from toolkit.settings.model_arguments import ModelArguments
 
 pytest.importorskip("bitsandbytes")
 LLAMA = "meta-llama/Meta-Llama-3-8B"

@@ -22,8 +22,9 @@ from ..errors import ConfigError, first_line
 from ..metrics.memory import HostMemoryPeak, human_bytes
 from ..metrics.routing import expert_count, fused_experts
 from ..settings import tasks
-from ..settings.arguments import Arguments, ModelArguments, torch_dtype
+from ..settings.arguments import Arguments
 from ..settings.mesh import launch_mesh
+from ..settings.model_arguments import ModelArguments, torch_dtype
 from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
 from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, support_flag
 from .counts import LoadRecord, ParameterCounts

@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ..settings import tasks
-from ..settings.arguments import ModelArguments, torch_dtype
+from ..settings.model_arguments import ModelArguments, torch_dtype
 from ..settings.tasks import peft_model_class, peft_task_type
 
 

@@ -77,7 +77,7 @@ def routed_expert_count(config: PretrainedConfig) -> int | None:
 
 def recipe_lora_targets(values: dict) -> str | list[str] | None:
     """A recipe's LoRA target modules as the run reads them (ModelArguments.lora_settings); None without LoRA."""
-    from ..settings.arguments import ModelArguments, lora_targets
+    from ..settings.model_arguments import ModelArguments, lora_targets
 
     if not values.get("use_lora"):
         return None

@@ -17,7 +17,7 @@ from collections import Counter
 import torch
 
 from ..errors import ConfigError
-from ..settings.arguments import ModelArguments
+from ..settings.model_arguments import ModelArguments
 
 PARTS = ("vision", "projector", "language")
 TRAINED_BY_DEFAULT = ("projector", "language")

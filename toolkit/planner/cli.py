@@ -25,8 +25,8 @@ from ..models.parallel import (
 )
 from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, recipe_name, strategy_files
-from ..settings.arguments import ModelArguments
 from ..settings.mesh import PIPELINE_SCHEDULES
+from ..settings.model_arguments import ModelArguments
 from ..settings.policy import PolicyArguments
 from ..settings.tasks import TASKS, infer_task
 from ..settings.tasks import task as task_table

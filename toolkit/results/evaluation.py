@@ -50,7 +50,7 @@ def load(record: RunRecord, which: str):
     from transformers import AutoConfig, AutoTokenizer, set_seed
 
     from ..models.loading import load_model
-    from ..settings.arguments import ModelArguments
+    from ..settings.model_arguments import ModelArguments
     from ..settings.parser import computes_bf16
     from ..settings.tasks import model_class
 
@@ -77,7 +77,7 @@ def load(record: RunRecord, which: str):
 
 
 def torch_dtype_of(model_args):
-    from ..settings.arguments import torch_dtype
+    from ..settings.model_arguments import torch_dtype
 
     return "auto" if model_args.dtype == "auto" else torch_dtype(model_args.dtype)
 
@@ -273,7 +273,7 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
     import gc
 
     from ..models.loading import load_config
-    from ..settings.arguments import ModelArguments
+    from ..settings.model_arguments import ModelArguments
 
     record = RunRecord.read(folder)
     tasks = tasks_for(record, requested)

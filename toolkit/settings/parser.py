@@ -24,20 +24,12 @@ import yaml
 from transformers import HfArgumentParser
 
 from ..errors import ConfigError, warn
-from .arguments import (
-    ARGUMENT_CLASSES,
-    DTYPE_ALIASES,
-    NULLS,
-    Arguments,
-    DataArguments,
-    ModelArguments,
-    RunArguments,
-    check_together,
-    check_training,
-)
+from .arguments import ARGUMENT_CLASSES, Arguments, DataArguments, RunArguments, check_together, check_training
 from .compile import AUTO
+from .model_arguments import DTYPE_ALIASES, ModelArguments
 from .policy import PolicyArguments
 from .tasks import task
+from .values import NULLS
 
 AUTO_SETTINGS = ("torch_compile",)  # flags that take `auto` beside their type's values
 
