@@ -230,23 +230,15 @@ def save_interval(values: dict[str, Any], layers: list[tuple[str, dict[str, Any]
          f"steps (save_strategy steps, instead of no from {below}).")  # fmt: skip
 
 
-def parse(
-    recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None, here: bool = False
-) -> Arguments:
-    """Resolve a recipe and its overrides into typed argument objects.
-
-    `tiny_defaults(values) -> dict` supplies the `--tiny` layer; it sees the values resolved so far. `here`: the
-    settings of a run on this machine (machine_layer, above the tiny one), not of a plan for another.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    check_keys(recipe, f"recipe '{recipe_name}'")
-    recipe = coerce(recipe, f"recipe '{recipe_name}'")
+def argument_parser() -> tuple[HfArgumentParser, list[str]]:
+    """HfArgumentParser over the argument classes and --config, every flag optional and absent unless given (the
+    layers below supply the rest); and the settings that are required of the layers together."""
     # allow_abbrev: a prefix is a typo, not a match; exit_on_error: a bad value is our one line, not argparse's
     parser = HfArgumentParser(ARGUMENT_CLASSES, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--config", help="YAML file of overrides (field: value).")
     required = [a.dest for a in parser._actions if a.required]
     optional = optional_settings()
-    for action in parser._actions:  # keep only the flags actually given; the layers below supply the rest
+    for action in parser._actions:
         action.required = False
         if action.dest != "help":
             action.default = argparse.SUPPRESS
@@ -254,6 +246,11 @@ def parse(
             action.type = unset_or(action.type)
         if action.dest in AUTO_SETTINGS:  # `--torch_compile auto` beside true and false
             action.type = auto_or(action.type)
+    return parser, required
+
+
+def command_line_flags(parser: HfArgumentParser, argv: list[str]) -> dict[str, Any]:
+    """The flags given on the command line, typed; a bad value or an unknown flag is one line naming the fix."""
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type, or not among the choices
@@ -267,7 +264,22 @@ def parse(
         close = difflib.get_close_matches(flag, known_fields(), n=1)
         hint = f" Did you mean '--{close[0]}'?" if close else ""
         raise ConfigError(f"Unknown command-line argument '{unknown[0]}'.{hint}")
-    flags = vars(namespace)
+    return vars(namespace)
+
+
+def parse(
+    recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None, here: bool = False
+) -> Arguments:
+    """Resolve a recipe and its overrides into typed argument objects.
+
+    `tiny_defaults(values) -> dict` supplies the `--tiny` layer; it sees the values resolved so far. `here`: the
+    settings of a run on this machine (machine_layer, above the tiny one), not of a plan for another.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_keys(recipe, f"recipe '{recipe_name}'")
+    recipe = coerce(recipe, f"recipe '{recipe_name}'")
+    parser, required = argument_parser()
+    flags = command_line_flags(parser, argv)
     config_file = flags.pop("config", None)
     overrides = load_overrides(config_file) if config_file is not None else {}
 
