@@ -123,11 +123,82 @@ def rows(pairs: list[tuple[str, Any]]) -> list[str]:
     return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in pairs)]
 
 
+def measured(record: RunRecord) -> list[str]:
+    """The card's sections of the run's own figures: what it did and cost, and the plan against the measure."""
+    summary, config = record.summary, record.config
+    plan, cost_plan = config.get("memory_plan") or {}, config.get("cost_plan") or {}
+    return [
+        "## The run",
+        *rows(
+            [
+                ("status", summary.get("status")),
+                ("steps", figure(summary.get("steps"))),
+                ("wall seconds", figure(summary.get("wall_seconds"))),
+                ("tokens per second", figure(summary.get("tokens_per_second"))),
+                ("MFU", figure(summary.get("mean_mfu"))),
+                (f"{summary.get('unit', 'device')}-hours", figure(summary.get("unit_hours"))),
+                ("cost (USD)", figure(summary.get("cost_usd"))),
+                ("pricing", summary.get("pricing")),
+                ("train loss", figure(summary.get("train_loss"))),
+                ("eval loss", figure(summary.get("eval_loss"))),
+                *[
+                    (f"eval {name.replace('_', ' ')}", figure(summary[f"eval_{name}"]))  # the task's own, as logged
+                    for name in task_table(record.task).metrics
+                    if f"eval_{name}" in summary
+                ],
+            ]
+        ),  # fmt: skip
+        "",
+        "## Planned against measured",
+        *rows(
+            [
+                ("memory per device, planned (GiB)", figure((plan.get("device_total") or 0) / GIB or None)),
+                ("peak memory, measured (GiB)", figure(summary.get("peak_memory_gib"))),
+                (
+                    "cost, planned floor (USD; sampling at the decode roofline)"
+                    if "sampling_seconds" in cost_plan
+                    else "cost, planned (USD)",
+                    figure(cost_plan.get("usd")),
+                ),  # fmt: skip
+                ("cost, spent (USD)", figure(summary.get("cost_usd"))),
+            ]
+        ),  # fmt: skip
+        "",
+    ]
+
+
+def afterwards(record: RunRecord, evaluation: dict | None, curve: Path | None) -> list[str]:
+    """The card's sections of what followed the training: the evaluation against the base model, the loss curve,
+    the answers to held-out prompts at the first and last evaluation."""
+    lines: list[str] = []
+    if evaluation:
+        lines += ["## Evaluation: before and after", "",
+                  f"The base model and this one on the same inputs ({', '.join(evaluation['tasks'])}; "
+                  "`python -m toolkit eval`):", "",
+                  "| task | metric | base | fine-tuned | change |", "|---|---|---|---|---|"]  # fmt: skip
+        for row in evaluation["results"]:
+            lines.append(f"| {row['task']} | {row['metric']} | {figure(row['base'])} | {figure(row['tuned'])} | "
+                         f"{figure(row['delta'])} |")  # fmt: skip
+        lines.append("")
+    if curve is not None:
+        lines += ["## Loss", "", f"![loss by step]({curve.name})", ""]
+    samples = read_samples(record.folder)
+    if samples:
+        first, last = min(s["step"] for s in samples), max(s["step"] for s in samples)
+        answers = {(s["step"], s["prompt"]): s["answer"] for s in samples}
+        lines += ["## What it says", "", f"| prompt | reference | step {first} | step {last} |", "|---|---|---|---|"]
+        cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
+        for s in (s for s in samples if s["step"] == first):
+            lines.append(f"| {cell(s['prompt'])} | {cell(s['reference'])} | {cell(s['answer'])} | "
+                         f"{cell(answers.get((last, s['prompt']), '-'))} |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None,
          merged: bool = False) -> str:  # fmt: skip
     summary, config, settings = record.summary, record.config, record.settings
     strategy, data = config.get("strategy", {}), config.get("data", {})
-    plan, cost_plan = config.get("memory_plan") or {}, config.get("cost_plan") or {}
     name, base = record.folder.name, record.base_model
     lora = f"r {settings.get('lora_r')}, alpha {settings.get('lora_alpha')}, {settings.get('lora_target_modules')}"
     parts = settings.get("parts_note")  # an image-text model's parts, trained or frozen (models/vision.py)
@@ -182,64 +253,9 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
             ]
         ),  # fmt: skip
         "",
-        "## The run",
-        *rows(
-            [
-                ("status", summary.get("status")),
-                ("steps", figure(summary.get("steps"))),
-                ("wall seconds", figure(summary.get("wall_seconds"))),
-                ("tokens per second", figure(summary.get("tokens_per_second"))),
-                ("MFU", figure(summary.get("mean_mfu"))),
-                (f"{summary.get('unit', 'device')}-hours", figure(summary.get("unit_hours"))),
-                ("cost (USD)", figure(summary.get("cost_usd"))),
-                ("pricing", summary.get("pricing")),
-                ("train loss", figure(summary.get("train_loss"))),
-                ("eval loss", figure(summary.get("eval_loss"))),
-                *[
-                    (f"eval {name.replace('_', ' ')}", figure(summary[f"eval_{name}"]))  # the task's own, as logged
-                    for name in task_table(record.task).metrics
-                    if f"eval_{name}" in summary
-                ],
-            ]
-        ),  # fmt: skip
-        "",
-        "## Planned against measured",
-        *rows(
-            [
-                ("memory per device, planned (GiB)", figure((plan.get("device_total") or 0) / GIB or None)),
-                ("peak memory, measured (GiB)", figure(summary.get("peak_memory_gib"))),
-                (
-                    "cost, planned floor (USD; sampling at the decode roofline)"
-                    if "sampling_seconds" in cost_plan
-                    else "cost, planned (USD)",
-                    figure(cost_plan.get("usd")),
-                ),  # fmt: skip
-                ("cost, spent (USD)", figure(summary.get("cost_usd"))),
-            ]
-        ),  # fmt: skip
-        "",
+        *measured(record),
     ]
-    if evaluation:
-        lines += ["## Evaluation: before and after", "",
-                  f"The base model and this one on the same inputs ({', '.join(evaluation['tasks'])}; "
-                  "`python -m toolkit eval`):", "",
-                  "| task | metric | base | fine-tuned | change |", "|---|---|---|---|---|"]  # fmt: skip
-        for row in evaluation["results"]:
-            lines.append(f"| {row['task']} | {row['metric']} | {figure(row['base'])} | {figure(row['tuned'])} | "
-                         f"{figure(row['delta'])} |")  # fmt: skip
-        lines.append("")
-    if curve is not None:
-        lines += ["## Loss", "", f"![loss by step]({curve.name})", ""]
-    samples = read_samples(record.folder)
-    if samples:
-        first, last = min(s["step"] for s in samples), max(s["step"] for s in samples)
-        answers = {(s["step"], s["prompt"]): s["answer"] for s in samples}
-        lines += ["## What it says", "", f"| prompt | reference | step {first} | step {last} |", "|---|---|---|---|"]
-        cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
-        for s in (s for s in samples if s["step"] == first):
-            lines.append(f"| {cell(s['prompt'])} | {cell(s['reference'])} | {cell(s['answer'])} | "
-                         f"{cell(answers.get((last, s['prompt']), '-'))} |")  # fmt: skip
-        lines.append("")
+    lines += afterwards(record, evaluation, curve)
     lines += ["## Reproduce", "", "```bash", config.get("command") or f"python recipes/{settings['recipe']}.py",
               "```", ""]  # fmt: skip
     if license is None:
