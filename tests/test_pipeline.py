@@ -361,8 +361,8 @@ def test_plan_lists_the_pipeline_rows_with_their_bubble():
 def test_pipeline_is_recommended_where_it_is_what_fits():
     """Against DDP alone (a cluster without the network for sharding), a model DDP cannot hold gets pipeline stages,
     sized to fit, with the launch flag that sets them."""
-    from toolkit.planner.cli import render
     from toolkit.planner.estimate import verdicts
+    from toolkit.planner.render import render
 
     config = LlamaConfig(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
                          vocab_size=32000, tie_word_embeddings=False)  # fmt: skip

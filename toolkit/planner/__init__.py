@@ -7,7 +7,9 @@ strategy files themselves (`accelerate_configs/*.yaml` and the DeepSpeed JSON th
   activations.py  the bytes autograd saves, measured on scaled-down instances of the model and extrapolated
   memory.py    bytes per device and per node, by component, for a shape x layout x workload
   estimate.py  which strategies fit with which micro-batch; FLOPs, time and cost at an assumed MFU
-  cli.py       `python -m toolkit plan`
+  assembly.py  a plan's assembly: the workload, the data, a row per strategy file, the recommendation
+  render.py    a plan as a person reads it
+  cli.py       `python -m toolkit plan`: its flags, checked
 The run's own plan (training/run_plan.py) uses the same formulas on the strategy accelerate really set up.
 """
 
