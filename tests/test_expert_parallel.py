@@ -107,8 +107,9 @@ def test_the_all_to_all_traffic_is_the_plans(moe_top2, tmp_path):
     tests/ep_exchange.py), against planner/memory.py's all_to_all_bytes for the same tokens: each token's hidden
     state to each of its k experts and back, forward and backward, (ep - 1) / ep of them off the rank."""
     from toolkit.models.meta import meta_model
-    from toolkit.planner.memory import Workload, all_to_all_bytes
     from toolkit.planner.shape import Shape
+    from toolkit.planner.traffic import all_to_all_bytes
+    from toolkit.planner.workload import Workload
 
     out = tmp_path / "exchanges.json"
     script = ROOT / "tests" / "ep_exchange.py"

@@ -17,8 +17,9 @@ from transformers import AutoConfig, FalconConfig, GPTNeoXConfig, GraniteConfig,
 from toolkit.errors import ConfigError
 from toolkit.models.pipeline import bubble, check_pipeline, micro_batches_in_flight
 from toolkit.planner.layout import Layout
-from toolkit.planner.memory import Workload, plan_memory, stage_memory
+from toolkit.planner.memory import plan_memory, stage_memory
 from toolkit.planner.shape import Shape
+from toolkit.planner.workload import Workload
 
 # 4 optimizer steps of 4 micro-batches (the schedule's) x 2 rows; an evaluation and greedy answers at steps 2 and 4;
 # checkpoints every 2 steps; the recipe's bf16 weights and compute with fp32 masters, and its activation

@@ -322,12 +322,12 @@ def test_fused_head_step_peak_matches_live_memory(task, checkpointing, monkeypat
     import trl.kernels.chunked_logprob as trl_kernel
     import trl.trainer.utils as trl_utils
 
-    from toolkit.planner import memory
+    from toolkit.planner import step_memory
 
-    assert memory.FUSED_HEAD_TILE == (trl_kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+    assert step_memory.FUSED_HEAD_TILE == (trl_kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
     monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 64)
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 1024)
-    monkeypatch.setattr(memory, "FUSED_HEAD_TILE", (64, 1024))
+    monkeypatch.setattr(step_memory, "FUSED_HEAD_TILE", (64, 1024))
     model, config = narrow_llama(32768, checkpointing)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     shape = Shape.of(model, config)
@@ -404,12 +404,12 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from toolkit.planner import memory
+    from toolkit.planner import step_memory
     from toolkit.planner.activations import measured_activations
 
     monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 64)  # as the fused-head test above: TRL's CPU tiles small
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 1024)
-    monkeypatch.setattr(memory, "FUSED_HEAD_TILE", (64, 1024))
+    monkeypatch.setattr(step_memory, "FUSED_HEAD_TILE", (64, 1024))
     tokenizer = tiny.tiny_tokenizer(LLAMA, "sft")
     prompts = Dataset.from_list([{"prompt": "Name the planets in order from the sun."}] * 64)  # rows of one length
     prompt_tokens = len(tokenizer(prompts[0]["prompt"])["input_ids"])

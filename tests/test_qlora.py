@@ -140,7 +140,8 @@ def test_qlora_plan_is_the_h100s_measurement():
     from toolkit.planner import Shape, meta_model
     from toolkit.planner.activations import measured_activations
     from toolkit.planner.layout import Layout
-    from toolkit.planner.memory import Workload, plan_memory
+    from toolkit.planner.memory import plan_memory
+    from toolkit.planner.workload import Workload
 
     sys.path.insert(0, str(ROOT / "bench"))
     import mfu

@@ -51,7 +51,7 @@ from .models.parallel import accelerator_parallelism
 from .models.tiny import tiny_layer
 from .planner.activations import measured_activations
 from .planner.estimate import workload_for
-from .planner.memory import Workload
+from .planner.workload import Workload
 from .project import is_recipe, load_recipe, recipe_name, recipe_names
 from .results.card import write_card
 from .settings.arguments import Arguments

@@ -5,7 +5,8 @@ strategy files themselves (`accelerate_configs/*.yaml` and the DeepSpeed JSON th
   layout.py    what a strategy does to memory, read from a strategy file or from a running job
   shape.py     parameter accounting of the model (meta device: models/meta.py)
   activations.py  the bytes autograd saves, measured on scaled-down instances of the model and extrapolated
-  memory.py    bytes per device and per node, by component, for a shape x layout x workload
+  memory.py    bytes per device and per node, by component, for a shape x layout x workload (workload.py);
+               a step's own terms step_memory.py's, expert parallelism's all-to-alls traffic.py's
   estimate.py  which strategies fit with which micro-batch; FLOPs, time and cost at an assumed MFU
   assembly.py  a plan's assembly: the workload, the data, a row per strategy file, the recommendation
   render.py    a plan as a person reads it
@@ -25,8 +26,10 @@ from .estimate import (
     workload_for,
 )
 from .layout import Layout
-from .memory import Memory, Workload, activation_bytes, layer_activation_bytes, logits_bytes, plan_memory
+from .memory import Memory, plan_memory
 from .shape import Shape
+from .step_memory import activation_bytes, layer_activation_bytes, logits_bytes
+from .workload import Workload
 
 __all__ = [
     "ASSUMED_MFU",

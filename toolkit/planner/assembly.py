@@ -42,10 +42,11 @@ from .estimate import (
     verdicts,
 )
 from .layout import Layout
-from .memory import Workload, all_to_all_bytes, expert_gather_bytes
 from .sampling import grpo_step_time
 from .shape import Shape
+from .traffic import all_to_all_bytes, expert_gather_bytes
 from .vision import measured_image_cost
+from .workload import Workload
 
 
 def recipe_values(model: str) -> dict:

@@ -17,8 +17,8 @@ from .assembly import PLAN_ANY_GPU, build_plan
 from .estimate import (
     ASSUMED_MFU,
 )
-from .memory import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
 from .render import render
+from .workload import OPTIMIZER_STATE_BYTES, PRECISIONS, Workload
 
 
 def check_flags(args) -> None:

@@ -18,9 +18,10 @@ from ..project import strategy_files
 from ..settings.tasks import TASKS, fused_head
 from ..settings.tasks import task as task_table
 from .layout import Layout
-from .memory import Workload, plan_memory
+from .memory import plan_memory
 from .shape import Shape
 from .vision import ImageCost
+from .workload import Workload
 
 
 @dataclass(frozen=True)

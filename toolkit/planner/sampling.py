@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .estimate import training_flops_per_token
-from .memory import NF4_BYTES, Workload
 from .shape import Shape
+from .workload import NF4_BYTES, Workload
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from ..models.meta import meta_model
 from ..planner.activations import measured_activations
 from ..planner.estimate import assumed_mfu, images_caveat, training_flops_per_token, workload_for
 from ..planner.layout import Layout
-from ..planner.memory import Memory, Workload, plan_memory
+from ..planner.memory import Memory, plan_memory
 from ..planner.sampling import grpo_step_time
 from ..planner.shape import Shape
 from ..planner.vision import measured_image_cost
+from ..planner.workload import Workload
 from ..settings.arguments import Arguments, global_batch_size
 from ..settings.mesh import data_parallel_replicas
 from ..settings.tasks import task
