@@ -1,6 +1,6 @@
 """Run by tests/test_expert_parallel.py under torchrun (2 processes): one forward and backward of a mixture of
 experts loaded expert-parallel by transformers (DistributedConfig(ep_size=2, fsdp_size=2)), every all-to-all's
-rows counted as torch dispatches it (forward and backward), summed over the ranks: what planner/memory.py's
+rows counted as torch dispatches it (forward and backward), summed over the ranks: what planner/traffic.py's
 all_to_all_bytes plans.
 
     torchrun --nproc_per_node 2 tests/ep_exchange.py MODEL_DIR BATCH SEQ OUT.json

@@ -104,7 +104,7 @@ def test_expert_parallel_matches_one_process(moe_top2, one_process, tmp_path):
 
 def test_the_all_to_all_traffic_is_the_plans(moe_top2, tmp_path):
     """The rows every all-to-all carries in a forward and backward on 2 EP ranks (counted as torch dispatches them,
-    tests/ep_exchange.py), against planner/memory.py's all_to_all_bytes for the same tokens: each token's hidden
+    tests/ep_exchange.py), against planner/traffic.py's all_to_all_bytes for the same tokens: each token's hidden
     state to each of its k experts and back, forward and backward, (ep - 1) / ep of them off the rank."""
     from toolkit.models.meta import meta_model
     from toolkit.planner.shape import Shape

@@ -119,92 +119,102 @@ class Shape:
 
     @classmethod
     def of(cls, model: torch.nn.Module, config) -> Shape:
-        params = {id(p): p for p in model.parameters()}.values()  # tied weights once
-        own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-        block = max((b[0] for b in blocks), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
-        layer = sum(p.numel() for p in block.parameters()) if block is not None else 0
-        embeddings = model.get_input_embeddings().weight.numel()
-        head = model.get_output_embeddings()
-        head_params = head.weight.numel() if head is not None else 0
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        notes = []
-        heads = largest(getattr(text, "num_attention_heads", None), "num_attention_heads", notes) or 0
-        attention = attention_modules(model)
-        q_size, kv_size = projection_widths(attention)
-        if heads and not q_size:  # no q/k projections to read (fused qkv: GPT-2, Falcon): from the config
-            head_dim = largest(getattr(text, "head_dim", None), "head_dim", notes) or text.hidden_size // heads
-            kv_heads = largest(getattr(text, "num_key_value_heads", None), "num_key_value_heads", notes) or heads
-            q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        if not heads:
-            notes.append("no attention heads (a state-space family): attention planned as none")
-        intermediate = largest(getattr(text, "intermediate_size", None), "intermediate_size", notes)
-        names = [name for name, _ in model.named_modules()]
-        tables = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Embedding)
-                  for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
-        norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
-        layer_list = max(blocks, key=len, default=[])
-        experts = routed_experts(model, text)
-        if any(k is None for _, _, k in experts):
-            notes.append("experts per token not found: FLOPs count every expert")
-        idle = {id(p): p.numel() * max(0, n - k) // n for params, n, k in experts if k is not None for p in params}
-        in_block = {id(p) for p in block.parameters()} if block is not None else set()
-        merged = [m for m in model.modules() if hasattr(m, "get_param") and hasattr(m, "lora_A")]  # peft's ParamWrapper
-        merged_frozen = {id(p): p for p in (m.get_param() for m in merged) if not p.requires_grad}.values()
-        in_layers = {id(p): p for m in layer_list for p in m.parameters()}.values()
-        inputs = model.get_input_embeddings().weight
-        return cls(
-            total=sum(p.numel() for p in params),
-            trainable=sum(p.numel() for p in params if p.requires_grad),
-            largest_module=max(own),
-            largest_unit=max(layer, embeddings, head_params),
-            num_layers=text.num_hidden_layers,
-            hidden_size=text.hidden_size,
-            num_heads=heads,  # 0: attention-free
-            vocab_size=text.vocab_size,
-            # GPT-2 (n_inner), OPT (ffn_dim), Falcon, DistilBERT name it otherwise: the layer's widest linear
-            intermediate_size=intermediate or widest_linear(block),
-            q_size=q_size,
-            kv_size=kv_size,
-            gated_mlp=any(name.endswith("gate_proj") for name in names),
-            rms_norm=any("RMSNorm" in n for n in norms),
-            extra_norms=max(0, len(norms) - 2 * text.num_hidden_layers),
-            hidden_dropout=getattr(text, "hidden_dropout_prob", 0.0) or 0.0,
-            attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0))
-            or 0.0,
-            language_model=head is not None and head_params == embeddings,
-            head_trainable=head is not None and head.weight.requires_grad,
-            quantizable=sum(
-                m.weight.numel()
-                for m in model.modules()
-                if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad
-            ),  # fmt: skip
-            lookups=sum(p.numel() for p in tables),
-            lookups_trainable=sum(p.numel() for p in tables if p.requires_grad),
-            attention_layers=len(attention) if attention else (text.num_hidden_layers if heads else 0),
-            lora_inputs=sum(
-                next(iter(m.lora_A.values())).in_features
-                for m in model.modules()
-                if hasattr(m, "lora_A") and len(m.lora_A)
-            ),  # fmt: skip
-            conservative="; ".join(notes),
-            layers_params=sum(p.numel() for p in in_layers),
-            blocks=len(layer_list),
-            layers_trainable=sum(p.numel() for p in in_layers if p.requires_grad),
-            input_params=inputs.numel(),
-            input_trainable=inputs.numel() if inputs.requires_grad else 0,
-            inactive=sum(idle.values()),
-            inactive_trainable=sum(idle[id(p)] for p in params if id(p) in idle and p.requires_grad),
-            merged_frozen=sum(p.numel() - idle.get(id(p), 0) for p in merged_frozen),
-            merged_adapters=sum(
-                p.numel() for m in merged for f in (m.lora_A, m.lora_B) for p in f.parameters() if p.requires_grad
-            ),
-            routing="; ".join(sorted({f"{k} of {n} routed experts" for _, n, k in experts if k and k < n})),
-            routed_params=sum(p.numel() for params, _, _ in experts for p in params),
-            unit_experts=sum(p.numel() for params, _, _ in experts for p in params if id(p) in in_block),
-            experts_per_layer=max((n for _, n, _ in experts), default=0),
-            routed_copies=sum(k or n for _, n, k in experts),
-        )
+        """The shape of a (meta-device) model and its config (fields_of)."""
+        return cls(**fields_of(model, config))
+
+
+def attention_fields(model: torch.nn.Module, text, notes: list[str]) -> tuple[int, int, int, list]:
+    """The heads, the query and key/value widths (from the projections, else the config) and the attention
+    modules; a note where they are guessed."""
+    heads = largest(getattr(text, "num_attention_heads", None), "num_attention_heads", notes) or 0
+    attention = attention_modules(model)
+    q_size, kv_size = projection_widths(attention)
+    if heads and not q_size:  # no q/k projections to read (fused qkv: GPT-2, Falcon): from the config
+        head_dim = largest(getattr(text, "head_dim", None), "head_dim", notes) or text.hidden_size // heads
+        kv_heads = largest(getattr(text, "num_key_value_heads", None), "num_key_value_heads", notes) or heads
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    if not heads:
+        notes.append("no attention heads (a state-space family): attention planned as none")
+    return heads, q_size, kv_size, attention
+
+
+def fields_of(model: torch.nn.Module, config) -> dict:
+    """Shape's fields of a (meta-device) model and its config."""
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    block = max((b[0] for b in blocks), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    layer = sum(p.numel() for p in block.parameters()) if block is not None else 0
+    embeddings = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    head_params = head.weight.numel() if head is not None else 0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    notes = []
+    heads, q_size, kv_size, attention = attention_fields(model, text, notes)
+    intermediate = largest(getattr(text, "intermediate_size", None), "intermediate_size", notes)
+    names = [name for name, _ in model.named_modules()]
+    tables = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Embedding)
+              for p in m.parameters(recurse=False) if head is None or p is not head.weight}.values()  # fmt: skip
+    norms = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
+    layer_list = max(blocks, key=len, default=[])
+    experts = routed_experts(model, text)
+    if any(k is None for _, _, k in experts):
+        notes.append("experts per token not found: FLOPs count every expert")
+    idle = {id(p): p.numel() * max(0, n - k) // n for params, n, k in experts if k is not None for p in params}
+    in_block = {id(p) for p in block.parameters()} if block is not None else set()
+    merged = [m for m in model.modules() if hasattr(m, "get_param") and hasattr(m, "lora_A")]  # peft's ParamWrapper
+    merged_frozen = {id(p): p for p in (m.get_param() for m in merged) if not p.requires_grad}.values()
+    in_layers = {id(p): p for m in layer_list for p in m.parameters()}.values()
+    inputs = model.get_input_embeddings().weight
+    return dict(
+        total=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        largest_module=max(own),
+        largest_unit=max(layer, embeddings, head_params),
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        num_heads=heads,  # 0: attention-free
+        vocab_size=text.vocab_size,
+        # GPT-2 (n_inner), OPT (ffn_dim), Falcon, DistilBERT name it otherwise: the layer's widest linear
+        intermediate_size=intermediate or widest_linear(block),
+        q_size=q_size,
+        kv_size=kv_size,
+        gated_mlp=any(name.endswith("gate_proj") for name in names),
+        rms_norm=any("RMSNorm" in n for n in norms),
+        extra_norms=max(0, len(norms) - 2 * text.num_hidden_layers),
+        hidden_dropout=getattr(text, "hidden_dropout_prob", 0.0) or 0.0,
+        attention_dropout=getattr(text, "attention_probs_dropout_prob", getattr(text, "attention_dropout", 0.0)) or 0.0,
+        language_model=head is not None and head_params == embeddings,
+        head_trainable=head is not None and head.weight.requires_grad,
+        quantizable=sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad
+        ),  # fmt: skip
+        lookups=sum(p.numel() for p in tables),
+        lookups_trainable=sum(p.numel() for p in tables if p.requires_grad),
+        attention_layers=len(attention) if attention else (text.num_hidden_layers if heads else 0),
+        lora_inputs=sum(
+            next(iter(m.lora_A.values())).in_features for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A)
+        ),  # fmt: skip
+        conservative="; ".join(notes),
+        layers_params=sum(p.numel() for p in in_layers),
+        blocks=len(layer_list),
+        layers_trainable=sum(p.numel() for p in in_layers if p.requires_grad),
+        input_params=inputs.numel(),
+        input_trainable=inputs.numel() if inputs.requires_grad else 0,
+        inactive=sum(idle.values()),
+        inactive_trainable=sum(idle[id(p)] for p in params if id(p) in idle and p.requires_grad),
+        merged_frozen=sum(p.numel() - idle.get(id(p), 0) for p in merged_frozen),
+        merged_adapters=sum(
+            p.numel() for m in merged for f in (m.lora_A, m.lora_B) for p in f.parameters() if p.requires_grad
+        ),
+        routing="; ".join(sorted({f"{k} of {n} routed experts" for _, n, k in experts if k and k < n})),
+        routed_params=sum(p.numel() for params, _, _ in experts for p in params),
+        unit_experts=sum(p.numel() for params, _, _ in experts for p in params if id(p) in in_block),
+        experts_per_layer=max((n for _, n, _ in experts), default=0),
+        routed_copies=sum(k or n for _, n, k in experts),
+    )
 
 
 def routed_experts(model: torch.nn.Module, config) -> list[tuple[list[torch.nn.Parameter], int, int | None]]:
