@@ -15,7 +15,7 @@ from transformers import AutoConfig, BertConfig, LlamaConfig, TrainingArguments
 
 from toolkit.errors import ConfigError
 from toolkit.models import tiny
-from toolkit.models.loading import check_tensor_parallel
+from toolkit.models.parallel import check_tensor_parallel
 from toolkit.settings.parser import parse
 
 # Checkpoints every 2 steps, whole (the toolkit writes the optimizer shards transformers does not). The recipe's
