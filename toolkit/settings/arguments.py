@@ -190,10 +190,20 @@ class RunArguments:
                           "defaults when unset)."},
     )  # fmt: skip
     eval_limit: int | None = field(default=None, metadata={"help": "At most this many examples of each harness task."})
+    profile: str | None = field(
+        default=None,
+        metadata={"help": "Record optimizer steps FIRST-LAST (e.g. 5-8) with torch.profiler: a trace per rank and "
+                          "the top operators under OUTPUT/profile/ (docs/profiling.md). Off by default."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         optional_fields_unset(self)
         at_least("eval_limit", self.eval_limit, 1)
+        if self.profile is not None:
+            first, dash, last = self.profile.partition("-")
+            if not (first.isdigit() and (last.isdigit() or not dash) and 1 <= int(first) <= int(last or first)):
+                raise ConfigError(f"profile names the optimizer steps to record, FIRST-LAST counted from 1, got "
+                                  f"'{self.profile}': pass 5-8, say (after the first steps' warm-up).")  # fmt: skip
         if self.pricing not in ("on_demand", "spot"):
             raise ConfigError(f"pricing must be 'on_demand' or 'spot', got '{self.pricing}'.")
         for name in ("budget_usd", "hourly_usd", "peak_tflops", "memory_tbs"):

@@ -24,6 +24,7 @@ are grouped by concern, a mixin each, composed here in front of the Trainer:
   LengthGroupedOrder   the training order, length-grouped per global batch      order.py (callback)
   GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
   RankReports          rows, weights and bytes per rank (--record_rank_reports) rank_reports.py (callback)
+  StepProfiler         a trace and the top operators of some steps (--profile)  profiling.py (callback)
   FusedLoss            SFT's loss on TRL's fused head (RecipeTrainer only)      fused_loss.py
   LoadBalance          a MoE's load-balancing term at its share, aux_loss      load_balance.py (BalancedLoss)
 
@@ -82,6 +83,7 @@ from .optimizer_step import OptimizerStep
 from .order import LengthGroupedOrder
 from .pipeline import Pipeline
 from .precision import keep_master_weights
+from .profiling import StepProfiler, profiled_steps
 from .rank_reports import RankReports
 from .reporting import Reporting
 from .run_plan import RunPlan
@@ -132,12 +134,15 @@ class ToolkitTrainerMixin(Saving, Loaders, OptimizerStep, Reporting):
         self.safe_stop = SafeStop(over_budget=self.over_budget)
         self.order = LengthGroupedOrder()
         self.rank_reports = RankReports(self, load) if arguments.run.record_rank_reports else None
+        self.profiler = None  # --profile: where those steps' time goes (profiling.py); off, nothing is made
+        if arguments.run.profile:
+            self.profiler = StepProfiler(profiled_steps(arguments.run.profile), self.args.output_dir)
         self.samples = None
         if prompts:
             synced = self.accelerator.num_processes > 1 and (self.plan.layout.shard_params or bool(self.pipeline))
             self.samples = GenerationSamples(self, prompts, arguments.run.generation_max_new_tokens, synced,
                                              self.pipeline)  # fmt: skip
-        for part in (self.tracker, self.safe_stop, self.order, self.rank_reports, self.samples):
+        for part in (self.tracker, self.safe_stop, self.order, self.rank_reports, self.samples, self.profiler):
             if part is not None:
                 self.add_callback(part)
         if "wandb" in self.args.report_to:

@@ -1,0 +1,52 @@
+"""--profile: a few steps' trace and top operators, per rank; off by default, and then nothing is made."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import check, launch
+from test_bad_input import assert_one_clear_line
+
+from toolkit import run, train
+from toolkit.project import load_recipe
+
+FLAGS = ["--tiny", "--max_steps", "4", "--report_to", "none", "--save_strategy", "no"]
+
+
+def test_a_profiled_run_writes_a_trace_and_its_top_operators(tmp_path):
+    """Steps 2-3 recorded: a Chrome/Perfetto trace (JSON with traceEvents) whose events hold the matrix products
+    the steps ran, the operators by self time (shares of the recorded time, the most first) beside it and in the
+    run's summary; a run without --profile makes no profiler at all."""
+    out = tmp_path / "on"
+    result = train(load_recipe("llama3_fft"), [*FLAGS, "--profile", "2-3", "--output_dir", str(out)], "llama3_fft")
+    trace = json.loads((out / "profile" / "rank0.trace.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names
+    top = json.loads((out / "profile" / "rank0.top.json").read_text())
+    assert top and [t["self_ms"] for t in top] == sorted((t["self_ms"] for t in top), reverse=True)
+    assert 0 < sum(t["share"] for t in top) <= 1 + 1e-9
+    summary = json.loads((out / "run_summary.json").read_text())["summary"]
+    assert summary["profile_top_ops"] == top and result.trainer.profiler.profile is None  # stopped after step 3
+
+    off = train(load_recipe("llama3_fft"), [*FLAGS, "--output_dir", str(tmp_path / "off")], "llama3_fft")
+    assert off.trainer.profiler is None and not (tmp_path / "off" / "profile").exists()
+    assert "profile_top_ops" not in json.loads((tmp_path / "off" / "run_summary.json").read_text())["summary"]
+
+
+@pytest.mark.parametrize("value", ["8-5", "0-2", "five"])
+def test_a_profile_that_names_no_steps_is_one_line(value, capsys):
+    with pytest.raises(SystemExit):
+        run(load_recipe("llama3_fft"), ["--tiny", "--profile", value], "llama3_fft")
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, f"profile names the optimizer steps to record, FIRST-LAST "
+                          f"counted from 1, got '{value}'")  # fmt: skip
+
+
+@pytest.mark.launch
+def test_every_rank_writes_its_own_trace(tmp_path):
+    out = tmp_path / "run"
+    check(launch("ddp", "llama3_fft", *FLAGS, "--profile", "2", "--output_dir", str(out), cwd=tmp_path))
+    for rank in (0, 1):
+        assert json.loads((out / "profile" / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        assert json.loads((out / "profile" / f"rank{rank}.top.json").read_text())
