@@ -1,3 +1,5 @@
-"""The model room: a model's config and tokenizer, checked before any weights (loading.py, whose `blueprint` and
-`load_for_training` are the room's entries), the architecture on the meta device (meta.py), parameter counts
-(counts.py), LoRA and QLoRA (lora.py), and tiny mode's scaled-down checkpoints, tokenizers and data (tiny.py)."""
+"""The model room: a model's config and tokenizer (loading.py, whose `blueprint` and `load_for_training` are the
+room's entries; what refuses them before any weights, checks.py's MODEL list), the architecture on the meta device
+(meta.py), parameter counts (counts.py), LoRA and QLoRA (lora.py), a mixture of experts' load-balancing loss by
+layer (balance.py), dropout's settings (dropout.py), and tiny mode's scaled-down checkpoints and tokenizers
+(tiny.py) and data (tiny_data.py)."""

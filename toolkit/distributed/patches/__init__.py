@@ -29,7 +29,8 @@ PRIVATE_TRANSFORMERS = Reliance(
     library="transformers",
     versions=("5.23", "5.25"),
     targets=(
-        # training/trainer.py's overrides, handing over to checkpoints.StagedCheckpoints and order.LengthGroupedOrder
+        # the trainer's overrides (training/saving.py, loaders.py), handing over to checkpoints.StagedCheckpoints and
+        # order.LengthGroupedOrder
         Target("transformers:Trainer._get_output_dir", ("self", "trial")),
         Target("transformers:Trainer._save_checkpoint", ("self", "model", "trial")),
         Target("transformers:Trainer._save", ("self", "output_dir", "state_dict")),
