@@ -73,8 +73,8 @@ class BalancedLoss:
     balance: LoadBalance | None  # set by ToolkitTrainerMixin
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        balance = getattr(self, "balance", None)
-        mask = inputs.get(ROUTING_MASK, inputs.get("attention_mask"))
+        balance = self.balance
+        hidden = inputs.get(ROUTING_MASK)  # a packed batch's mask, which the model did not see
         inputs = {k: v for k, v in inputs.items() if k != ROUTING_MASK}
         own = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
         if balance is None or not own:  # no term, or none the model added itself
@@ -83,8 +83,9 @@ class BalancedLoss:
         added = outputs.get("aux_loss") if isinstance(outputs, dict) else None
         if added is not None:
             added = added.to(loss.device)
-            logits = outputs.get("router_logits")  # TRL's fused head returns none: its own aux stands
-            aux = balance.loss(logits, mask).to(loss.device) if logits else added
+            # balanced again only where the model balanced padding too; TRL's fused head returns no router logits
+            logits = outputs.get("router_logits") if hidden is not None else None
+            aux = balance.loss(logits, hidden).to(loss.device) if logits else added
             scale, share = self.term_scaling(num_items_in_batch, model.training)
             loss = loss + balance.coef * (aux * share - added * scale)  # the family's c x aux x scale, replaced
             if model.training:

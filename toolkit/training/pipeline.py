@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..models.balance import balance_loss, balance_settings
+from ..models.balance import balance_loss
 from ..models.parallel import routed_expert_count
 from ..models.pipeline import StageModule, decoder_of, layer_list, window_schedule
 from ..settings.mesh import launch_mesh, pipeline_schedule
@@ -49,8 +49,9 @@ class Pipeline(PipelineExchange, PipelineSaves):
         self.last_rank = dist.get_global_rank(self.pp_group, self.stages - 1)  # this pipeline's last stage
         self.trainer, self.device = trainer, device
         self.decoder = decoder_of(trainer.model)
-        balance = balance_settings(self.decoder.config)
-        self.module = StageModule(trainer.model, self.stage, self.stages, balance[1:] if balance else None)
+        balance = trainer.balance  # the stages' routing sums, for its term (load_balance.py)
+        routing = (balance.experts, balance.top_k) if balance is not None else None
+        self.module = StageModule(trainer.model, self.stage, self.stages, routing)
         self.schedule_name = pipeline_schedule()
         self.schedules: dict[tuple, object] = {}
         self.window: list[dict] = []
