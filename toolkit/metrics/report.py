@@ -265,6 +265,28 @@ def evaluation_table(runs: list[Run]) -> tuple[list[str], list[list[str]]] | Non
     return (["run", "task", "metric", "base", "fine-tuned", "change"], rows) if rows else None
 
 
+SPLIT_HEADING = "Where a profiled step's time went"
+SPLIT_NOTE = (
+    "Per optimizer step over the steps --profile recorded; communication is the collectives in flight, "
+    "which overlap the other phases (docs/profiling.md)."
+)
+
+
+def split_table(runs: list[Run]) -> tuple[list[str], list[list[str]]] | None:
+    """Where a profiled step's time went (--profile, training/profiling.py), per run: milliseconds a step and share
+    of each phase; None when no run was profiled."""
+    profiled = [run for run in runs if run.summary.get("profile_split")]
+    if not profiled:
+        return None
+    phases = list(dict.fromkeys(name for run in profiled for name in run.summary["profile_split"]))
+    rows = []
+    for run in profiled:
+        split = run.summary["profile_split"]
+        rows.append([run.name, *(f"{split[p]['ms']:.4g} ms ({split[p]['share']:.0%})" if p in split else "-"
+                                 for p in phases)])  # fmt: skip
+    return ["run", *phases], rows
+
+
 def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     cell = lambda text: " ".join(str(text).split()).replace("|", "\\|")  # noqa: E731
     return ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head),
@@ -275,6 +297,9 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
     head, rows = table(runs)
     md = ["# Run comparison", "", *markdown_table(head, rows)]
     md += ["", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
+    split = split_table(runs)
+    if split:
+        md += [f"## {SPLIT_HEADING}", "", SPLIT_NOTE, "", *markdown_table(*split), ""]
     evaluation = evaluation_table(runs)
     if evaluation:
         md += ["## Evaluation against the base model", "", *markdown_table(*evaluation), ""]
@@ -290,6 +315,9 @@ def write_pages(runs: list[Run], pngs: list[Path], folder: Path) -> tuple[Path, 
         f"<tr>{cells(head, 'th')}</tr>" + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows) + "</table>"
         + "".join(f"<p><img src='{p.name}' alt='{p.stem}'></p>" for p in pngs)
     )  # fmt: skip
+    if split:
+        page += (f"<h2>{SPLIT_HEADING}</h2><p>{html.escape(SPLIT_NOTE)}</p><table><tr>{cells(split[0], 'th')}</tr>"
+                 + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in split[1]) + "</table>")  # fmt: skip
     if evaluation:
         page += ("<h2>Evaluation against the base model</h2><table>" f"<tr>{cells(evaluation[0], 'th')}</tr>"
                  + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in evaluation[1]) + "</table>")  # fmt: skip

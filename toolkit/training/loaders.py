@@ -21,7 +21,12 @@ class Loaders:
         return self.pipeline.shard(loader) if self.pipeline is not None else loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
+        """An optimizer step's batches, fetched before it starts: the data wait timed (and a profile's window
+        opened at its first step's fetch, profiling.py)."""
+        if self.profiler is not None:
+            self.profiler.starting_step(self.state.global_step + 1)
+        with self.phase("data wait"):
+            return super().get_batch_samples(TimedIterator(epoch_iterator, self.tracker), num_batches, device)
 
     def _get_train_sampler(self, train_dataset=None):
         return self.order.sampler_for(self.train_dataset, self.args) or super()._get_train_sampler(train_dataset)

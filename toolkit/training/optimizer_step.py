@@ -14,6 +14,10 @@ class OptimizerStep:
         return optimizer
 
     def _clip_grad_norm(self, model, max_norm: float | None = None):
+        with self.phase("optimizer"):  # a profile's split counts clipping with the optimizer's step
+            return self._clipped_norm(model, max_norm)
+
+    def _clipped_norm(self, model, max_norm: float | None):
         max_norm = self.args.max_grad_norm if max_norm is None else max_norm
         if self.masters is not None:
             self.masters.take_gradients()  # the norm of the fp32 gradients, and those clipped (precision.py)

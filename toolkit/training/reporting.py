@@ -92,7 +92,7 @@ class Reporting:
             **{k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
         )
         if self.profiler is not None and self.profiler.top:  # this rank's; rank 0's is the one written
-            summary["profile_top_ops"] = self.profiler.top
+            summary.update(profile_top_ops=self.profiler.top, profile_split=self.profiler.split)
         if not self.is_world_process_zero():
             return summary
         wandb = sys.modules.get("wandb")

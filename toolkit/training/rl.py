@@ -10,6 +10,7 @@ grpo runs: TRL takes a second to import.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
@@ -61,8 +62,10 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         """TRL's: the generation batch's completions sampled and scored (once per generation), this micro-batch's
-        slice returned; the tracker counts the tokens trained on (prompt and completion), known only now."""
-        inputs = super()._prepare_inputs(generation_batch)
+        slice returned; the tracker counts the tokens trained on (prompt and completion), known only now. A profile's
+        split counts it as sampling (with the rewards and the reference's log-probabilities)."""
+        with self.phase("sampling") if self.model.training else contextlib.nullcontext():
+            inputs = super()._prepare_inputs(generation_batch)
         if self.model.training:
             sequences = {
                 "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),

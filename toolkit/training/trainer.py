@@ -7,7 +7,8 @@ order. Where the Trainer's events suffice, a part is a `TrainerCallback` the Tra
 are grouped by concern, a mixin each, composed here in front of the Trainer:
 
   mixin          its overrides                                                                   where
-  (this class)   __init__ (the parts), train, training_step, evaluate, prediction_step           trainer.py
+  (this class)   __init__ (the parts), train, training_step, compute_loss, evaluate,             trainer.py
+                 prediction_step
   Saving         checkpoints, resume and the export: the optimizer's shards, stages, staging     saving.py
   Loaders        loaders and samplers: a pipeline's replicas, the data wait, length grouping     loaders.py
   OptimizerStep  the optimizer with master weights, the gradient norm and its clipping           optimizer_step.py
@@ -187,12 +188,23 @@ class ToolkitTrainerMixin(Saving, Loaders, OptimizerStep, Reporting):
             self.tracker.count_batch(examples_in(inputs, task(self.recipe.data.task).pairs), tokens_in(inputs))
         batch = self.model_inputs(inputs)
         if self.pipeline is not None:
-            loss = self.pipeline_step(model, batch)
+            with self.phase("micro-batch"):
+                loss = self.pipeline_step(model, batch)
         else:
-            with reports.saving() if reports is not None else contextlib.nullcontext(), real_tokens(real(inputs)):
+            with (reports.saving() if reports is not None else contextlib.nullcontext(), real_tokens(real(inputs)),
+                  self.phase("micro-batch")):  # fmt: skip
                 loss = super().training_step(model, batch, num_items_in_batch)
         self.safe_stop.note_loss(loss, self.state.global_step + 1)
         return loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        """The forward and its loss (the subclasses' own), a phase of a profiled training step."""
+        with self.phase("forward") if model.training else contextlib.nullcontext():
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def phase(self, name: str):
+        """A phase of the step, timed and named in the trace while --profile records (profiling.py); else nothing."""
+        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
 
     def model_inputs(self, inputs: dict) -> dict:
         """What of a batch reaches the model (data/packing.py), and a packed batch's mask for the balance."""
