@@ -38,6 +38,7 @@ from .outputs import check_run_output
 from .settings.arguments import Arguments, global_batch_size
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_schedule
 from .training import checkpoints, resume
+from .training.batch_finder import check_batch_finder
 
 
 @dataclass
@@ -158,6 +159,7 @@ LAUNCH: tuple[Check, ...] = (
     resume_point,  # training/resume.py
     lambda launch: check_processes(launch.args.training.world_size),  # distributed/strategy.py: the process group
     resumable,  # training/resume.py
+    lambda launch: check_batch_finder(launch.args, launch.engine),  # training/batch_finder.py
     hub_push,  # results/push.py
     eval_tasks,  # results/eval_checks.py
 )

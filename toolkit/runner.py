@@ -60,6 +60,7 @@ from .settings.mesh import launch_mesh, model_parallel_size, pipeline_stages, sp
 from .settings.parser import parse
 from .settings.tasks import task
 from .training import checkpoints
+from .training.batch_finder import find_micro_batch
 from .training.evaluation import metrics_for
 from .training.stopping import Stopped
 from .training.trainer import RecipeTrainer
@@ -86,6 +87,8 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
                                upcast_placeholders=weights_arrive_upcast(mixed))  # fmt: skip
+    if args.batch_rows:  # --per_device_train_batch_size auto: probed on the loaded model, before the trainer
+        find_micro_batch(args, loaded.model, data.train, data.collator, work)
     trainer = build_trainer(args, loaded, data, work, rewards)
     if resume_note and trainer.is_world_process_zero():
         print(resume_note, flush=True)

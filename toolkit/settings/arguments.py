@@ -311,6 +311,10 @@ class Arguments:
     policy: PolicyArguments = field(default_factory=PolicyArguments)
     torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)
     compile_note: str = ""  # why auto chose, for the header
+    # --per_device_train_batch_size auto: the rows per device and optimizer step to keep (the batch finder picks
+    # the micro-batch, training/batch_finder.py), and its choice (a BatchChoice: its note goes in the header)
+    batch_rows: int | None = None
+    batch_choice: Any = None
     # --push_to_hub: (repo id, private, revision), pushed once at the end (the Trainer's own pushes left off)
     hub_push: tuple[str, bool, str | None] | None = None
 

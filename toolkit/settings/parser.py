@@ -31,7 +31,7 @@ from .policy import PolicyArguments
 from .tasks import task
 from .values import NULLS
 
-AUTO_SETTINGS = ("torch_compile",)  # flags that take `auto` beside their type's values
+AUTO_SETTINGS = ("torch_compile", "per_device_train_batch_size")  # flags that take `auto` beside their type's values
 
 
 def has_accelerator() -> bool:
@@ -267,6 +267,26 @@ def command_line_flags(parser: HfArgumentParser, argv: list[str]) -> dict[str, A
     return vars(namespace)
 
 
+def auto_batch(values: dict[str, Any], below: Any) -> int | None:
+    """`--per_device_train_batch_size auto`: the rows a device trains on per optimizer step (the recipe's micro-batch x
+    its accumulation), which the batch finder keeps while it picks the micro-batch (training/batch_finder.py); the
+    recipe's micro-batch stands until then. None when the micro-batch is a number."""
+    asked = values.get("per_device_train_batch_size")
+    if not (isinstance(asked, str) and asked.strip().lower() == AUTO):
+        return None
+    if isinstance(below, bool) or not isinstance(below, int) or below < 1:
+        raise ConfigError(f"per_device_train_batch_size auto keeps the recipe's rows per step and finds the micro-"
+                          f"batch that fits, and the recipe sets {below!r}: give the recipe a number (its batch) and "
+                          "pass auto on the command line.")  # fmt: skip
+    try:
+        accumulation = int(values.get("gradient_accumulation_steps", 1))
+    except (TypeError, ValueError):
+        raise ConfigError(f"gradient_accumulation_steps must be a whole number, got "
+                          f"{values['gradient_accumulation_steps']!r}.") from None  # fmt: skip
+    values["per_device_train_batch_size"] = below
+    return below * accumulation
+
+
 def parse(
     recipe: dict[str, Any], recipe_name: str, argv: list[str] | None = None, tiny_defaults=None, here: bool = False
 ) -> Arguments:
@@ -288,8 +308,10 @@ def parse(
         values.update(tiny_defaults({**values, **overrides, **flags}))
     if here:
         values.update(machine_layer(values, set(overrides) | set(flags)))
+    below = values.get("per_device_train_batch_size")  # the recipe's, which an `auto` above it keeps per step
     values.update(overrides)
     values.update(flags)
+    batch_rows = auto_batch(values, below)
     save_interval(values, [(f"recipe '{recipe_name}'", recipe), (f"--config {config_file}", overrides),
                            ("the command line", flags)])  # fmt: skip
     missing = [k for k in required if values.get(k) is None]
@@ -327,4 +349,6 @@ def parse(
         training.remove_unused_columns = False
     # TRL's DPOTrainer and GRPOTrainer take their own configs: the TrainingArguments and these settings
     training = policy.trl_config(data.task, training, data.max_seq_length, model.trust_remote_code)
-    return Arguments(model, data, run, training, recipe_name, policy, torch_compile=compile_setting)
+    return Arguments(
+        model, data, run, training, recipe_name, policy, torch_compile=compile_setting, batch_rows=batch_rows
+    )

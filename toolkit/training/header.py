@@ -69,6 +69,7 @@ class RunHeader:
             f"per device x {training.gradient_accumulation_steps} "
             f"accumulation x {replicas} {'processes' if replicas == s['num_processes'] else 'data-parallel replicas'}"
             f" = {global_batch_size(training)} global",
+            *([f"              ({recipe.batch_choice.note()})"] if recipe.batch_choice else []),
             *task_lines,
             f"learning rate {lr}",
             *([f"data          {data_note}"] if data_note else []),
