@@ -49,7 +49,7 @@ from .models.loading import Blueprint, LoadedModel, blueprint, checkpoint_dtype,
 from .models.lora import save_merged
 from .models.parallel import accelerator_parallelism
 from .models.tiny import tiny_layer
-from .planner.activations import measured_activations
+from .planner.compiled import planned_activations
 from .planner.estimate import workload_for
 from .planner.workload import Workload
 from .project import is_recipe, load_recipe, recipe_name, recipe_names
@@ -162,8 +162,17 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
     """The run's workload, its activation fit measured (into the cache) before the weights load, not within the
     loading footprint the rank reports record."""
     work = workload_for(args, checkpoint_dtype(args.model.dtype, model_plan.config), on_gpu=torch.cuda.is_available())
-    measured_activations(model_plan.config, args.data.task, work.precision, work.flash_attention, work.fused_head,
-                         args.model.lora_settings(), args.training.bf16 or args.training.fp16)  # fmt: skip
+    planned_activations(
+        model_plan.config,
+        args.data.task,
+        work.precision,
+        work.flash_attention,
+        work.fused_head,
+        args.model.lora_settings(),
+        args.training.bf16 or args.training.fp16,
+        bool(args.training.torch_compile),
+        getattr(args.training, "mixed_precision", None) == "fp8",
+    )
     return work
 
 

@@ -51,6 +51,7 @@ class ActivationFit:
     coefficients: tuple[float, ...]
     ratios: tuple[float, float]  # the width ratios measured, for the record
     largest_layer: bool = False  # measured at full depth, every layer taken as the largest (layers that differ)
+    compiled: bool = False  # as torch.compile saves them (compiled.py): its loss's backward, too, is fused
 
     @property
     def note(self) -> str:
@@ -167,7 +168,9 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None, forward=None) 
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        forward() if forward is not None else model(**inputs)
+        out = forward() if forward is not None else model(**inputs)
+    for tensor in outputs(out):  # the logits a compiled graph saves are the model's output, planned as logits
+        storages.pop(tensor.untyped_storage()._cdata, None)
     alive.clear()
     if owner is None:
         return sum(size for size, _ in storages.values())
@@ -175,6 +178,12 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, owner=None, forward=None) 
     for size, part in storages.values():
         parts[part] = parts.get(part, 0) + size
     return parts
+
+
+def outputs(out) -> list[torch.Tensor]:
+    """The tensors a forward returned (a ModelOutput's, a tuple's)."""
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def instance(config, task: str, dtype: torch.dtype, attention: str | None, lora: dict | None):
@@ -191,10 +200,11 @@ def instance(config, task: str, dtype: torch.dtype, attention: str | None, lora:
 
 def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio: float, layers: int,
             inputs: list[tuple[int, int]], fused_head: bool = False, lora: dict | None = None,
-            autocast: bool = False) -> list[int]:  # fmt: skip
+            autocast: bool = False, prepare=None) -> list[int]:  # fmt: skip
     """Bytes saved for backward by an instance of `config` at `ratio` width and `layers` layers (random weights),
     for each (micro-batch, sequence length) in `inputs`; `fused_head`: the loss through TRL's fused head; `lora`:
-    peft's LoraConfig arguments, dropout included, where the run trains an adapter."""
+    peft's LoraConfig arguments, dropout included, where the run trains an adapter; `prepare(model) -> model`: as
+    the run changes it (compiled.py: torch.compile, torchao's float8)."""
     small = scaled(config, ratio, layers, attention)
     text = small.get_text_config() if hasattr(small, "get_text_config") else small
     with torch.random.fork_rng(devices=[]), outside_zero3_init():  # the run's random state is left as it was
@@ -206,6 +216,8 @@ def measure(config, task: str, dtype: torch.dtype, attention: str | None, ratio:
 
             add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
             fused = {"fused_lm_head": True}
+        if prepare is not None:
+            model = prepare(model)
         out = []
         for b, s in inputs:
             ids = torch.randint(1, text.vocab_size, (b, s))
@@ -320,6 +332,15 @@ def fit(config, task: str, dtype: torch.dtype, attention: str | None, fused_head
     return ActivationFit(tuple(solution.tolist()), ratios)
 
 
+def fit_key(config, task: str, precision: str, flash_attention: bool, fused_head: bool, lora: dict | None,
+            autocast: bool) -> tuple[list, torch.dtype, str | None, dict | None]:  # fmt: skip
+    """The cache key of a fit, and the dtype, attention and adapter its instances are built with."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
+    lora = {**lora, "lora_dropout": 0.0} if lora else None
+    return [config.to_dict(), task, str(dtype), attention, fused_head, lora, autocast, VERSION], dtype, attention, lora
+
+
 def measured_activations(config, task: str, precision: str, flash_attention: bool, fused_head: bool = False,
                          lora: dict | None = None,
                          autocast: bool = False) -> tuple[ActivationFit | None, str]:  # fmt: skip
@@ -327,11 +348,8 @@ def measured_activations(config, task: str, precision: str, flash_attention: boo
     cannot run on this CPU (the planner then falls back to its formula and says so). `lora`: the adapter the run
     trains (peft's LoraConfig arguments), measured without its dropout, whose masks the planner adds at the
     device's size (memory.lora_dropout_bytes: a CPU's masks are 4 bytes an element, CUDA's 1); `autocast`: the run
-    computes under autocast (--bf16 with 16-bit weights)."""
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    attention = None if flash_attention else "eager"  # None: the model's default, sdpa where it has it
-    lora = {**lora, "lora_dropout": 0.0} if lora else None
-    key = [config.to_dict(), task, str(dtype), attention, fused_head, lora, autocast, VERSION]
+    computes under autocast (--bf16 with 16-bit weights). A compiled run's: compiled.py's planned_activations."""
+    key, dtype, attention, lora = fit_key(config, task, precision, flash_attention, fused_head, lora, autocast)
     try:
         stored = cached(key, "", lambda: asdict(fit(config, task, dtype, attention, fused_head, lora, autocast)))
     except Exception as error:  # noqa: BLE001 - any architecture's failure means: use the formula, say why

@@ -11,6 +11,7 @@ from ..data.sources import model_config, stored_split_size
 from ..errors import ConfigError
 from ..metrics.cost import device_spec
 from ..metrics.memory import GIB
+from ..models.attention import choose_attention
 from ..models.meta import meta_model
 from ..models.parallel import (
     check_expert_parallel,
@@ -21,12 +22,13 @@ from ..models.parallel import (
 )
 from ..models.pipeline import check_pipeline
 from ..project import is_recipe, load_recipe, strategy_files
+from ..settings.compile import AUTO, choose_compile
 from ..settings.mesh import PIPELINE_SCHEDULES
 from ..settings.model_arguments import ModelArguments
 from ..settings.policy import PolicyArguments
 from ..settings.tasks import infer_task
 from ..settings.tasks import task as task_table
-from .activations import measured_activations
+from .compiled import planned_activations
 from .estimate import (
     FP8_SPEEDUP,
     PREFERENCE,
@@ -164,6 +166,27 @@ def config_row(args, verdict, layout: Layout, plan: dict) -> dict:
     return row
 
 
+def compiled_configs(values: dict, config, task: str, lora: bool, layouts: list[Layout], devices: int) -> set[str]:
+    """The configs whose launch on GPUs would compile the model: settings/compile.py's choice for each, with the
+    attention a GPU run resolves (models/attention.py)."""
+    setting = values.get("torch_compile", AUTO)
+    setting = AUTO if isinstance(setting, str) and setting.strip().lower() == AUTO else setting
+    packing = values.get("packing") is not False and task == "sft"
+    attention, _ = choose_attention(config, values.get("attn_implementation", "auto"), task, packing, on_gpu=True)
+    out = set()
+    for layout in layouts:
+        whole = layout.engine == "torch" and not layout.shard_params and layout.tensor_parallel == 1
+        try:
+            on, _ = choose_compile(setting, fp8=layout.fp8, on_gpu=True, processes=devices, lora=lora,
+                                   replicated=whole and layout.pipeline_stages == 1, attention=attention,
+                                   liger=bool(values.get("use_liger_kernel")))  # fmt: skip
+        except ConfigError:  # FP8 with compile turned off: refused at launch, planned eager
+            on = False
+        if on:
+            out.add(layout.name)
+    return out
+
+
 def build_plan(args) -> dict:
     """The plan `python -m toolkit plan` prints (render.py) or gives as JSON."""
     values = recipe_values(args.model)
@@ -175,25 +198,40 @@ def build_plan(args) -> dict:
     shape = Shape.of(meta_model(config, task, lora, parts), config)
     mixed = values.get("bf16") or values.get("fp16")
     work = plan_workload(args, values, task, lora)
-    fit, activations_note = measured_activations(config, task, work.precision, work.flash_attention, work.fused_head,
+    fit, activations_note = planned_activations(config, task, work.precision, work.flash_attention, work.fused_head,
                                                  lora, bool(mixed))  # fmt: skip
     image, image_note = None, ""
     if task_table(task).images:
         image, image_note = measured_image_cost(config, task, lora, parts, work.precision, bool(mixed),
                                                 args.images_per_sample)  # fmt: skip
     shape = replace(shape, activations=fit, image=image)
+    layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
+    compiled = compiled_configs(values, config, task, lora is not None, list(layouts.values()), args.gpus * args.nodes)
+    notes: dict[bool, str] = {}
+
+    def compiled_shape(fp8: bool):
+        """The shape with its activations as torch.compile (with float8 linears) saves them, measured once."""
+        if fp8 not in notes:
+            kept, notes[fp8] = planned_activations(config, task, work.precision, work.flash_attention,
+                                                    work.fused_head, lora, bool(mixed), True, fp8)  # fmt: skip
+            shapes[fp8] = replace(shape, activations=kept)
+        return shapes[fp8]
+
+    shapes: dict = {}
+    shape_for = lambda layout: compiled_shape(layout.fp8) if layout.name in compiled else shape  # noqa: E731
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     online = task_table(task).samples_online
     data = plan_data(args, values, task, work)
     samples = data["steps"] if online else data["samples"]
-    layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     fp8 = "fp8" in gpu["peak_tflops"]  # FP8 tensor cores (metrics/hardware.yaml)
     priced = dict(shape=shape, work=work, gpu=gpu, values=values, task=task, config=config, data=data,
                   samples=samples, online=online)  # fmt: skip
     results = [config_row(args, v, layouts[v.config], priced)
                for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom,
-                                 list(layouts.values()), fp8)]  # fmt: skip
+                                 list(layouts.values()), fp8, shape_for)]  # fmt: skip
     results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
+    for name in sorted(compiled & {r["config"] for r in results}):
+        activations_note += f"; {name}: {notes[layouts[name].fp8].split('; ', 1)[-1]}"
     fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
     return {
         "model": values["model_name_or_path"],

@@ -37,13 +37,17 @@ class Verdict:
 
 
 def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int, nodes: int = 1,
-             headroom: float = 0.1, layouts: list[Layout] | None = None,
-             fp8: bool = True) -> list[Verdict]:  # fmt: skip
+             headroom: float = 0.1, layouts: list[Layout] | None = None, fp8: bool = True,
+             shape_for=None) -> list[Verdict]:  # fmt: skip
     """Each strategy on this hardware: memory at the workload's micro-batch, and the largest micro-batch that
-    fits with `headroom` of the device memory left free. `fp8`: the devices have FP8 tensor cores."""
+    fits with `headroom` of the device memory left free. `fp8`: the devices have FP8 tensor cores; `shape_for(layout)`:
+    the shape a config trains (its activations under torch.compile), `shape` for all by default."""
     out = []
-    budget = device_gib * (1 - headroom) * GIB
+    budget, common = device_gib * (1 - headroom) * GIB, shape
     for layout in layouts or [Layout.from_file(p) for p in strategy_files()]:
+        if layout.fp8 and not fp8:
+            continue
+        shape = shape_for(layout) if shape_for is not None else common
         if layout.pipeline_stages > 1 and not (layout := sized_pipeline(layout, shape, work, gpus_per_node, nodes,
                                                                          budget)):  # fmt: skip
             continue
@@ -57,8 +61,6 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
             continue  # its mesh is exactly that many devices
         if (gpus_per_node * nodes) % layout.sequence_split:
             continue  # a row is split over a group of that many devices
-        if layout.fp8 and not fp8:
-            continue
         mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
         best = 0
         for b in (1, 2, 4, 8, 16, 32, 64):

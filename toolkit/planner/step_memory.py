@@ -79,7 +79,9 @@ def logits_bytes(shape: Shape, work: Workload) -> int:
         return 0
     if work.fused_head:
         return fused_head_bytes(shape, work)
-    return work.seq_length * work.micro_batch * shape.vocab_size * (work.activation_dtype_bytes + 2 * 4)
+    # Compiled, the cross-entropy's backward is one fused kernel: one fp32 gradient of the logits (compiled.py)
+    gradients = 1 if shape.activations is not None and shape.activations.compiled else 2
+    return work.seq_length * work.micro_batch * shape.vocab_size * (work.activation_dtype_bytes + gradients * 4)
 
 
 # TRL's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py) projects TOKEN_CHUNK_SIZE tokens by

@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError
 from ..metrics.memory import GIB, device_memory, human_bytes
 from ..models.meta import meta_model
-from ..planner.activations import measured_activations
+from ..planner.compiled import planned_activations
 from ..planner.layout import Layout
 from ..planner.memory import plan_memory
 from ..planner.shape import Shape
@@ -166,8 +166,9 @@ def planner(args, model: torch.nn.Module, work: Workload):
     task_name, lora = args.data.task, args.model.lora_settings()
     shape = Shape.of(meta_model(base.config, task_name, lora, args.model.train_parts), base.config)
     autocast = bool(args.training.bf16 or args.training.fp16)
-    fit, _ = measured_activations(base.config, task_name, work.precision, work.flash_attention, work.fused_head,
-                                  lora, autocast)  # fmt: skip
+    fit, _ = planned_activations(base.config, task_name, work.precision, work.flash_attention, work.fused_head,
+                                  lora, autocast, bool(args.training.torch_compile),
+                                  getattr(args.training, "mixed_precision", None) == "fp8")  # fmt: skip
     shape = replace(shape, activations=fit)
     processes = args.training.world_size
     layout = Layout.replicated("ddp" if processes > 1 else "single", processes)

@@ -20,7 +20,7 @@ from ..errors import ConfigError, ToolkitError
 from ..metrics.cost import Budget, CostModel, dollars, memory_tbs, peak_tflops
 from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
-from ..planner.activations import measured_activations
+from ..planner.compiled import planned_activations
 from ..planner.estimate import assumed_mfu, images_caveat, training_flops_per_token, workload_for
 from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
@@ -89,8 +89,10 @@ class RunPlan(RunHeader):
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
         autocast = bool(trainer.args.bf16 or trainer.args.fp16)
-        fit, why = measured_activations(base.config, task_name, work.precision, work.flash_attention,
-                                        work.fused_head, lora, autocast)  # fmt: skip
+        compiled = bool(trainer.args.torch_compile)
+        fp8 = getattr(trainer.args, "mixed_precision", None) == "fp8"
+        fit, why = planned_activations(base.config, task_name, work.precision, work.flash_attention,
+                                        work.fused_head, lora, autocast, compiled, fp8)  # fmt: skip
         image, image_note = None, ""
         if task(task_name).images:
             image, image_note = measured_image_cost(base.config, task_name, lora, arguments.model.train_parts,
@@ -114,7 +116,9 @@ class RunPlan(RunHeader):
             if getattr(text, "output_router_logits", False):
                 plan.experts += f", load-balancing loss x {text.router_aux_loss_coef:g}"
         left_out = images_caveat(task_name, image, image_note)
+        unmeasured = compiled and "compile's savings not measured" in why and why.split("; ")[-1]
         plan.caveats = [c for c in (None if fit else f"activations {why}, from the formula", shape.conservative,
+                                    unmeasured or None,
                                     left_out and f"left out: {left_out}") if c]  # fmt: skip
         return plan
 
