@@ -207,18 +207,20 @@ def build_plan(args) -> dict:
     shape = replace(shape, activations=fit, image=image)
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     compiled = compiled_configs(values, config, task, lora is not None, list(layouts.values()), args.gpus * args.nodes)
-    notes: dict[bool, str] = {}
+    measured: dict = {}
 
-    def compiled_shape(fp8: bool):
-        """The shape with its activations as torch.compile (with float8 linears) saves them, measured once."""
-        if fp8 not in notes:
-            kept, notes[fp8] = planned_activations(config, task, work.precision, work.flash_attention,
-                                                    work.fused_head, lora, bool(mixed), True, fp8)  # fmt: skip
-            shapes[fp8] = replace(shape, activations=kept)
-        return shapes[fp8]
+    def shape_for(layout: Layout):
+        """A config's shape: under compile (measured once, on first need) its activations as compile saves them.
+        FP8's further saving (its float8 casts) is left to the run's own plan: tracing torchao's float8 tensors
+        through the instances takes half a minute a model, too long for a table of every config."""
+        if layout.name not in compiled:
+            return shape
+        if not measured:
+            kept, measured["note"] = planned_activations(config, task, work.precision, work.flash_attention,
+                                                         work.fused_head, lora, bool(mixed), True)  # fmt: skip
+            measured["shape"] = replace(shape, activations=kept)
+        return measured["shape"]
 
-    shapes: dict = {}
-    shape_for = lambda layout: compiled_shape(layout.fp8) if layout.name in compiled else shape  # noqa: E731
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     online = task_table(task).samples_online
     data = plan_data(args, values, task, work)
@@ -230,8 +232,9 @@ def build_plan(args) -> dict:
                for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom,
                                  list(layouts.values()), fp8, shape_for)]  # fmt: skip
     results.sort(key=lambda r: PREFERENCE.index(r["config"]) if r["config"] in PREFERENCE else len(PREFERENCE))
-    for name in sorted(compiled & {r["config"] for r in results}):
-        activations_note += f"; {name}: {notes[layouts[name].fp8].split('; ', 1)[-1]}"
+    if shown := sorted(compiled & {r["config"] for r in results}):
+        float8 = " (fsdp2_fp8's float8 casts save more: its run's header measures them)" if "fsdp2_fp8" in shown else ""
+        activations_note += f"; compiled ({', '.join(shown)}): {measured['note'].split('; ', 1)[-1]}{float8}"
     fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
     return {
         "model": values["model_name_or_path"],
