@@ -187,6 +187,24 @@ def compiled_configs(values: dict, config, task: str, lora: bool, layouts: list[
     return out
 
 
+def compiled_shapes(shape: Shape, compiled: set[str], measure) -> tuple:
+    """(shape_for(layout), what was measured): a config's shape, under compile (measured once, on first need by
+    `measure()`) its activations as compile saves them. FP8's further saving (its float8 casts) is left to the run's
+    own plan: tracing torchao's float8 tensors through the instances takes half a minute a model, too long for a
+    table of every config."""
+    measured: dict = {}
+
+    def shape_for(layout: Layout) -> Shape:
+        if layout.name not in compiled:
+            return shape
+        if not measured:
+            kept, measured["note"] = measure()
+            measured["shape"] = replace(shape, activations=kept)
+        return measured["shape"]
+
+    return shape_for, measured
+
+
 def build_plan(args) -> dict:
     """The plan `python -m toolkit plan` prints (render.py) or gives as JSON."""
     values = recipe_values(args.model)
@@ -207,20 +225,8 @@ def build_plan(args) -> dict:
     shape = replace(shape, activations=fit, image=image)
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     compiled = compiled_configs(values, config, task, lora is not None, list(layouts.values()), args.gpus * args.nodes)
-    measured: dict = {}
-
-    def shape_for(layout: Layout):
-        """A config's shape: under compile (measured once, on first need) its activations as compile saves them.
-        FP8's further saving (its float8 casts) is left to the run's own plan: tracing torchao's float8 tensors
-        through the instances takes half a minute a model, too long for a table of every config."""
-        if layout.name not in compiled:
-            return shape
-        if not measured:
-            kept, measured["note"] = planned_activations(config, task, work.precision, work.flash_attention,
-                                                         work.fused_head, lora, bool(mixed), True)  # fmt: skip
-            measured["shape"] = replace(shape, activations=kept)
-        return measured["shape"]
-
+    shape_for, measured = compiled_shapes(shape, compiled, lambda: planned_activations(
+        config, task, work.precision, work.flash_attention, work.fused_head, lora, bool(mixed), True))  # fmt: skip
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     online = task_table(task).samples_online
     data = plan_data(args, values, task, work)
