@@ -77,6 +77,7 @@ bench:
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/ram_loading.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/data_prep.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/rl.py
 
 # On a GPU: tokens/s, MFU and peak memory against the plan at Llama-3.2-1B size (bench/mfu.py; --toy on a CPU).
 bench-gpu:

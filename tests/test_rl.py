@@ -256,11 +256,47 @@ def test_a_grpo_resume_with_another_group_size_is_refused_and_touches_nothing(tm
         (["--use_vllm", "true"], "vLLM, which runs on CUDA GPUs only"),
         (["--max_completion_length", "64"], "leaves no room for the prompt in max_seq_length 64"),
         (["--fused_loss", "false"], "task grpo always scores with TRL's fused head"),
+        (["--sampler", "paged"], "sampler must be one of generate, continuous, vllm"),
+        (["--sampler", "continuous", "--use_vllm", "true"], "name two samplers: pass one"),
+        (
+            ["--sampler", "continuous", "--bf16", "true", "--dtype", "float32"],
+            "train on in bfloat16. Pass --dtype bfloat16",
+        ),
     ],
 )
 def test_settings_grpo_cannot_take_are_one_line(flags, key, tmp_path):
+    """Each refused before a weight loads (an exception here; the runner prints its one line)."""
     with pytest.raises(ToolkitError, match=key):
         train(GRPO, grpo_flags(tmp_path / "run", 2, *flags), NAME)
+
+
+def test_the_continuous_sampler_samples_what_generate_does_and_trains(tmp_path):
+    """--sampler continuous: transformers' continuous batching, its paged cache sized to the generation batch (not
+    TRL's half of the device's memory, a CPU's RAM): greedy, each prompt's completion is generate's token for token
+    (a toy Qwen3, prompts of different lengths); a tiny GRPO run samples with it, trains and exports."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from toolkit.data.sources import stored_config
+    from toolkit.models import tiny
+    from toolkit.settings.policy import paged_cache
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny.shrunk_config(stored_config("Qwen/Qwen3-0.6B"), 512)).eval()
+    prompts = [torch.randint(10, 512, (n,)).tolist() for n in (5, 17, 9, 30)]
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = paged_cache(len(prompts), 30 + 12)
+    assert cache["num_blocks"] == 4  # a 64-token page a row
+    batched = model.generate_batch(prompts, generation_config=config, progress_bar=False,
+                                   continuous_batching_config=ContinuousBatchingConfig(**cache))  # fmt: skip
+    for prompt, out in zip(prompts, batched.values(), strict=True):
+        alone = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+        assert list(out.generated_tokens) == alone
+    out = tmp_path / "run"
+    trainer = train(GRPO, grpo_flags(out, 2, "--sampler", "continuous", "--save_strategy", "no"), NAME).trainer
+    assert trainer.args.use_transformers_continuous_batching
+    assert trainer.args.transformers_continuous_batching_config["num_blocks"] == 8 * 1  # 8 completions, 64 tokens
+    assert len(logged(out, "loss")) == 2 and (out / "adapter_model.safetensors").is_file()
 
 
 def reward_model_folder(folder: Path, labels: int = 1) -> Path:

@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .metrics.cost import check_device_name
 from .metrics.memory import device_memory
 from .models.attention import FLEX_ON_CPU
-from .models.loading import check_experts_kernel, check_model_settings, check_sequence_length
+from .models.loading import check_experts_kernel, check_model_settings, check_sequence_length, checkpoint_dtype
 from .models.parallel import check_expert_parallel, check_sequence_split, check_split_task, check_tensor_parallel
 from .models.pipeline import check_pipeline
 from .outputs import check_run_output
@@ -146,6 +146,25 @@ def image_parts(launch: Launch) -> None:
         check_parts(launch.args.model.train_parts)
 
 
+def continuous_sampler(launch: Launch) -> None:
+    """grpo --sampler continuous: TRL casts the model itself to the run's 16-bit dtype before it samples
+    (GRPOTrainer's continuous-batching path), so weights that load in fp32 under --bf16 would train on in bf16."""
+    args = launch.args
+    if (
+        args.data.task != "grpo"
+        or args.policy.sampler != "continuous"
+        or not (args.training.bf16 or args.training.fp16)
+    ):
+        return
+    wanted = torch.bfloat16 if args.training.bf16 else torch.float16
+    loaded = checkpoint_dtype(args.model.dtype, launch.config)
+    if loaded != wanted:
+        name = str(wanted).removeprefix("torch.")
+        raise ConfigError(f"--sampler continuous: TRL casts the model to {name} before it samples, and its weights "
+                          f"load as {str(loaded).removeprefix('torch.')}: it would train on in {name}. Pass --dtype "
+                          f"{name} (the optimizer keeps fp32 masters) or --sampler generate.")  # fmt: skip
+
+
 Check = Callable[[Launch], None]
 LAUNCH: tuple[Check, ...] = (
     lambda launch: check_run_output(launch.args.training.output_dir),  # outputs.py: where it writes, first
@@ -169,6 +188,7 @@ MODEL: tuple[Check, ...] = (
     lambda launch: check_experts_kernel(launch.config, launch.args, device_memory()),  # models/loading.py
     parallel_plans,  # models/parallel.py, models/pipeline.py
     image_parts,  # models/vision.py
+    continuous_sampler,  # settings/policy.py's sampler, TRL's cast
 )
 
 

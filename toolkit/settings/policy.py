@@ -24,6 +24,10 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 BUILT_IN = ("accuracy", "format", "length")  # the rewards named by a word (training/rewards.py's built_in)
 DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
 VLLM_MODES = ("colocate", "server")
+# How grpo samples its completions: transformers' generate on the left-padded generation batch (TRL's default),
+# transformers' continuous batching with a paged KV cache (TRL's use_transformers_continuous_batching), or vLLM.
+SAMPLERS = ("generate", "continuous", "vllm")
+PAGE_TOKENS = 64  # tokens a page of the paged cache holds: a short row wastes at most one page
 
 
 @cache
@@ -33,6 +37,15 @@ def grpo_losses() -> tuple[str, ...]:
 
     help_text = next(f for f in fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
     return tuple(re.findall(r"'(\w+)'", help_text.partition("Supported values are")[2].partition(".")[0]))
+
+
+def paged_cache(rows: int, max_length: int) -> dict:
+    """transformers' ContinuousBatchingConfig for one generation batch: pages for every row at its longest (prompt
+    and completion), all rows in flight at once. Its default sizes the cache by a share of the device's free memory
+    (TRL's: half), which on a CPU is half the host's RAM, per process."""
+    pages = -(-max_length // PAGE_TOKENS)
+    return {"page_size": PAGE_TOKENS, "num_blocks": rows * pages, "max_requests_per_batch": rows,
+            "max_batch_tokens": rows * max_length}  # fmt: skip
 
 
 @dataclass
@@ -85,6 +98,14 @@ class PolicyArguments:
         },
     )
     vllm_mode: str = field(default="colocate", metadata={"help": f"grpo with vLLM: {', '.join(VLLM_MODES)}."})
+    sampler: str = field(
+        default="generate",
+        metadata={
+            "help": "grpo: how completions are sampled: generate (transformers' generate, a padded batch), "
+            "continuous (transformers' continuous batching, a paged KV cache sized to the generation batch), "
+            "vllm (a GPU; the same as --use_vllm). docs/rl.md has their speeds."
+        },
+    )
 
     def resolve(self, task: str) -> None:
         """The task's defaults for what the recipe left unset, and each value checked against TRL's domain."""
@@ -117,6 +138,13 @@ class PolicyArguments:
                               f"({self.temperature:g}) must be positive.")  # fmt: skip
         if self.vllm_mode not in VLLM_MODES:
             raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {self.vllm_mode!r}.")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r} (docs/rl.md).")
+        if self.use_vllm and self.sampler not in ("generate", "vllm"):
+            raise ConfigError(f"use_vllm true and sampler {self.sampler} name two samplers: pass one, --sampler "
+                              f"vllm or --sampler {self.sampler}.")  # fmt: skip
+        if self.sampler == "vllm":
+            self.use_vllm = True
         if not self.rewards():
             raise ConfigError("a grpo recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
                               "(docs/rl.md lists the built-in ones).")  # fmt: skip
@@ -176,12 +204,18 @@ class PolicyArguments:
             from trl import GRPOConfig
 
             values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
+            continuous = self.sampler == "continuous"
             try:
-                return GRPOConfig(**values, beta=self.beta, loss_type=self.loss_type, reward_weights=self.weights(),
-                                  num_generations=self.num_generations, temperature=self.temperature,
-                                  max_completion_length=self.max_completion_length, use_vllm=self.use_vllm,
-                                  vllm_mode=self.vllm_mode, trust_remote_code=trust_remote_code,
-                                  log_completions=False, remove_unused_columns=False)  # fmt: skip
+                config = GRPOConfig(**values, beta=self.beta, loss_type=self.loss_type, reward_weights=self.weights(),
+                                    num_generations=self.num_generations, temperature=self.temperature,
+                                    max_completion_length=self.max_completion_length, use_vllm=self.use_vllm,
+                                    vllm_mode=self.vllm_mode, trust_remote_code=trust_remote_code,
+                                    log_completions=False, remove_unused_columns=False,
+                                    use_transformers_continuous_batching=continuous)  # fmt: skip
             except ValueError as error:  # its batch arithmetic: say it with the settings' own names
                 raise ConfigError(f"grpo: {' '.join(str(error).split())}") from None
+            if continuous:
+                rows = config.generation_batch_size // max(config.world_size, 1)  # this process's prompts' rows
+                config.transformers_continuous_batching_config = paged_cache(rows, max_length)
+            return config
         return training
