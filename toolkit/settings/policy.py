@@ -190,32 +190,39 @@ class PolicyArguments:
     def trl_config(self, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool):
         """TRL's DPOConfig, GRPOConfig or RewardConfig from the run's TrainingArguments (every field as resolved)
         and these settings; other tasks keep their TrainingArguments."""
-        values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
-        if task == "reward":  # TRL's Bradley-Terry loss as it is (no margin column, no centring term)
-            from trl import RewardConfig
+        return trl_config(self, task, training, max_length, trust_remote_code)
 
-            return RewardConfig(**values, max_length=max_length, trust_remote_code=trust_remote_code)
-        if task == "dpo":
-            from trl import DPOConfig
 
-            return DPOConfig(**values, beta=self.beta, loss_type=self.losses(), max_length=max_length,
-                             trust_remote_code=trust_remote_code)  # fmt: skip
-        if task == "grpo":
-            from trl import GRPOConfig
+def trl_config(
+    policy: PolicyArguments, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool
+):
+    """PolicyArguments.trl_config's body: TRL's config for `task` from the run's TrainingArguments and `policy`."""
+    values = {f.name: getattr(training, f.name) for f in fields(TrainingArguments) if f.init}
+    if task == "reward":  # TRL's Bradley-Terry loss as it is (no margin column, no centring term)
+        from trl import RewardConfig
 
-            values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
-            continuous = self.sampler == "continuous"
-            try:
-                config = GRPOConfig(**values, beta=self.beta, loss_type=self.loss_type, reward_weights=self.weights(),
-                                    num_generations=self.num_generations, temperature=self.temperature,
-                                    max_completion_length=self.max_completion_length, use_vllm=self.use_vllm,
-                                    vllm_mode=self.vllm_mode, trust_remote_code=trust_remote_code,
-                                    log_completions=False, remove_unused_columns=False,
-                                    use_transformers_continuous_batching=continuous)  # fmt: skip
-            except ValueError as error:  # its batch arithmetic: say it with the settings' own names
-                raise ConfigError(f"grpo: {' '.join(str(error).split())}") from None
-            if continuous:
-                rows = config.generation_batch_size // max(config.world_size, 1)  # this process's prompts' rows
-                config.transformers_continuous_batching_config = paged_cache(rows, max_length)
-            return config
-        return training
+        return RewardConfig(**values, max_length=max_length, trust_remote_code=trust_remote_code)
+    if task == "dpo":
+        from trl import DPOConfig
+
+        return DPOConfig(**values, beta=policy.beta, loss_type=policy.losses(), max_length=max_length,
+                         trust_remote_code=trust_remote_code)  # fmt: skip
+    if task == "grpo":
+        from trl import GRPOConfig
+
+        values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
+        continuous = policy.sampler == "continuous"
+        try:
+            config = GRPOConfig(**values, beta=policy.beta, loss_type=policy.loss_type, reward_weights=policy.weights(),
+                                num_generations=policy.num_generations, temperature=policy.temperature,
+                                max_completion_length=policy.max_completion_length, use_vllm=policy.use_vllm,
+                                vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
+                                log_completions=False, remove_unused_columns=False,
+                                use_transformers_continuous_batching=continuous)  # fmt: skip
+        except ValueError as error:  # its batch arithmetic: say it with the settings' own names
+            raise ConfigError(f"grpo: {' '.join(str(error).split())}") from None
+        if continuous:
+            rows = config.generation_batch_size // max(config.world_size, 1)  # this process's prompts' rows
+            config.transformers_continuous_batching_config = paged_cache(rows, max_length)
+        return config
+    return training
