@@ -151,7 +151,7 @@ def test_the_plan_and_a_run_say_and_use_the_active_count(tmp_path, monkeypatch, 
     from toolkit import train
     from toolkit.planner import assembly, cli
 
-    monkeypatch.setattr(assembly, "planned_activations", lambda *args: (None, "not measured here"))  # the slow part
+    monkeypatch.setattr(assembly, "planned_activations", lambda *args, **kwargs: (None, "not measured here"))  # slow
     assert cli.main([MIXTRAL, "--gpu", "H100-80GB", "--gpus", "8", "--samples", "1000", "--seq_length", "4096"]) == 0
     out = capsys.readouterr().out
     assert "0 frozen; 12.9B active per token (2 of 8 routed experts); largest module" in out

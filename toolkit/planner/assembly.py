@@ -216,8 +216,10 @@ def build_plan(args) -> dict:
     shape = Shape.of(meta_model(config, task, lora, parts), config)
     mixed = values.get("bf16") or values.get("fp16")
     work = plan_workload(args, values, task, lora)
+    kernel = values.get("experts_implementation", "auto")  # auto: transformers' choice on a GPU, grouped_mm
+    experts = ("grouped_mm" if kernel == "auto" else kernel) if shape.routing else None
     fit, activations_note = planned_activations(config, task, work.precision, work.flash_attention, work.fused_head,
-                                                 lora, bool(mixed))  # fmt: skip
+                                                lora, bool(mixed), experts=experts)  # fmt: skip
     image, image_note = None, ""
     if task_table(task).images:
         image, image_note = measured_image_cost(config, task, lora, parts, work.precision, bool(mixed),
@@ -226,7 +228,8 @@ def build_plan(args) -> dict:
     layouts = {p.stem: Layout.from_file(p) for p in strategy_files()}
     compiled = compiled_configs(values, config, task, lora is not None, list(layouts.values()), args.gpus * args.nodes)
     shape_for, measured = compiled_shapes(shape, compiled, lambda: planned_activations(
-        config, task, work.precision, work.flash_attention, work.fused_head, lora, bool(mixed), True))  # fmt: skip
+        config, task, work.precision, work.flash_attention, work.fused_head, lora, bool(mixed), True,
+        experts=experts))  # fmt: skip
     gpu = device_spec(args.gpu, PLAN_ANY_GPU)
     online = task_table(task).samples_online
     data = plan_data(args, values, task, work)

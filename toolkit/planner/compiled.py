@@ -32,6 +32,7 @@ from .activations import (
     measured_activations,
     scaled,
     width_ratios,
+    with_experts_kernel,
 )
 
 INPUT = (2, 128)  # (micro-batch, sequence): the partitioner's choices do not depend on it; one compile each
@@ -113,9 +114,10 @@ def ratios(config, task: str, dtype: torch.dtype, attention: str | None, fused_h
 
 def planned_activations(config, task: str, precision: str, flash_attention: bool, fused_head: bool = False,
                         lora: dict | None = None, autocast: bool = False, compiled: bool = False,
-                        fp8: bool = False) -> tuple[ActivationFit | None, str]:  # fmt: skip
-    """activations.py's measured fit and its note, scaled for a run that compiles the model (`fp8`: with torchao's
-    float8 linears)."""
+                        fp8: bool = False, experts: str | None = None) -> tuple[ActivationFit | None, str]:  # fmt: skip
+    """activations.py's measured fit and its note (a mixture of experts' with the run's `experts` kernel), scaled for
+    a run that compiles the model (`fp8`: with torchao's float8 linears)."""
+    config = with_experts_kernel(config, experts)
     fit, note = measured_activations(config, task, precision, flash_attention, fused_head, lora, autocast)
     if not compiled or fit is None:
         return fit, note

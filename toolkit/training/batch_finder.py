@@ -166,9 +166,10 @@ def planner(args, model: torch.nn.Module, work: Workload):
     task_name, lora = args.data.task, args.model.lora_settings()
     shape = Shape.of(meta_model(base.config, task_name, lora, args.model.train_parts), base.config)
     autocast = bool(args.training.bf16 or args.training.fp16)
+    experts = getattr(base.config, "_experts_implementation", None) if shape.routing else None
     fit, _ = planned_activations(base.config, task_name, work.precision, work.flash_attention, work.fused_head,
-                                  lora, autocast, bool(args.training.torch_compile),
-                                  getattr(args.training, "mixed_precision", None) == "fp8")  # fmt: skip
+                                 lora, autocast, bool(args.training.torch_compile),
+                                 getattr(args.training, "mixed_precision", None) == "fp8", experts)  # fmt: skip
     shape = replace(shape, activations=fit)
     processes = args.training.world_size
     layout = Layout.replicated("ddp" if processes > 1 else "single", processes)

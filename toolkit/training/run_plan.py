@@ -91,8 +91,9 @@ class RunPlan(RunHeader):
         autocast = bool(trainer.args.bf16 or trainer.args.fp16)
         compiled = bool(trainer.args.torch_compile)
         fp8 = getattr(trainer.args, "mixed_precision", None) == "fp8"
+        experts = getattr(base.config, "_experts_implementation", None) if shape.routing else None  # its kernel's
         fit, why = planned_activations(base.config, task_name, work.precision, work.flash_attention,
-                                        work.fused_head, lora, autocast, compiled, fp8)  # fmt: skip
+                                       work.fused_head, lora, autocast, compiled, fp8, experts)  # fmt: skip
         image, image_note = None, ""
         if task(task_name).images:
             image, image_note = measured_image_cost(base.config, task_name, lora, arguments.model.train_parts,
