@@ -361,8 +361,15 @@ def test_float8_under_compile_saves_what_the_plan_says():
 
     model, config = narrow_llama(8192, False)
     model.to(torch.bfloat16)
-    fits = {fp8: planned_activations(config, "sft", "bf16", True, compiled=True, fp8=fp8)[0] for fp8 in (False, True)}
     convert_model_to_fp8_ao(model)
+    ids = torch.randint(0, config.vocab_size, (2, 128))
+    try:  # float8 matrix products on this CPU: oneDNN's, which kernels capped to AVX2 do not create
+        model(input_ids=ids, labels=ids)
+    except RuntimeError as error:
+        if "primitive descriptor" not in str(error):
+            raise
+        pytest.skip("this CPU's oneDNN makes no float8 matrix product (the plan falls back to eager's bytes)")
+    fits = {fp8: planned_activations(config, "sft", "bf16", True, compiled=True, fp8=fp8)[0] for fp8 in (False, True)}
     try:
         compiled = torch.compile(model, backend=BACKEND)
         for micro_batch, seq_length in [(2, 128)]:  # another shape is another compile: a minute on a CPU
