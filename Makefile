@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft demo-grpo demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install demo demo-sft demo-grpo demo-rloo demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -40,6 +40,10 @@ demo-sft:
 # reasoning-gym's checker; held-out accuracy of the base and the tuned model, greedy, on the same problems.
 demo-grpo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo.py $(ARGS)
+
+# Offline: the same model, problems and budget trained by RLOO (leave-one-out baseline, KL penalty to the start).
+demo-rloo:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_rloo.py $(ARGS)
 
 # Offline: the image-text recipe's architecture (Gemma 3) at toy size, random init, full fine-tune, taught to name
 # the colour of a square it sees in generated pictures; held-out answer accuracy before and after. No VLM's weights

@@ -45,10 +45,11 @@ def test_every_shipped_config_passes_with_every_recipe(config):
             message = "with mixed_precision fp8" if recipe == "llama3_qlora" else "this machine has no CUDA GPU"
             with pytest.raises(ConfigError, match=message):
                 check(config, recipe)
-        elif (pipeline or tensor or split) and recipe in ("smollm2_grpo", "qwen3_grpo"):
-            with pytest.raises(ConfigError, match="under grpo: TRL's GRPOTrainer samples completions"):
+        elif (pipeline or tensor or split) and recipe in ("smollm2_grpo", "qwen3_grpo", "smollm2_rloo"):
+            name = recipe.rpartition("_")[2]
+            with pytest.raises(ConfigError, match=f"under {name}: TRL's {name.upper()}Trainer samples completions"):
                 check(config, recipe)
-        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
+        elif pipeline and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward", "qwen3_kto",
                                      "gemma3_vlm_lora", "qwen2_5_vl_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="run a causal language model's SFT loss on the last stage"):
                 check(config, recipe)
@@ -58,7 +59,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif pipeline and recipe == "smollm2_chat":  # tied embeddings: on the first and the last stage
             with pytest.raises(ConfigError, match="ties its output head to its input embeddings"):
                 check(config, recipe)
-        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward",
+        elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward", "qwen3_kto",
                                   "gemma3_vlm_lora", "qwen2_5_vl_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
                 check(config, recipe)

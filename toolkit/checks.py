@@ -147,11 +147,13 @@ def image_parts(launch: Launch) -> None:
 
 
 def continuous_sampler(launch: Launch) -> None:
-    """grpo --sampler continuous: TRL casts the model itself to the run's 16-bit dtype before it samples
+    """grpo, rloo --sampler continuous: TRL casts the model itself to the run's 16-bit dtype before it samples
     (GRPOTrainer's continuous-batching path), so weights that load in fp32 under --bf16 would train on in bf16."""
+    from .settings.tasks import task
+
     args = launch.args
     if (
-        args.data.task != "grpo"
+        not task(args.data.task).samples_online
         or args.policy.sampler != "continuous"
         or not (args.training.bf16 or args.training.fp16)
     ):

@@ -5,7 +5,7 @@
     model      checked_blueprint  config, checks.py's MODEL, tokenizer, packing, attention      models/
     data       prepare_data     read, checked, tokenized, packed (cached)                     data/
     plan       plan_workload    the workload; the activations measured before weights load    planner/
-    rewards    reward_parts     grpo's rewards, each called once on the first prompts         training/rl.py
+    rewards    reward_parts     grpo's/rloo's rewards, each called once on the first prompts  training/rl.py
     model      load_for_training  the weights, LoRA                                           models/
     trainer    build_trainer    RecipeTrainer (or DPO's) with the toolkit's parts             training/
     run        fit              train, evaluate, save the consolidated (and merged) model     training/
@@ -177,19 +177,19 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
 
 
 def reward_parts(args: Arguments, data: PreparedData) -> dict[str, Any]:
-    """grpo's rewards, each called once on the first prompts before any weights load (training/rl.py)."""
-    if args.data.task != "grpo":
+    """grpo's and rloo's rewards, each called once on the first prompts before any weights load (training/rl.py)."""
+    if not task(args.data.task).samples_online:
         return {}
-    from .training.rl import grpo_parts
+    from .training.rl import online_parts
 
-    return grpo_parts(args, data.train)
+    return online_parts(args, data.train)
 
 
 def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload,
                   rewards: dict[str, Any]) -> RecipeTrainer:  # fmt: skip
-    """The task's trainer with the toolkit's parts: RecipeTrainer, or TRL's DPOTrainer (its own collator and
-    metrics, and a frozen reference model), GRPOTrainer (the rewards; it samples its own batches) or RewardTrainer
-    (its own collator and metrics)."""
+    """The task's trainer with the toolkit's parts: RecipeTrainer, or TRL's DPOTrainer or KTOTrainer (its own
+    collator and metrics, and a frozen reference model), GRPOTrainer or RLOOTrainer (the rewards; they sample their
+    own batches) or RewardTrainer (its own collator and metrics)."""
     if (parallelism := accelerator_parallelism(launch_mesh())) is not None:
         args.training.parallelism_config = parallelism
     if task(args.data.task).pairs and (multiple := pad_multiple(args.model.attn_implementation)):
@@ -198,10 +198,15 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
         from .training.preference import RecipeDPOTrainer, reference_model
 
         trainer_class, task_parts = RecipeDPOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
-    elif args.data.task == "grpo":
-        from .training.rl import RecipeGRPOTrainer
+    elif args.data.task == "kto":
+        from .training.kto import RecipeKTOTrainer
+        from .training.preference import reference_model
 
-        trainer_class, task_parts = RecipeGRPOTrainer, rewards
+        trainer_class, task_parts = RecipeKTOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
+    elif task(args.data.task).samples_online:
+        from .training.rl import trainer_class as online_trainer
+
+        trainer_class, task_parts = online_trainer(args.data.task), rewards
     elif args.data.task == "reward":
         from .training.reward import RecipeRewardTrainer
 

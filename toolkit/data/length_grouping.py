@@ -25,11 +25,12 @@ import torch
 
 LENGTH = "length"  # dataset column: tokens in the row (removed by the Trainer before the collator)
 PAIRED = "chosen_ids"  # a column of TRL's tokenized preference pairs
+LABELLED = "completion_ids"  # a column of TRL's tokenized KTO rows
 
 
 def sample_lengths(dataset) -> list[int]:
-    """Tokens in each training sample: a row's, or a preference pair's two sequences (TRL's chosen and rejected
-    ids: DPOTrainer's without the prompt, which is in each sequence, RewardTrainer's whole)."""
+    """Tokens in each training sample: a row's, a preference pair's two sequences (TRL's chosen and rejected ids:
+    DPOTrainer's without the prompt, which is in each sequence, RewardTrainer's whole), or a KTO row's one."""
     if LENGTH in dataset.column_names:
         return dataset[LENGTH]
     if PAIRED in dataset.column_names:
@@ -37,6 +38,8 @@ def sample_lengths(dataset) -> list[int]:
         if "prompt_ids" not in dataset.column_names:
             return pairs
         return [pair + 2 * len(p) for pair, p in zip(pairs, dataset["prompt_ids"], strict=True)]
+    if LABELLED in dataset.column_names:  # TRL's KTO rows: the prompt and the labelled completion
+        return [len(p) + len(c) for p, c in zip(dataset["prompt_ids"], dataset[LABELLED], strict=True)]
     return [len(row) for row in dataset["input_ids"]]
 
 

@@ -14,6 +14,7 @@ from ..settings.arguments import DataArguments
 from ..settings.tasks import task
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
 from .image_rows import absolute_paths, image_columns, image_problem
+from .labelled import LABELLED_COLUMNS, labelled_problem
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
 from .prompts import as_prompts, prompt_problem
 from .sources import check_hub_dataset, resolve
@@ -211,10 +212,17 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
                             f"binarized's layout); the {name} split of {source} has {split.column_names}: rename its "
                             "columns, or point --dataset_name at preference data.")  # fmt: skip
         columns, problem_of, keep = PAIR_COLUMNS, pair_problem, kept_columns(split)
-    elif args.task == "grpo":
+    elif task(args.task).labelled:
+        if not set(LABELLED_COLUMNS) <= set(split.column_names):
+            raise DataError(f"task {args.task} trains on labelled completions, prompt, completion and label columns "
+                            f"(TRL's unpaired layout: kto-mix-14k's); the {name} split of {source} has "
+                            f"{split.column_names}: rename its columns; pairs (chosen, rejected) train with --task "
+                            "dpo.")  # fmt: skip
+        columns, problem_of, keep = LABELLED_COLUMNS, labelled_problem, LABELLED_COLUMNS
+    elif task(args.task).samples_online:
         if args.prompt_column not in split.column_names:
-            raise DataError(f"task grpo samples completions to prompts (text, or a conversation ending on the user's "
-                            f"turn); the {name} split of {source} has no column '{args.prompt_column}', it has "
+            raise DataError(f"task {args.task} samples completions to prompts (text, or a conversation ending on the "
+                            f"user's turn); the {name} split of {source} has no column '{args.prompt_column}', it has "
                             f"{split.column_names}: name the prompts' column with --prompt_column.")  # fmt: skip
         columns, problem_of, keep = [args.prompt_column], prompt_problem, split.column_names  # rewards read them
     elif task(args.task).images:  # image-and-text conversations, each image opened (image_rows.py)
@@ -261,7 +269,7 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         split = split.select([i for i in range(len(split)) if i not in dropped])
     if data_format in ("sharegpt", "alpaca"):
         return to_messages(split, data_format, args.messages_column)
-    if args.task == "grpo":
+    if task(args.task).samples_online:
         return as_prompts(split, args.prompt_column)
     if task(args.task).images:
         return absolute_paths(split.select_columns(keep), columns, root)

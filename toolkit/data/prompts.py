@@ -1,6 +1,6 @@
-"""Prompts (task grpo) as the data room reads them: TRL's layout, a `prompt` column of text or of a conversation
-that ends on the user's turn (the model answers it). Every other column stays: reward functions receive them
-(an `answer` for the accuracy reward). TRL applies the chat template and tokenizes (training/rl.py)."""
+"""Prompts (task grpo, rloo) as the data room reads them: TRL's layout, a `prompt` column of text or of a
+conversation that ends on the user's turn (the model answers it). Every other column stays: reward functions receive
+them (an `answer` for the accuracy reward). TRL applies the chat template and tokenizes (training/rl.py)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..metrics.routing import fused_experts
 from ..settings.mesh import describe as describe_mesh
 from ..settings.mesh import mesh_processes, sequence_attention
+from ..settings.tasks import task as task_of
 from .meta import meta_model
 
 if TYPE_CHECKING:  # the settings import transformers' TrainingArguments (and peft): not for `toolkit check`
@@ -139,16 +140,16 @@ def check_sequence_heads(config: PretrainedConfig, sp: int) -> None:
 
 
 def check_split_task(mesh: dict[str, int], task: str) -> None:
-    """A split cuts the rows of a causal language model: sft recipes only (the run's and `toolkit check`'s). GRPO
-    takes no model-parallel axis at all: TRL samples with the whole model on each rank and builds the rows it trains
-    on after generation, inside its trainer."""
+    """A split cuts the rows of a causal language model: sft recipes only (the run's and `toolkit check`'s). Online
+    RL (grpo, rloo) takes no model-parallel axis at all: TRL samples with the whole model on each rank and builds the
+    rows it trains on after generation, inside its trainer."""
     split = [f"parallelism_config_{axis}_size {mesh[axis]}" for axis in ("tp", "cp", "sp", "pp")
              if mesh.get(axis, 1) > 1]  # fmt: skip
-    if task == "grpo" and split:
-        raise ConfigError(f"{', '.join(split)} under grpo: TRL's GRPOTrainer samples completions with the whole "
-                          "model on every rank and builds the rows it trains on after generation, which tensor, "
-                          "context, sequence and pipeline parallelism cannot split: use ddp.yaml, fsdp2.yaml, "
-                          "zero2.yaml or zero3.yaml.")  # fmt: skip
+    if task_of(task).samples_online and split:
+        raise ConfigError(f"{', '.join(split)} under {task}: TRL's {task.upper()}Trainer samples completions with "
+                          "the whole model on every rank and builds the rows it trains on after generation, which "
+                          "tensor, context, sequence and pipeline parallelism cannot split: use ddp.yaml, "
+                          "fsdp2.yaml, zero2.yaml or zero3.yaml.")  # fmt: skip
     axis = next((axis for axis in ("cp", "sp") if mesh.get(axis, 1) > 1), None)
     if axis and task != "sft":
         raise ConfigError(f"parallelism_config_{axis}_size {mesh[axis]} splits the rows of a causal language model "

@@ -212,10 +212,12 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
                   dataset_config=None, train_split="train")  # fmt: skip
     if task == "classification":
         values.update(text_columns="text", label_column="label")
-    elif task_table.task(task).pairs:  # a pair's sequence is its whole conversation: up to 3 turns, ~100 tokens
+    elif task_table.task(task).pairs or task_table.task(task).labelled:  # a sequence is a whole conversation: up
+        # to 3 turns, ~100 tokens
         values.update(chat_template="llama3", max_seq_length=128)
-    elif task == "grpo":  # 2 prompts x 4 completions a step, short ones: the sum, and a digit in the answer (a
-        # random model's completions differ in that from the first step, so its advantages are not all 0)
+    elif task_table.task(task).samples_online:  # 2 prompts x 4 completions a step, short ones: the sum, and a
+        # digit in the answer (a random model's completions differ in that from the first step, so its advantages
+        # are not all 0)
         values.update(chat_template="llama3", prompt_column="prompt", reward_funcs="accuracy,format",
                       reward_weights=None, format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
                       per_device_train_batch_size=8)  # fmt: skip

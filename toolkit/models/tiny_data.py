@@ -83,6 +83,17 @@ def preference_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def labelled_rows(n: int = 1024, seed: int = 0, undesirable_every: int = 2) -> list[dict[str, Any]]:
+    """Labelled completions for KTO, unpaired: each preference pair gives one row, its rejected answer (undesirable)
+    every `undesirable_every` rows, else its chosen one, so no prompt has both."""
+    rows = []
+    for k, pair in enumerate(preference_rows(n, seed)):
+        desirable = k % undesirable_every != 0
+        *context, answer = pair["chosen" if desirable else "rejected"]
+        rows.append({"prompt": context, "completion": [answer], "label": desirable})
+    return rows
+
+
 def prompt_rows(n: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
     """Prompts for GRPO: the arithmetic conversations' first question, with its answer for the accuracy reward."""
     rows = []
@@ -97,14 +108,16 @@ def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
     """The tiny data's text, to train its tokenizer on."""
     if task == "classification":
         return [r["text"] for r in rows]
-    if task == "grpo":
+    if task_table.task(task).samples_online:
         return [m["content"] for r in rows for m in r["prompt"]] + [f"{r['answer']}." for r in rows]
+    if task_table.task(task).labelled:
+        return [m["content"] for r in rows for m in r["prompt"] + r["completion"]]
     return [m["content"] for r in rows for c in ([r["messages"]] if task == "sft" else [r["chosen"], r["rejected"]])
             for m in c]  # fmt: skip
 
 
 TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows,
-             "reward": preference_rows}  # fmt: skip
+             "rloo": prompt_rows, "reward": preference_rows, "kto": labelled_rows}  # fmt: skip
 
 
 def write_tiny_dataset(task: str) -> Path:

@@ -152,7 +152,7 @@ def config_row(args, verdict, layout: Layout, plan: dict) -> dict:
                    usd_spot=cost.usd_spot)  # fmt: skip
     elif samples:
         rate = samples_per_second_at_mfu(shape, data["tokens_per_sample"], mfu, devices, peak,
-                                         work.sequences_per_sample, task_table(task).reference)  # fmt: skip
+                                         work.sequences_per_sample, task_table(task).scoring_passes)  # fmt: skip
         rate *= FP8_SPEEDUP if layout.fp8 else 1
         cost = cost_from_throughput(samples, data["epochs"], rate, devices, gpu["on_demand"], args.overhead,
                                     gpu.get("spot"))  # fmt: skip
@@ -271,7 +271,7 @@ def build_plan(args) -> dict:
         "images": image_note if image else None,
         "left_out": images_caveat(task, image, image_note),
         "data": data if samples or online else None,
-        "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).reference),
+        "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).scoring_passes),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,

@@ -155,7 +155,7 @@ def not_fitting_warning(predicted: int, available: int, threshold: float = 0.95)
             "configs and micro-batches that fit.")  # fmt: skip
 
 
-def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = False) -> float:
+def training_flops_per_token(shape: Shape, seq_length: int, scoring_passes: int = 0) -> float:
     """Forward + backward FLOPs per token: 6 per trainable parameter, 4 per frozen one (forward, and backward
     to its inputs only), plus attention's 12 * layers * hidden * sequence (Chowdhery et al. 2022, PaLM,
     appendix B: 6N + 12LHQT). N counts the parameters a token passes through: in a mixture of experts the shared
@@ -163,7 +163,8 @@ def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = Fa
     count FLOPs by active parameters; a frozen weight LoRA adapts in place (Shape.merged_frozen) has its gradient
     computed (6), the factors of that update multiply once per forward pass, not per token (none counted). Embedding
     tables that are only looked up cost nothing (a tied output head's weights count as the head's matmul), as in
-    torchtitan's MFU. `reference`: DPO's forward of the reference model too (2N + 4LHT). An image-text model's
+    torchtitan's MFU. `scoring_passes`: forwards without gradients over as many tokens (2N + 4LHT each): DPO's
+    reference (1), KTO's reference and its KL rows through both models (3). An image-text model's
     tower and projector run per image, not per token: their measured FLOPs (Shape.image) spread over the row's
     tokens."""
     layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
@@ -176,7 +177,7 @@ def training_flops_per_token(shape: Shape, seq_length: int, reference: bool = Fa
         frozen -= shape.image.parameters - shape.image.trainable
         images = shape.image.flops_per_sample / seq_length
     flops = 6 * trainable + 4 * frozen + 2 * shape.merged_frozen + attention + images
-    return flops + (2 * (shape.active - shape.lookups) + attention / 3 if reference else 0)
+    return flops + scoring_passes * (2 * (shape.active - shape.lookups) + attention / 3)
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,10 @@ def cost_from_throughput(samples: int, epochs: float, samples_per_second: float,
 
 
 def samples_per_second_at_mfu(shape: Shape, seq_length: int, mfu: float, devices: int, peak_tflops: float,
-                              sequences: int = 1, reference: bool = False) -> float:  # fmt: skip
+                              sequences: int = 1, scoring_passes: int = 0) -> float:  # fmt: skip
     """MFU = achieved model FLOPs / peak: samples/s = MFU x devices x peak / (FLOPs per token x tokens per sample);
-    a DPO sample is `sequences` 2 of `seq_length` tokens, with the reference's forward (`reference`)."""
-    flops = training_flops_per_token(shape, seq_length, reference) * seq_length * sequences
+    a DPO sample is `sequences` 2 of `seq_length` tokens, with the reference's forward (`scoring_passes`)."""
+    flops = training_flops_per_token(shape, seq_length, scoring_passes) * seq_length * sequences
     return mfu * devices * peak_tflops * 1e12 / flops
 
 

@@ -65,5 +65,5 @@ def grpo_step_time(shape: Shape, work: Workload, prompt_tokens: int, completion_
     rows = work.micro_batch * work.micro_batches
     tokens = prompt_tokens + completion_tokens
     sampling = sampling_seconds(shape, work, rows, prompt_tokens, completion_tokens, bandwidth, peak_flops)
-    training = rows * tokens * training_flops_per_token(shape, tokens, reference) / (mfu * peak_flops)
+    training = rows * tokens * training_flops_per_token(shape, tokens, int(reference)) / (mfu * peak_flops)
     return StepTime(sampling, training)

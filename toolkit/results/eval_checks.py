@@ -20,7 +20,9 @@ DEFAULT_TASKS = {
     "sft": (HELD_OUT, REPLY_CHOICE),
     "classification": (HELD_OUT,),
     "dpo": (),
+    "kto": (HELD_OUT,),
     "grpo": (HELD_OUT,),
+    "rloo": (HELD_OUT,),
     "reward": (HELD_OUT,),
     "vlm_sft": (HELD_OUT,),
 }

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, command, description
 from ..metrics.samples import EVAL_FILE, RUN_LOG
+from ..settings import tasks as task_table
 from .eval_checks import EVAL_FOLDER, HELD_OUT, REPLY_CHOICE, check_run_folder, checked_tasks, task_manager
 from .record import RunRecord
 from .reply_choice import reply_choice_task
@@ -239,7 +240,9 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
-    scored_by_trainer = HELD_OUT in tasks and record.task != "grpo"  # GRPO's held-out figure is its rewards'
+    online = task_table.task(record.task).samples_online  # online RL's held-out figure is its rewards'
+    labelled = task_table.task(record.task).labelled  # KTO's: its completions' likelihoods by label
+    scored_by_trainer = HELD_OUT in tasks and not online and not labelled
     logged = logged_held_out(record) if scored_by_trainer else {}
     for which in ("base", "tuned"):  # one model in memory at a time
         name = record.base_model if which == "base" else record.folder
@@ -253,10 +256,14 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         if which in logged and not harness_tasks:
             continue
         model, _ = load(record, which)
-        if HELD_OUT in tasks and record.task == "grpo":  # greedy answers to held-out prompts, the run's rewards
+        if HELD_OUT in tasks and online:  # greedy answers to held-out prompts, the run's rewards
             from .held_out_rewards import held_out_rewards
 
             scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
+        elif HELD_OUT in tasks and labelled:
+            from .held_out_labelled import held_out_labelled
+
+            scores[which][HELD_OUT] = held_out_labelled(model, tokenizer, prepared.eval)
         elif HELD_OUT in tasks and record.task == "reward" and which not in logged:
             from .held_out_pairs import held_out_pairs
 

@@ -1,4 +1,4 @@
-"""A grpo run's held-out evaluation: each model answers the held-out prompts greedily (the same completions for
+"""A grpo or rloo run's held-out evaluation: each model answers the held-out prompts greedily (the same completions for
 the same weights, whatever the seed), at the run's --max_completion_length, and the run's own rewards score the
 answers: each reward's mean, their weighted sum (`reward`, what the run maximised) and the share of completions
 that ended within the length (`finished`). A reward model among the rewards is left out here (named in the table's
@@ -19,7 +19,7 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
     import torch
 
     policy = record.arguments(PolicyArguments)
-    policy.resolve("grpo")
+    policy.resolve(record.task)
     functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
                  if isinstance(f, Checked)]  # fmt: skip
     columns = {key: rows[key] for key in rows.column_names if key != "prompt"}

@@ -31,7 +31,7 @@ DATA_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 
 @dataclass
 class DataArguments:
-    task: str = field(metadata={"help": "classification, sft, dpo, grpo, reward or vlm_sft."})
+    task: str = field(metadata={"help": "classification, sft, dpo, grpo, rloo, reward or vlm_sft."})
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},
@@ -59,14 +59,16 @@ class DataArguments:
     messages_column: str = field(default="messages", metadata={"help": "sft: list of {role, content} messages."})
     prompt_column: str = field(
         default="prompt",
-        metadata={"help": "grpo: the prompts: text (the user's turn) or a conversation ending on the user's turn."},
+        metadata={
+            "help": "grpo, rloo: the prompts: text (the user's turn) or a conversation ending on the user's turn."
+        },
     )
     chat_template: str | None = field(default=None, metadata={"help": "sft: a named template (llama3) or Jinja."})
     max_seq_length: int = field(
         default=512,
         metadata={
-            "help": "Tokens a row may take (sft, classification; dpo, reward: each of a pair); grpo: the longest "
-            "prompt and completion, which the memory plan sizes the training step at."
+            "help": "Tokens a row may take (sft, classification; dpo, reward: each of a pair); grpo, rloo: the "
+            "longest prompt and completion, which the memory plan sizes the training step at."
         },
     )
     packing: bool | None = field(
@@ -306,7 +308,7 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     run: RunArguments
-    training: TrainingArguments  # TRL's DPOConfig, GRPOConfig or RewardConfig for task dpo, grpo or reward
+    training: TrainingArguments  # TRL's DPOConfig, GRPOConfig, RLOOConfig or RewardConfig for their tasks
     recipe_name: str
     policy: PolicyArguments = field(default_factory=PolicyArguments)
     torch_compile: bool | str = "auto"  # as asked: True, False or auto (resolved into training by the runner)

@@ -341,7 +341,7 @@ def parse(
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
     policy.resolve(data.task)
-    if data.task == "grpo" and policy.max_completion_length >= data.max_seq_length:
+    if task(data.task).samples_online and policy.max_completion_length >= data.max_seq_length:
         raise ConfigError(f"max_completion_length {policy.max_completion_length} leaves no room for the prompt in "
                           f"max_seq_length {data.max_seq_length} (the longest prompt and completion, which the memory "
                           "plan sizes): raise --max_seq_length.")  # fmt: skip

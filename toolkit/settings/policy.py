@@ -1,10 +1,12 @@
-"""The settings of the tasks that train a policy on TRL's trainers: dpo (DPOTrainer) and grpo (GRPOTrainer).
+"""The settings of the tasks that train a policy on TRL's trainers: dpo (DPOTrainer), kto (KTOTrainer), grpo
+(GRPOTrainer) and rloo (RLOOTrainer).
 
-Both name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
-defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, grpo beta 0 (no reference model) and DAPO's
-token-level loss. What GRPO adds (rewards, completions per prompt, sampling) is grpo's alone. `trl_config` turns
-them and the run's TrainingArguments into TRL's config for the trainer (and a reward model's TrainingArguments
-into TRL's RewardConfig: that task names nothing of these).
+They name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
+defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, kto beta 0.1 and its own loss, grpo beta 0 (no
+reference model) and DAPO's token-level loss, rloo beta 0.05 and its one objective. What online RL adds (rewards,
+completions per prompt, sampling) is grpo's and rloo's alone; KTO's weights of the two labels, kto's. `trl_config`
+turns them and the run's TrainingArguments into TRL's config for the trainer (and a reward model's
+TrainingArguments into TRL's RewardConfig: that task names nothing of these).
 """
 
 from __future__ import annotations
@@ -17,17 +19,29 @@ from pathlib import Path
 from transformers import TrainingArguments
 
 from ..errors import ConfigError
+from .tasks import task as task_of
 
 # TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
 BUILT_IN = ("accuracy", "format", "length")  # the rewards named by a word (training/rewards.py's built_in)
-DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
+DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "kto": {"beta": 0.1, "loss_type": "kto"},
+            "grpo": {"beta": 0.0, "loss_type": "dapo"}, "rloo": {"beta": 0.05}}  # fmt: skip
+KTO_WEIGHTS = ("desirable_weight", "undesirable_weight")
 VLLM_MODES = ("colocate", "server")
-# How grpo samples its completions: transformers' generate on the left-padded generation batch (TRL's default),
-# transformers' continuous batching with a paged KV cache (TRL's use_transformers_continuous_batching), or vLLM.
+# How grpo and rloo sample their completions: transformers' generate on the left-padded generation batch (TRL's
+# default), transformers' continuous batching with a paged KV cache (TRL's use_transformers_continuous_batching), or
+# vLLM.
 SAMPLERS = ("generate", "continuous", "vllm")
 PAGE_TOKENS = 64  # tokens a page of the paged cache holds: a short row wastes at most one page
+
+
+@cache
+def kto_losses() -> tuple[str, ...]:
+    """KTOConfig.loss_type's values, TRL's own list (the field's choices)."""
+    from trl import KTOConfig
+
+    return tuple(next(f for f in fields(KTOConfig) if f.name == "loss_type").metadata["choices"])
 
 
 @cache
@@ -50,58 +64,71 @@ def paged_cache(rows: int, max_length: int) -> dict:
 
 @dataclass
 class PolicyArguments:
-    """task dpo and grpo: TRL's settings a recipe names (the rest of their configs is TrainingArguments')."""
+    """task dpo, kto, grpo and rloo: TRL's settings a recipe names (the rest of their configs is TrainingArguments')."""
 
     beta: float | None = field(
         default=None,
-        metadata={"help": "dpo, grpo: how far the policy may move from the reference (dpo 0.1; grpo 0: no reference)."},
+        metadata={
+            "help": "dpo, kto, grpo, rloo: how far the policy may move from the reference (dpo, kto 0.1; grpo "
+            "0: none; rloo 0.05)."
+        },
     )
     loss_type: str | None = field(
         default=None,
-        metadata={"help": f"dpo: {', '.join(DPO_LOSSES)} (comma-separated; sigmoid); grpo: TRL's GRPO losses (dapo)."},
+        metadata={
+            "help": f"dpo: {', '.join(DPO_LOSSES)} (comma-separated; sigmoid); kto: kto, apo_zero_unpaired; grpo: "
+            "TRL's GRPO losses (dapo); rloo has one."
+        },
     )
     reward_funcs: str | None = field(
         default=None,
         metadata={
-            "help": "grpo: comma-separated rewards: built-in names (accuracy, format, length), module:function, "
+            "help": "grpo, rloo: comma-separated rewards: built-in names (accuracy, format, length), module:function, "
             "path/file.py:function, or a reward model's folder (docs/rl.md)."
         },
     )
     reward_weights: str | None = field(
-        default=None, metadata={"help": "grpo: a weight per reward, comma-separated (default 1 each)."}
+        default=None, metadata={"help": "grpo, rloo: a weight per reward, comma-separated (default 1 each)."}
     )
-    num_generations: int = field(default=8, metadata={"help": "grpo: completions sampled per prompt (a group)."})
-    max_completion_length: int = field(default=256, metadata={"help": "grpo: tokens a completion may take."})
-    temperature: float = field(default=1.0, metadata={"help": "grpo: sampling temperature of the completions."})
+    num_generations: int = field(default=8, metadata={"help": "grpo, rloo: completions sampled per prompt (a group)."})
+    max_completion_length: int = field(default=256, metadata={"help": "grpo, rloo: tokens a completion may take."})
+    temperature: float = field(default=1.0, metadata={"help": "grpo, rloo: sampling temperature of the completions."})
     answer_pattern: str = field(
         default=r"-?\d[\d,]*(?:\.\d+)?",
         metadata={
-            "help": "grpo: the regular expression the accuracy reward reads a completion's answer with (its last "
+            "help": "grpo, rloo: the regular expression the accuracy reward reads a completion's answer with (its last "
             "match; a group, if it has one)."
         },
     )
     format_pattern: str | None = field(
         default=None,
-        metadata={"help": "grpo: the regular expression the format reward asks a whole completion to match."},
+        metadata={"help": "grpo, rloo: the regular expression the format reward asks a whole completion to match."},
     )
     rollout_func: str | None = field(
         default=None,
         metadata={
-            "help": "grpo: module:function or path/file.py:function that produces the completions in place of "
+            "help": "grpo, rloo: module:function or path/file.py:function that produces the completions in place of "
             "sampling (TRL's rollout_func: agents, environments, an engine of your own)."
         },
     )
     use_vllm: bool = field(
         default=False,
         metadata={
-            "help": "grpo: generate with vLLM (GPU, `pip install -e '.[vllm]'`) instead of transformers' generate."
+            "help": "grpo, rloo: generate with vLLM (GPU, `pip install -e '.[vllm]'`) instead of transformers' "
+            "generate."
         },
     )
-    vllm_mode: str = field(default="colocate", metadata={"help": f"grpo with vLLM: {', '.join(VLLM_MODES)}."})
+    desirable_weight: float = field(
+        default=1.0, metadata={"help": "kto: the loss weight of desirable completions (TRL's; docs/preference.md)."}
+    )
+    undesirable_weight: float = field(
+        default=1.0, metadata={"help": "kto: the loss weight of undesirable completions (TRL's)."}
+    )
+    vllm_mode: str = field(default="colocate", metadata={"help": f"grpo, rloo with vLLM: {', '.join(VLLM_MODES)}."})
     sampler: str = field(
         default="generate",
         metadata={
-            "help": "grpo: how completions are sampled: generate (transformers' generate, a padded batch), "
+            "help": "grpo, rloo: how completions are sampled: generate (transformers' generate, a padded batch), "
             "continuous (transformers' continuous batching, a paged KV cache sized to the generation batch), "
             "vllm (a GPU; the same as --use_vllm). docs/rl.md has their speeds."
         },
@@ -119,49 +146,21 @@ class PolicyArguments:
             if unknown or not self.losses():
                 raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's DPO losses ("
                                   f"{', '.join(DPO_LOSSES)}): pass --loss_type sigmoid for DPO itself.")  # fmt: skip
-        if task == "grpo":
-            self.check_grpo()
-
-    def check_grpo(self) -> None:
-        if self.beta < 0:
-            raise ConfigError(f"beta must be 0 or more, got {self.beta:g}: 0 trains without a reference model, "
-                              "0.04 is DeepSeekMath's GRPO.")  # fmt: skip
-        if self.loss_type not in grpo_losses():
-            raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's GRPO losses ("
-                              f"{', '.join(grpo_losses())}): pass --loss_type dapo (TRL's default).")  # fmt: skip
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations must be at least 2, got {self.num_generations}: GRPO's "
-                              "advantage compares one prompt's completions with each other (8 is TRL's "
-                              "default).")  # fmt: skip
-        if self.max_completion_length < 1 or self.temperature <= 0:
-            raise ConfigError(f"max_completion_length ({self.max_completion_length}) and temperature "
-                              f"({self.temperature:g}) must be positive.")  # fmt: skip
-        if self.vllm_mode not in VLLM_MODES:
-            raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {self.vllm_mode!r}.")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r} (docs/rl.md).")
-        if self.use_vllm and self.sampler not in ("generate", "vllm"):
-            raise ConfigError(f"use_vllm true and sampler {self.sampler} name two samplers: pass one, --sampler "
-                              f"vllm or --sampler {self.sampler}.")  # fmt: skip
-        if self.sampler == "vllm":
-            self.use_vllm = True
-        if not self.rewards():
-            raise ConfigError("a grpo recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
-                              "(docs/rl.md lists the built-in ones).")  # fmt: skip
-        weights = self.weights()
-        if len(weights) != len(self.rewards()):
-            raise ConfigError(f"reward_weights {self.reward_weights!r} gives {len(weights)} weights for "
-                              f"{len(self.rewards())} rewards ({', '.join(self.rewards())}): one each, "
-                              "comma-separated.")  # fmt: skip
-        for pattern in (self.answer_pattern, self.format_pattern):
-            try:
-                re.compile(pattern or "")
-            except re.error as error:
-                raise ConfigError(f"the pattern {pattern!r} is not a regular expression ({error}).") from None
+        if task == "kto":
+            if self.beta <= 0 or min(self.desirable_weight, self.undesirable_weight) <= 0:
+                raise ConfigError(f"beta ({self.beta:g}), desirable_weight ({self.desirable_weight:g}) and "
+                                  f"undesirable_weight ({self.undesirable_weight:g}) must be positive: TRL's KTO "
+                                  "defaults are 0.1, 1 and 1.")  # fmt: skip
+            if self.loss_type not in kto_losses():
+                raise ConfigError(f"loss_type {self.loss_type!r} is not among TRL's KTO losses ("
+                                  f"{', '.join(kto_losses())}): pass --loss_type kto.")  # fmt: skip
+        if task_of(task).samples_online:
+            check_online(self, task)
 
     def recorded(self, task: str) -> dict:
-        """The settings a run of `task` records (a DPO run's record leaves GRPO's out)."""
-        return {k: v for k, v in vars(self).items() if task == "grpo" or k in DEFAULTS["dpo"]}
+        """The settings a run of `task` records (a DPO run's record leaves online RL's and KTO's out)."""
+        own = (*DEFAULTS["dpo"], *(KTO_WEIGHTS if task == "kto" else ()))
+        return {k: v for k, v in vars(self).items() if task_of(task).samples_online or k in own}
 
     def losses(self) -> list[str]:
         return [name.strip() for name in (self.loss_type or "").split(",") if name.strip()]
@@ -193,6 +192,49 @@ class PolicyArguments:
         return trl_config(self, task, training, max_length, trust_remote_code)
 
 
+def check_online(policy: PolicyArguments, task: str) -> None:
+    """grpo's and rloo's settings (PolicyArguments.resolve's), each against TRL's domain."""
+    if policy.beta < 0:
+        raise ConfigError(f"beta must be 0 or more, got {policy.beta:g}: 0 trains without a reference model, "
+                          "0.04 is DeepSeekMath's GRPO, 0.05 TRL's RLOO.")  # fmt: skip
+    if task == "grpo" and policy.loss_type not in grpo_losses():
+        raise ConfigError(f"loss_type {policy.loss_type!r} is not among TRL's GRPO losses ("
+                          f"{', '.join(grpo_losses())}): pass --loss_type dapo (TRL's default).")  # fmt: skip
+    if task == "rloo" and policy.loss_type is not None:
+        raise ConfigError(f"loss_type {policy.loss_type!r}: rloo has one objective (TRL's RLOO: the leave-one-out "
+                          "baseline, clipped per sequence): drop --loss_type, or train with --task grpo, whose "
+                          "losses it names.")  # fmt: skip
+    if policy.num_generations < 2:
+        raise ConfigError(f"num_generations must be at least 2, got {policy.num_generations}: the "
+                          f"{task.upper()} advantage compares one prompt's completions with each other (8 is "
+                          "TRL's default).")  # fmt: skip
+    if policy.max_completion_length < 1 or policy.temperature <= 0:
+        raise ConfigError(f"max_completion_length ({policy.max_completion_length}) and temperature "
+                          f"({policy.temperature:g}) must be positive.")  # fmt: skip
+    if policy.vllm_mode not in VLLM_MODES:
+        raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {policy.vllm_mode!r}.")
+    if policy.sampler not in SAMPLERS:
+        raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {policy.sampler!r} (docs/rl.md).")
+    if policy.use_vllm and policy.sampler not in ("generate", "vllm"):
+        raise ConfigError(f"use_vllm true and sampler {policy.sampler} name two samplers: pass one, --sampler "
+                          f"vllm or --sampler {policy.sampler}.")  # fmt: skip
+    if policy.sampler == "vllm":
+        policy.use_vllm = True
+    if not policy.rewards():
+        raise ConfigError(f"a {task} recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
+                          "(docs/rl.md lists the built-in ones).")  # fmt: skip
+    weights = policy.weights()
+    if len(weights) != len(policy.rewards()):
+        raise ConfigError(f"reward_weights {policy.reward_weights!r} gives {len(weights)} weights for "
+                          f"{len(policy.rewards())} rewards ({', '.join(policy.rewards())}): one each, "
+                          "comma-separated.")  # fmt: skip
+    for pattern in (policy.answer_pattern, policy.format_pattern):
+        try:
+            re.compile(pattern or "")
+        except re.error as error:
+            raise ConfigError(f"the pattern {pattern!r} is not a regular expression ({error}).") from None
+
+
 def trl_config(
     policy: PolicyArguments, task: str, training: TrainingArguments, max_length: int, trust_remote_code: bool
 ):
@@ -207,22 +249,41 @@ def trl_config(
 
         return DPOConfig(**values, beta=policy.beta, loss_type=policy.losses(), max_length=max_length,
                          trust_remote_code=trust_remote_code)  # fmt: skip
-    if task == "grpo":
-        from trl import GRPOConfig
+    if task == "kto":  # its KL rows are neighbours in a fixed order (training/kto.py): TRL's sequential sampler
+        from trl import KTOConfig
 
-        values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
-        continuous = policy.sampler == "continuous"
-        try:
-            config = GRPOConfig(**values, beta=policy.beta, loss_type=policy.loss_type, reward_weights=policy.weights(),
-                                num_generations=policy.num_generations, temperature=policy.temperature,
-                                max_completion_length=policy.max_completion_length, use_vllm=policy.use_vllm,
-                                vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
-                                log_completions=False, remove_unused_columns=False,
-                                use_transformers_continuous_batching=continuous)  # fmt: skip
-        except ValueError as error:  # its batch arithmetic: say it with the settings' own names
-            raise ConfigError(f"grpo: {' '.join(str(error).split())}") from None
-        if continuous:
-            rows = config.generation_batch_size // max(config.world_size, 1)  # this process's prompts' rows
-            config.transformers_continuous_batching_config = paged_cache(rows, max_length)
-        return config
+        if policy.loss_type == "kto" and values["per_device_train_batch_size"] < 2:
+            raise ConfigError("kto: per_device_train_batch_size 1: KTO's KL estimate pairs each prompt with another "
+                              "row's completion of the micro-batch, and TRL's KTOTrainer takes 2 or more rows a "
+                              "device for it: raise it (lowering --gradient_accumulation_steps keeps the global "
+                              "batch), or --loss_type apo_zero_unpaired, which has no KL term.")  # fmt: skip
+        values["train_sampling_strategy"] = "sequential"
+        return KTOConfig(**values, beta=policy.beta, loss_type=policy.loss_type, max_length=max_length,
+                         desirable_weight=policy.desirable_weight, undesirable_weight=policy.undesirable_weight,
+                         trust_remote_code=trust_remote_code)  # fmt: skip
+    if task_of(task).samples_online:
+        return online_config(policy, task, values, max_length, trust_remote_code)
     return training
+
+
+def online_config(policy: PolicyArguments, task: str, values: dict, max_length: int, trust_remote_code: bool):
+    """TRL's GRPOConfig or RLOOConfig: the TrainingArguments' `values` and the online settings; the paged cache of
+    the continuous sampler sized to this process's generation batch."""
+    import trl
+
+    values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
+    continuous = policy.sampler == "continuous"
+    config_class, own = (trl.GRPOConfig, {"loss_type": policy.loss_type}) if task == "grpo" else (trl.RLOOConfig, {})
+    try:
+        config = config_class(
+            **values, **own, beta=policy.beta, reward_weights=policy.weights(), num_generations=policy.num_generations,
+            temperature=policy.temperature, max_completion_length=policy.max_completion_length,
+            use_vllm=policy.use_vllm, vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
+            log_completions=False, remove_unused_columns=False, use_transformers_continuous_batching=continuous,
+        )  # fmt: skip
+    except ValueError as error:  # its batch arithmetic: say it with the settings' own names
+        raise ConfigError(f"{task}: {' '.join(str(error).split())}") from None
+    if continuous:
+        rows = config.generation_batch_size // max(config.world_size, 1)  # this process's prompts' rows
+        config.transformers_continuous_batching_config = paged_cache(rows, max_length)
+    return config

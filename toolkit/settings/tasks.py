@@ -36,6 +36,12 @@ class Task:
     pairs: bool = False
     # Whether each step also scores the pair with a frozen reference model (DPO's; with LoRA, the adapter off).
     reference: bool = False
+    # Forward passes a step runs without gradients per trained sequence, each over as many tokens: DPO's reference
+    # (1); KTO's reference on the row and, for its KL estimate, the row's prompt with another row's completion
+    # through the policy and the reference (3). The planner's FLOPs count them.
+    scoring_passes: int = 0
+    # Whether a sample is a completion labelled desirable or not (KTO's unpaired layout: prompt, completion, label).
+    labelled: bool = False
     # Whether TRL's trainer applies the chat template and tokenizes (the data room checks the rows, keeps them).
     tokenized_by_trainer: bool = False
     # Whether rows reach the collator as read (images and messages): it runs the model's processor on each batch,
@@ -74,8 +80,23 @@ TASKS = {
         fused_head="always",
         pairs=True,
         reference=True,
+        scoring_passes=1,
         tokenized_by_trainer=True,
         metrics=("rewards/accuracies", "rewards/margins"),
+    ),
+    # Preference tuning from unpaired, labelled completions (KTO) on TRL's KTOTrainer: each completion's log-ratio
+    # to the reference pushed above (desirable) or below (undesirable) the batch's KL estimate (training/kto.py).
+    "kto": Task(
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=False,
+        fused_head="always",
+        reference=True,
+        scoring_passes=3,
+        labelled=True,
+        tokenized_by_trainer=True,
+        metrics=("rewards/margins", "kl"),
     ),
     # Online RL (GRPO) on TRL's GRPOTrainer: completions sampled, scored by rewards, their advantages trained on
     # (training/rl.py); its loss is TRL's own normalisation (DAPO's by default), not the Trainer's token count, and
@@ -102,6 +123,20 @@ TASKS = {
         metrics=("perplexity", "token_accuracy"),
         pipeline_tag="image-text-to-text",
     ),
+    # Online RL with RLOO's leave-one-out baseline (TRL's RLOOTrainer): GRPO's sampling and rewards, each
+    # completion's advantage its reward less its siblings' mean, a clipped objective per sequence (a mean over the
+    # micro-batch's completions) and the KL to the reference as a penalty on the reward (training/rl.py).
+    "rloo": Task(
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=False,
+        fused_head="always",
+        evaluates_at_end=False,
+        samples_online=True,
+        tokenized_by_trainer=True,
+        metrics=("reward",),
+    ),
     # A reward model (TRL's RewardTrainer): a sequence classifier with one output, trained on preference pairs to
     # score the chosen answer above the rejected one (Bradley-Terry); a GRPO recipe names its folder as a reward.
     "reward": Task(
@@ -117,7 +152,7 @@ TASKS = {
     ),
 }
 
-GENERATIVE = ("sft", "dpo", "grpo", "vlm_sft")  # tasks that train a decoder's next-token head
+GENERATIVE = ("sft", "dpo", "kto", "grpo", "rloo", "vlm_sft")  # tasks that train a decoder's next-token head
 
 
 def task(name: str) -> Task:

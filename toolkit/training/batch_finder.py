@@ -76,7 +76,7 @@ def check_batch_finder(args, engine: str) -> None:
         raise ConfigError(f"per_device_train_batch_size auto probes the whole model on one device (single device, "
                           f"DDP), and this launch shards it: pass the micro-batch `python -m toolkit plan recipes/"
                           f"{args.recipe_name}.py` gives for this config.")  # fmt: skip
-    if task(args.data.task).pairs or task(args.data.task).samples_online:
+    if task(args.data.task).tokenized_by_trainer:  # dpo, kto, grpo, rloo, reward
         raise ConfigError(f"per_device_train_batch_size auto probes rows as the collator batches them, and task "
                           f"{args.data.task} batches in TRL's own trainer: pass a number.")  # fmt: skip
 

@@ -1,11 +1,12 @@
-"""Online RL (task grpo): TRL's GRPOTrainer with the toolkit's parts in front, as for SFT and DPO.
+"""Online RL (task grpo, rloo): TRL's GRPOTrainer and RLOOTrainer with the toolkit's parts in front, as for SFT and
+DPO.
 
 Each step TRL samples --num_generations completions for each prompt of the generation batch (transformers'
-generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage
-over its group's mean. `per_device_train_batch_size` counts completions: a step's prompts are the global batch
-divided by num_generations. The reference model (beta > 0) is TRL's: a frozen copy for a full fine-tune; under
-LoRA the base with a frozen copy of the starting adapter (TRL's "ref", left out of the export). Imported only by
-grpo runs: TRL takes a second to import.
+generate, or vLLM on a GPU), scores them with the rewards (rewards.py), and trains on each completion's advantage:
+GRPO's over its group's mean, RLOO's over the mean of its siblings (leave one out). `per_device_train_batch_size`
+counts completions: a step's prompts are the global batch divided by num_generations. The reference model
+(beta > 0) is TRL's: a frozen copy for a full fine-tune; under LoRA the base with a frozen copy of the starting
+adapter (TRL's "ref", left out of the export). Imported only by these runs: TRL takes a second to import.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.util
 import logging
 
 import torch
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOTrainer
 
 from ..errors import ConfigError
 from ..settings.arguments import Arguments
@@ -23,9 +24,9 @@ from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
 
 
-def grpo_parts(args: Arguments, train_rows) -> dict:
-    """What RecipeGRPOTrainer takes beside the toolkit's parts: the rewards, each called once on the first
-    prompts (a broken one fails now, in one line, before any step is paid for)."""
+def online_parts(args: Arguments, train_rows) -> dict:
+    """What RecipeGRPOTrainer and RecipeRLOOTrainer take beside the toolkit's parts: the rewards, each called once
+    on the first prompts (a broken one fails now, in one line, before any step is paid for)."""
     if args.policy.use_vllm:
         if not torch.cuda.is_available():
             raise ConfigError("--use_vllm true generates with vLLM, which runs on CUDA GPUs only: drop it here "
@@ -39,7 +40,13 @@ def grpo_parts(args: Arguments, train_rows) -> dict:
     return {"reward_funcs": functions, "rollout_func": rollout}
 
 
-TRL_LOGGER = logging.getLogger("trl.trainer.grpo_trainer")
+def trainer_class(name: str) -> type:
+    """The task's trainer: RecipeGRPOTrainer or RecipeRLOOTrainer."""
+    return {"grpo": RecipeGRPOTrainer, "rloo": RecipeRLOOTrainer}[name]
+
+
+# TRL's loggers, where each warns of a completion no reward judged
+TRL_LOGGERS = {name: logging.getLogger(f"trl.trainer.{name}_trainer") for name in ("grpo", "rloo")}
 ALL_NONE = "All reward functions returned None"  # TRL's warning of a completion no reward judged (after its rank)
 
 
@@ -57,8 +64,11 @@ class HeldWarnings(logging.Filter):
         return True
 
 
-class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
-    """The toolkit's parts on TRL's `GRPOTrainer`."""
+class OnlineRLMixin(ToolkitTrainerMixin):
+    """The toolkit's parts on TRL's `GRPOTrainer` and `RLOOTrainer`, which share their hooks."""
+
+    objective = ""  # the header's loss line
+    logger = TRL_LOGGERS["grpo"]
 
     def _prepare_inputs(self, generation_batch):
         """TRL's: the generation batch's completions sampled and scored (once per generation), this micro-batch's
@@ -82,23 +92,23 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         and TRL's warning of it, a few lines with the row's columns at every such step, is left out; where only
         some completions went unjudged, TRL's warning is the notice, and stays."""
         unjudged = HeldWarnings(ALL_NONE)
-        TRL_LOGGER.addFilter(unjudged)
+        self.logger.addFilter(unjudged)
         try:
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         finally:
-            TRL_LOGGER.removeFilter(unjudged)
+            self.logger.removeFilter(unjudged)
         judged = not bool(torch.isnan(rewards).all())
         if self.model.training:
             self.safe_stop.note_rewards(judged, self.state.global_step + 1, len(rewards))
         if judged or not self.model.training:
             for record in unjudged.records:
-                TRL_LOGGER.handle(record)
+                self.logger.handle(record)
         return rewards
 
     def _get_train_sampler(self, dataset=None):
         """TRL's RepeatSampler always: a prompt's group of completions must stay together, which length-grouped
         order (the toolkit's default for data with lengths) would break."""
-        return GRPOTrainer._get_train_sampler(self, dataset)
+        return super(ToolkitTrainerMixin, self)._get_train_sampler(dataset)
 
     def _generate(self, prompts):
         """TRL's sampling (or the recipe's rollout_func), timed apart: the step's sampling share, and tokens/s and
@@ -114,14 +124,15 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
         """The batch arithmetic (completions are the batch's samples: prompts x completions each) and the engine."""
         args, policy = self.args, self.recipe.policy
         completions, steps = args.generation_batch_size, args.steps_per_generation
-        engine = f"vLLM ({policy.vllm_mode})" if policy.use_vllm else "transformers' generate"
+        engine = (f"vLLM ({policy.vllm_mode})" if policy.use_vllm else "transformers' continuous batching"
+                  if policy.sampler == "continuous" else "transformers' generate")  # fmt: skip
         return (f"generation    {completions // policy.num_generations} prompts x {policy.num_generations} "
                 f"completions = {completions} completions every {steps} micro-batch(es), at most "
                 f"{policy.max_completion_length} tokens each, temperature {policy.temperature:g}, {engine}",
                 "rewards       " + ", ".join(f"{name} x {weight:g}" for name, weight in
                                              zip(policy.rewards(), policy.weights(), strict=True))
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
-                f"loss          {policy.loss_type} (TRL's GRPO)",
+                f"loss          {self.objective}",
                 f"              (the memory plan below is the larger phase's: sampling "
                 f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "
                 f"max_seq_length {self.recipe.data.max_seq_length}, or the training step)")  # fmt: skip
@@ -136,3 +147,44 @@ class RecipeGRPOTrainer(ToolkitTrainerMixin, GRPOTrainer):
     def create_model_card(self, *args, **kwargs) -> None:
         """TRL writes a draft card into the output folder at each checkpoint; the toolkit writes the run's own at
         the end (results/card.py), and a checkpoint never touches the run's files."""
+
+
+class RecipeGRPOTrainer(OnlineRLMixin, GRPOTrainer):
+    """The toolkit's parts on TRL's `GRPOTrainer`."""
+
+    logger = TRL_LOGGERS["grpo"]
+
+    @property
+    def objective(self) -> str:
+        return f"{self.recipe.policy.loss_type} (TRL's GRPO)"
+
+
+class RecipeRLOOTrainer(OnlineRLMixin, RLOOTrainer):
+    """The toolkit's parts on TRL's `RLOOTrainer`, and the recipe's rollout_func, which TRL's RLOO does not take:
+    it produces the completion ids in place of sampling, the prompts tokenized as TRL's GRPO passes them to it."""
+
+    objective = "RLOO's (TRL's): each completion's reward less its siblings' mean, clipped per sequence"
+    logger = TRL_LOGGERS["rloo"]
+
+    def __init__(self, *args, rollout_func=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rollout_func, self.rolled = rollout_func, None
+
+    def _generate(self, prompts):
+        if self.rollout_func is None:
+            return super()._generate(prompts)
+        self.rolled = self.rollout_func(prompts, self)
+        try:
+            return super()._generate(prompts)
+        finally:
+            self.rolled = None
+
+    def _tokenize_prompts(self, prompts):
+        if self.rolled is None:
+            return super()._tokenize_prompts(prompts)
+        return self.rolled["prompt_ids"], None, {}
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        if self.rolled is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        return self.rolled["completion_ids"]

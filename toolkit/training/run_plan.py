@@ -124,7 +124,7 @@ class RunPlan(RunHeader):
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
-        return training_flops_per_token(self.shape, seq_length, reference=task(self.recipe.data.task).reference)
+        return training_flops_per_token(self.shape, seq_length, task(self.recipe.data.task).scoring_passes)
 
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the
