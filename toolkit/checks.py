@@ -31,7 +31,13 @@ from .errors import ConfigError
 from .metrics.cost import check_device_name
 from .metrics.memory import device_memory
 from .models.attention import FLEX_ON_CPU
-from .models.loading import check_experts_kernel, check_model_settings, check_sequence_length, checkpoint_dtype
+from .models.loading import (
+    check_experts_kernel,
+    check_model_settings,
+    check_sequence_length,
+    check_teacher,
+    checkpoint_dtype,
+)
 from .models.parallel import check_expert_parallel, check_sequence_split, check_split_task, check_tensor_parallel
 from .models.pipeline import check_pipeline
 from .outputs import check_run_output
@@ -186,6 +192,7 @@ LAUNCH: tuple[Check, ...] = (
 )
 MODEL: tuple[Check, ...] = (
     lambda launch: check_model_settings(launch.config, launch.args.model, launch.args.data.task),  # models/loading
+    lambda launch: check_teacher(launch.config, launch.args.model, launch.args.data.task),  # models/loading.py
     lambda launch: check_sequence_length(launch.config, launch.args.data.max_seq_length),  # models/loading.py
     lambda launch: check_experts_kernel(launch.config, launch.args, device_memory()),  # models/loading.py
     parallel_plans,  # models/parallel.py, models/pipeline.py

@@ -203,6 +203,11 @@ def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work
         from .training.preference import reference_model
 
         trainer_class, task_parts = RecipeKTOTrainer, {"ref_model": reference_model(args, loaded.tokenizer)}
+    elif task(args.data.task).teacher:
+        from .training.distill import RecipeDistillationTrainer, teacher_model
+
+        teacher = teacher_model(args, loaded.tokenizer)
+        trainer_class, task_parts = RecipeDistillationTrainer, {**rewards, "teacher_model": teacher}
     elif task(args.data.task).samples_online:
         from .training.rl import trainer_class as online_trainer
 

@@ -94,6 +94,27 @@ def load_config(args: ModelArguments) -> PretrainedConfig:
     return read_config(name, args.model_name_or_path, args.trust_remote_code)
 
 
+def check_teacher(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
+    """distill's teacher from its config alone, before any weights load: named, readable, and of the student's
+    vocabulary (TRL compares their whole next-token distributions); a teacher named for another task, refused."""
+    name = args.teacher_model_name_or_path
+    if not tasks.task(task).teacher:
+        if name:
+            raise ConfigError(f"teacher_model_name_or_path is distillation's: drop it, or train with --task distill "
+                              f"(task {task} has no teacher).")  # fmt: skip
+        return
+    if not name:
+        raise ConfigError("a distill recipe needs a teacher: set teacher_model_name_or_path, a Hub id or a model "
+                          "folder of the student's family (the same tokenizer).")  # fmt: skip
+    teacher = load_config(ModelArguments(model_name_or_path=name, trust_remote_code=args.trust_remote_code))
+    vocabularies = [c.get_text_config().vocab_size for c in (config, teacher)]
+    if vocabularies[0] != vocabularies[1]:
+        raise ConfigError(f"the teacher {name} has a vocabulary of {vocabularies[1]:,} and the student "
+                          f"{args.model_name_or_path} one of {vocabularies[0]:,}: distillation compares their whole "
+                          "next-token distributions, so pick a teacher of the student's family (its "
+                          "tokenizer).")  # fmt: skip
+
+
 def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
     """What the model cannot honour fails in transformers or peft only after the data is tokenized or the weights
     load: the attention implementation and LoRA's target modules, checked against the config and a meta-device

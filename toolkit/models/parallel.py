@@ -146,7 +146,8 @@ def check_split_task(mesh: dict[str, int], task: str) -> None:
     split = [f"parallelism_config_{axis}_size {mesh[axis]}" for axis in ("tp", "cp", "sp", "pp")
              if mesh.get(axis, 1) > 1]  # fmt: skip
     if task_of(task).samples_online and split:
-        raise ConfigError(f"{', '.join(split)} under {task}: TRL's {task.upper()}Trainer samples completions with "
+        trainer = "DistillationTrainer" if task_of(task).teacher else f"{task.upper()}Trainer"
+        raise ConfigError(f"{', '.join(split)} under {task}: TRL's {trainer} samples completions with "
                           "the whole model on every rank and builds the rows it trains on after generation, which "
                           "tensor, context, sequence and pipeline parallelism cannot split: use ddp.yaml, "
                           "fsdp2.yaml, zero2.yaml or zero3.yaml.")  # fmt: skip

@@ -190,7 +190,11 @@ def is_encoder(model_name: str) -> bool:
 def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
     """The parser's `--tiny` layer (settings/parser.py), from the values resolved below it."""
     task_table.task(values["task"])  # an unknown task is named as such, before tiny mode builds anything for it
-    return tiny_training_defaults(values["task"], values["model_name_or_path"])
+    layer = tiny_training_defaults(values["task"], values["model_name_or_path"])
+    teacher = values.get("teacher_model_name_or_path")  # distill's: a tiny one of the teacher's family, same tokenizer
+    if teacher and task_table.task(values["task"]).teacher and not (looks_like_path(teacher) or Path(teacher).is_dir()):
+        layer["teacher_model_name_or_path"] = str(tiny_checkpoint(teacher, values["task"]))
+    return layer
 
 
 def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
@@ -218,9 +222,11 @@ def tiny_training_defaults(task: str, model_name: str) -> dict[str, Any]:
     elif task_table.task(task).samples_online:  # 2 prompts x 4 completions a step, short ones: the sum, and a
         # digit in the answer (a random model's completions differ in that from the first step, so its advantages
         # are not all 0)
-        values.update(chat_template="llama3", prompt_column="prompt", reward_funcs="accuracy,format",
-                      reward_weights=None, format_pattern=r".*\d.*", num_generations=4, max_completion_length=8,
+        values.update(chat_template="llama3", prompt_column="prompt", max_completion_length=8,
                       per_device_train_batch_size=8)  # fmt: skip
+        if not task_table.task(task).teacher:  # distillation's signal is its teacher's
+            values.update(reward_funcs="accuracy,format", reward_weights=None, format_pattern=r".*\d.*",
+                          num_generations=4)  # fmt: skip
     elif not task_table.task(task).images:  # an image-text model's chat template is its processor's
         values.update(messages_column="messages", chat_template="llama3")
     return values

@@ -117,7 +117,7 @@ def texts_of(task: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 TINY_ROWS = {"classification": classification_rows, "sft": chat_rows, "dpo": preference_rows, "grpo": prompt_rows,
-             "rloo": prompt_rows, "reward": preference_rows, "kto": labelled_rows}  # fmt: skip
+             "rloo": prompt_rows, "distill": prompt_rows, "reward": preference_rows, "kto": labelled_rows}  # fmt: skip
 
 
 def write_tiny_dataset(task: str) -> Path:

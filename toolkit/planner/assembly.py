@@ -40,6 +40,8 @@ from .estimate import (
     reward_model_bytes,
     samples_per_second_at_mfu,
     task_workload,
+    teacher_flops_per_token,
+    teacher_shape,
     training_flops_per_token,
     verdicts,
 )
@@ -104,6 +106,7 @@ def plan_workload(args, values: dict, task: str, lora: dict | None) -> Workload:
         trainable_fp32=lora is not None or bool(values.get("fp16")),
         lora_dropout=values.get("lora_dropout", ModelArguments.lora_dropout) if lora is not None else 0.0,
         reward_model_bytes=reward_model_bytes(task, PolicyArguments(reward_funcs=values.get("reward_funcs"))),
+        teacher=teacher_shape(task, values.get("teacher_model_name_or_path")),
         **task_workload(task, lora is not None, fused, beta=values.get("beta") or 0.0),
     )
 
@@ -245,6 +248,9 @@ def build_plan(args) -> dict:
         float8 = " (fsdp2_fp8's float8 casts save more: its run's header measures them)" if "fsdp2_fp8" in shown else ""
         activations_note += f"; compiled ({', '.join(shown)}): {measured['note'].split('; ', 1)[-1]}{float8}"
     fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
+    teacher = work.teacher and {"model": values.get("teacher_model_name_or_path"), "parameters": work.teacher.total,
+                                "active_per_token": work.teacher.active,
+                                "forward_flops_per_token": teacher_flops_per_token(work, work.seq_length)}  # fmt: skip
     return {
         "model": values["model_name_or_path"],
         "recipe": args.model if is_recipe(args.model) else None,
@@ -265,13 +271,15 @@ def build_plan(args) -> dict:
             "nodes": args.nodes,
             "headroom": args.headroom,
         },  # fmt: skip
-        "workload": asdict(work),
+        "workload": asdict(replace(work, teacher=None)),
+        "teacher": teacher,
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
         "images": image_note if image else None,
         "left_out": images_caveat(task, image, image_note),
         "data": data if samples or online else None,
-        "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).scoring_passes),
+        "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).scoring_passes)
+        + teacher_flops_per_token(work, work.seq_length),
         "configs": results,
         "recommended": fitting[0]["config"] if fitting else None,
         "recommended_micro_batch": fitting[0]["micro_batch"] if fitting else None,

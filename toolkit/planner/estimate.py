@@ -5,7 +5,7 @@ time and cost at an assumed MFU.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,7 +64,7 @@ def verdicts(shape: Shape, work: Workload, device_gib: float, gpus_per_node: int
         mem = plan_memory(shape, layout, work, gpus_per_node, nodes)
         best = 0
         for b in (1, 2, 4, 8, 16, 32, 64):
-            trial = plan_memory(shape, layout, Workload(**{**asdict(work), "micro_batch": b}), gpus_per_node, nodes)
+            trial = plan_memory(shape, layout, replace(work, micro_batch=b), gpus_per_node, nodes)
             if trial.device_total <= budget:
                 best = b
         out.append(Verdict(layout.name, mem.device_total / GIB, mem.host_total / GIB, mem.host_loading / GIB,
@@ -94,6 +94,7 @@ def workload_for(arguments, weights_dtype: torch.dtype, on_gpu: bool) -> Workloa
                     cuda_context_gib=Workload.cuda_context_gib if on_gpu else 0.0,
                     weights_4bit=arguments.model.load_in_4bit,
                     reward_model_bytes=reward_model_bytes(d.task, arguments.policy),
+                    teacher=teacher_shape(d.task, arguments.model.teacher_model_name_or_path),
                     **task_workload(d.task, arguments.model.use_lora, arguments.model.fused_loss, on_gpu,
                                     arguments.policy.beta or 0.0))  # fmt: skip
 
@@ -105,6 +106,25 @@ def images_caveat(task: str, image: ImageCost | None, why: str) -> str:
         return ""
     return (f"the vision tower's activations and FLOPs on each image ({why}; the decoder's are counted, image "
             "tokens as text)")  # fmt: skip
+
+
+def teacher_shape(task: str, name: str | None) -> Shape | None:
+    """distill's teacher, from its config alone (a folder's, the copy stored in the repo, or the Hub's)."""
+    if task not in TASKS or not task_table(task).teacher or not name:
+        return None
+    from ..data.sources import model_config
+    from ..models.meta import meta_model
+
+    config = model_config(name)
+    return Shape.of(meta_model(config, "sft", None), config)
+
+
+def teacher_flops_per_token(work: Workload, seq_length: float) -> float:
+    """The teacher's forward per trained token (2 per weight a token passes through, and attention's 4LHT): a
+    forward without gradients, as a reference's (training_flops_per_token's scoring pass); 0 without a teacher."""
+    if work.teacher is None:
+        return 0.0
+    return training_flops_per_token(work.teacher, seq_length, 1) - training_flops_per_token(work.teacher, seq_length)
 
 
 def reward_model_bytes(task: str, policy) -> int:
@@ -141,8 +161,8 @@ def task_workload(task: str, lora: bool, fused_loss: bool | None = None, on_gpu:
         work["sequences_per_sample"] = 2
     if kind.reference:
         work["reference_weights"] = not lora
-    if kind.samples_online:
-        work.update(reference_weights=not lora and bool(beta), generates=True)
+    if kind.samples_online:  # distill's beta picks a divergence: its frozen model is the teacher (Workload.teacher)
+        work.update(reference_weights=not lora and bool(beta) and not kind.teacher, generates=True)
     return work
 
 

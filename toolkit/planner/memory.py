@@ -201,6 +201,8 @@ def plan_memory(shape: Shape, layout: Layout, work: Workload, gpus_per_node: int
     # GRPO's reward models, frozen, in the dtype they were saved in, placed by TRL as the reference is.
     if work.reward_model_bytes:
         mem.device["reward_models"] = int(work.reward_model_bytes / (shards if layout.shard_params else 1))
+    if work.teacher is not None:  # distill's, in the weights' dtype, placed as a reference is
+        mem.device["teacher_model"] = int(weight * work.teacher.total / (shards if layout.shard_params else 1))
     step_terms(mem, shape, layout, work, shards)
     mem.device["cuda_context"] = int(work.cuda_context_gib * GIB)
     return mem

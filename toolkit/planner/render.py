@@ -16,6 +16,10 @@ def online_lines(plan: dict) -> list[str]:
     rows = w["micro_batch"] * w["micro_batches"]
     lines = [f"{task:<12}memory of the larger phase: sampling {rows} rows a device at once (their KV cache at "
              f"{w['seq_length']} tokens, the sampling buffers) or the training step"]  # fmt: skip
+    if teacher := plan.get("teacher"):
+        lines.append(f"{'teacher':<12}{teacher['model']}: {teacher['parameters']:,} parameters ("
+                     f"{teacher['active_per_token']:,} a token passes through), frozen, in the table's GiB/GPU; its "
+                     f"forward adds {teacher['forward_flops_per_token']:.3g} FLOPs per trained token")  # fmt: skip
     timed = next((r for r in plan["configs"] if "step_seconds" in r), None)
     if not timed:
         lines.append(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .estimate import training_flops_per_token
+from .estimate import teacher_flops_per_token, training_flops_per_token
 from .shape import Shape
 from .workload import NF4_BYTES, Workload
 
@@ -65,5 +65,6 @@ def grpo_step_time(shape: Shape, work: Workload, prompt_tokens: int, completion_
     rows = work.micro_batch * work.micro_batches
     tokens = prompt_tokens + completion_tokens
     sampling = sampling_seconds(shape, work, rows, prompt_tokens, completion_tokens, bandwidth, peak_flops)
-    training = rows * tokens * training_flops_per_token(shape, tokens, int(reference)) / (mfu * peak_flops)
+    flops = training_flops_per_token(shape, tokens, int(reference)) + teacher_flops_per_token(work, tokens)
+    training = rows * tokens * flops / (mfu * peak_flops)
     return StepTime(sampling, training)

@@ -6,6 +6,7 @@ models and sampling), QLoRA's 4-bit weights (memory.py prices them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Bytes per parameter of each persistent state, by precision, for the engine's own bookkeeping.
 #   torch FSDP (and fp32 trainable weights: LoRA adapters, fp16's automatic mixed precision): the weights are
@@ -44,6 +45,9 @@ class Workload:
     reference_weights: bool = False
     # GRPO's learned rewards: their weights' bytes (models/meta.py's saved_model_bytes), every reward model whole.
     reward_model_bytes: int = 0
+    # distill's frozen teacher (planner/shape.py's Shape of it): its weights in the run's dtype, placed as a
+    # reference is, and its forward over every trained token (estimate.py's teacher_flops_per_token).
+    teacher: Any = None
     # The loss scored in tiles by a fused head that never holds the full logits (TRL's chunked log-prob head,
     # which DPO uses): fused_head_bytes instead of the logits.
     fused_head: bool = False

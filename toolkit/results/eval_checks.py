@@ -23,6 +23,7 @@ DEFAULT_TASKS = {
     "kto": (HELD_OUT,),
     "grpo": (HELD_OUT,),
     "rloo": (HELD_OUT,),
+    "distill": (HELD_OUT,),
     "reward": (HELD_OUT,),
     "vlm_sft": (HELD_OUT,),
 }

@@ -150,6 +150,30 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
 HELD_OUT_FIGURES = ("eval_perplexity", "eval_token_accuracy", "eval_answer_accuracy", "eval_accuracy", "eval_margin")
 
 
+def task_held_out(record: RunRecord, which: str, model, tokenizer, rows, batch_size: int) -> dict[str, float]:
+    """A task's own held-out figures, where the Trainer's evaluation is not its measure: distill's closeness to the
+    teacher, online RL's rewards of greedy answers, KTO's likelihoods by label, a reward model's pairs; {} for the
+    others (held_out_metrics)."""
+    kind = task_table.task(record.task)
+    if kind.teacher:
+        from .held_out_teacher import held_out_teacher
+
+        return held_out_teacher(record, model, tokenizer, rows, last=which == "tuned")
+    if kind.samples_online:
+        from .held_out_rewards import held_out_rewards
+
+        return held_out_rewards(record, model, tokenizer, rows, batch_size)
+    if kind.labelled:
+        from .held_out_labelled import held_out_labelled
+
+        return held_out_labelled(model, tokenizer, rows)
+    if record.task == "reward":
+        from .held_out_pairs import held_out_pairs
+
+        return held_out_pairs(record, model, tokenizer, rows)
+    return {}
+
+
 def held_out_fingerprint(rows) -> str:
     """What each model is scored on: the token ids the run's collator batches, or the rows TRL's trainer renders
     itself (GRPO's prompts, a reward model's pairs)."""
@@ -240,9 +264,8 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         manager = task_manager(harness_tasks, include)
     scores: dict[str, dict[str, dict[str, float]]] = {"base": {}, "tuned": {}}
     inputs: dict[str, dict[str, str]] = {"base": {}, "tuned": {}}
-    online = task_table.task(record.task).samples_online  # online RL's held-out figure is its rewards'
-    labelled = task_table.task(record.task).labelled  # KTO's: its completions' likelihoods by label
-    scored_by_trainer = HELD_OUT in tasks and not online and not labelled
+    kind = task_table.task(record.task)  # online RL's, KTO's held-out figures are their own (task_held_out)
+    scored_by_trainer = HELD_OUT in tasks and not kind.samples_online and not kind.labelled
     logged = logged_held_out(record) if scored_by_trainer else {}
     for which in ("base", "tuned"):  # one model in memory at a time
         name = record.base_model if which == "base" else record.folder
@@ -256,20 +279,9 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         if which in logged and not harness_tasks:
             continue
         model, _ = load(record, which)
-        if HELD_OUT in tasks and online:  # greedy answers to held-out prompts, the run's rewards
-            from .held_out_rewards import held_out_rewards
-
-            scores[which][HELD_OUT] = held_out_rewards(record, model, tokenizer, prepared.eval, batch_size)
-        elif HELD_OUT in tasks and labelled:
-            from .held_out_labelled import held_out_labelled
-
-            scores[which][HELD_OUT] = held_out_labelled(model, tokenizer, prepared.eval)
-        elif HELD_OUT in tasks and record.task == "reward" and which not in logged:
-            from .held_out_pairs import held_out_pairs
-
-            scores[which][HELD_OUT] = held_out_pairs(record, model, tokenizer, prepared.eval)
-        elif scored_by_trainer and which not in logged:
-            scores[which][HELD_OUT] = held_out_metrics(record, model, tokenizer, prepared)
+        if HELD_OUT in tasks and which not in logged:
+            own = task_held_out(record, which, model, tokenizer, prepared.eval, batch_size)
+            scores[which][HELD_OUT] = own or held_out_metrics(record, model, tokenizer, prepared)
         if harness_tasks:
             found, prints = harness(model, tokenizer, harness_tasks, manager, limit, batch_size)
             scores[which].update(found)

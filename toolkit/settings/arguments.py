@@ -31,7 +31,7 @@ DATA_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 
 @dataclass
 class DataArguments:
-    task: str = field(metadata={"help": "classification, sft, dpo, grpo, rloo, reward or vlm_sft."})
+    task: str = field(metadata={"help": "classification, sft, dpo, kto, grpo, rloo, distill, reward or vlm_sft."})
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub id, local file (json/jsonl/csv/parquet), folder of class subfolders, or package: path."},
@@ -325,12 +325,13 @@ class Arguments:
                                               self.training.torch_compile_mode)  # fmt: skip
 
     def resolved(self) -> dict[str, Any]:
-        """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token)."""
-        out = {"recipe": self.recipe_name}
+        """Everything that defines the run, JSON-serialisable, secrets masked (TrainingArguments masks *_token).
+        TRL's configs repeat some of the toolkit's settings under the same names (beta, loss_type, the teacher, the
+        router's loss coefficient), some as TRL holds them or left at TRL's default: the toolkit's are recorded."""
+        out = {"recipe": self.recipe_name, **self.training.to_dict()}
         for part in (self.model, self.data, self.run):
             out.update(vars(part))
         if self.data.task in POLICY_TASKS:
             out.update(self.policy.recorded(self.data.task))
-        out.update(self.training.to_dict())
         out["torch_compile_setting"] = self.torch_compile
         return out

@@ -87,6 +87,9 @@ class ModelArguments:
         },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the Hub repo."})
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "distill: the teacher, a Hub id or folder sharing the student's vocabulary."}
+    )
     fused_loss: bool | None = field(
         default=None,
         metadata={

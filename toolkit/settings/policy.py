@@ -26,7 +26,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
 BUILT_IN = ("accuracy", "format", "length")  # the rewards named by a word (training/rewards.py's built_in)
 DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "kto": {"beta": 0.1, "loss_type": "kto"},
-            "grpo": {"beta": 0.0, "loss_type": "dapo"}, "rloo": {"beta": 0.05}}  # fmt: skip
+            "grpo": {"beta": 0.0, "loss_type": "dapo"}, "rloo": {"beta": 0.05}, "distill": {"beta": 1.0}}  # fmt: skip
 KTO_WEIGHTS = ("desirable_weight", "undesirable_weight")
 VLLM_MODES = ("colocate", "server")
 # How grpo and rloo sample their completions: transformers' generate on the left-padded generation batch (TRL's
@@ -193,7 +193,11 @@ class PolicyArguments:
 
 
 def check_online(policy: PolicyArguments, task: str) -> None:
-    """grpo's and rloo's settings (PolicyArguments.resolve's), each against TRL's domain."""
+    """grpo's, rloo's and distill's settings (PolicyArguments.resolve's), each against TRL's domain."""
+    check_sampler(policy)
+    if task_of(task).teacher:
+        check_distill(policy)
+        return
     if policy.beta < 0:
         raise ConfigError(f"beta must be 0 or more, got {policy.beta:g}: 0 trains without a reference model, "
                           "0.04 is DeepSeekMath's GRPO, 0.05 TRL's RLOO.")  # fmt: skip
@@ -208,18 +212,6 @@ def check_online(policy: PolicyArguments, task: str) -> None:
         raise ConfigError(f"num_generations must be at least 2, got {policy.num_generations}: the "
                           f"{task.upper()} advantage compares one prompt's completions with each other (8 is "
                           "TRL's default).")  # fmt: skip
-    if policy.max_completion_length < 1 or policy.temperature <= 0:
-        raise ConfigError(f"max_completion_length ({policy.max_completion_length}) and temperature "
-                          f"({policy.temperature:g}) must be positive.")  # fmt: skip
-    if policy.vllm_mode not in VLLM_MODES:
-        raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {policy.vllm_mode!r}.")
-    if policy.sampler not in SAMPLERS:
-        raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {policy.sampler!r} (docs/rl.md).")
-    if policy.use_vllm and policy.sampler not in ("generate", "vllm"):
-        raise ConfigError(f"use_vllm true and sampler {policy.sampler} name two samplers: pass one, --sampler "
-                          f"vllm or --sampler {policy.sampler}.")  # fmt: skip
-    if policy.sampler == "vllm":
-        policy.use_vllm = True
     if not policy.rewards():
         raise ConfigError(f"a {task} recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
                           "(docs/rl.md lists the built-in ones).")  # fmt: skip
@@ -233,6 +225,37 @@ def check_online(policy: PolicyArguments, task: str) -> None:
             re.compile(pattern or "")
         except re.error as error:
             raise ConfigError(f"the pattern {pattern!r} is not a regular expression ({error}).") from None
+
+
+def check_sampler(policy: PolicyArguments) -> None:
+    """How the online tasks sample: the engine and vLLM's mode."""
+    if policy.max_completion_length < 1 or policy.temperature <= 0:
+        raise ConfigError(f"max_completion_length ({policy.max_completion_length}) and temperature "
+                          f"({policy.temperature:g}) must be positive.")  # fmt: skip
+    if policy.vllm_mode not in VLLM_MODES:
+        raise ConfigError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {policy.vllm_mode!r}.")
+    if policy.sampler not in SAMPLERS:
+        raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {policy.sampler!r} (docs/rl.md).")
+    if policy.use_vllm and policy.sampler not in ("generate", "vllm"):
+        raise ConfigError(f"use_vllm true and sampler {policy.sampler} name two samplers: pass one, --sampler "
+                          f"vllm or --sampler {policy.sampler}.")  # fmt: skip
+    if policy.sampler == "vllm":
+        policy.use_vllm = True
+
+
+def check_distill(policy: PolicyArguments) -> None:
+    """distill: the divergence (TRL's beta) and what an RL recipe names that distillation has no use for."""
+    if not 0 <= policy.beta <= 1:
+        raise ConfigError(f"beta must be in [0, 1] for distill, got {policy.beta:g}: it picks the divergence (0 "
+                          "forward KL, 0.5 Jensen-Shannon, 1 reverse KL: TRL's default).")  # fmt: skip
+    named = [f"{name} {value!r}" for name, value in (("loss_type", policy.loss_type),
+             ("reward_funcs", policy.reward_funcs)) if value]  # fmt: skip
+    if named:
+        raise ConfigError(f"{' and '.join(named)}: distill learns the teacher's distribution, with one loss and no "
+                          "rewards: drop them, or train with --task grpo.")  # fmt: skip
+    if policy.sampler == "continuous":
+        raise ConfigError("--sampler continuous: TRL's distillation trainer samples with generate or vLLM only: "
+                          "pass --sampler generate.")  # fmt: skip
 
 
 def trl_config(
@@ -267,11 +290,16 @@ def trl_config(
 
 
 def online_config(policy: PolicyArguments, task: str, values: dict, max_length: int, trust_remote_code: bool):
-    """TRL's GRPOConfig or RLOOConfig: the TrainingArguments' `values` and the online settings; the paged cache of
-    the continuous sampler sized to this process's generation batch."""
+    """TRL's GRPOConfig, RLOOConfig or DistillationConfig: the TrainingArguments' `values` and the online settings;
+    the paged cache of the continuous sampler sized to this process's generation batch."""
     import trl
 
     values.pop("remove_unused_columns")  # TRL's own default (False): the rewards read the data's columns
+    if task_of(task).teacher:
+        return trl.DistillationConfig(**values, beta=policy.beta, temperature=policy.temperature,
+                                      max_completion_length=policy.max_completion_length, use_vllm=policy.use_vllm,
+                                      vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
+                                      log_completions=False, remove_unused_columns=False)  # fmt: skip
     continuous = policy.sampler == "continuous"
     config_class, own = (trl.GRPOConfig, {"loss_type": policy.loss_type}) if task == "grpo" else (trl.RLOOConfig, {})
     try:

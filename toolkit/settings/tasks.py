@@ -42,6 +42,9 @@ class Task:
     scoring_passes: int = 0
     # Whether a sample is a completion labelled desirable or not (KTO's unpaired layout: prompt, completion, label).
     labelled: bool = False
+    # Whether a frozen teacher scores each step's completions, in place of rewards (distill): its weights and
+    # forward are in the plan (--teacher_model_name_or_path).
+    teacher: bool = False
     # Whether TRL's trainer applies the chat template and tokenizes (the data room checks the rows, keeps them).
     tokenized_by_trainer: bool = False
     # Whether rows reach the collator as read (images and messages): it runs the model's processor on each batch,
@@ -137,6 +140,20 @@ TASKS = {
         tokenized_by_trainer=True,
         metrics=("reward",),
     ),
+    # On-policy distillation (TRL's DistillationTrainer): the student samples a completion to each prompt and learns
+    # the teacher's next-token distribution on it (a generalised Jensen-Shannon divergence, beta 1: reverse KL), a
+    # sum over the completion tokens divided by their count over the whole generation batch (training/distill.py).
+    "distill": Task(
+        "AutoModelForCausalLM",
+        "CAUSAL_LM",
+        "AutoPeftModelForCausalLM",
+        token_normalised_loss=False,
+        fused_head="always",
+        evaluates_at_end=False,
+        samples_online=True,
+        teacher=True,
+        tokenized_by_trainer=True,
+    ),
     # A reward model (TRL's RewardTrainer): a sequence classifier with one output, trained on preference pairs to
     # score the chosen answer above the rejected one (Bradley-Terry); a GRPO recipe names its folder as a reward.
     "reward": Task(
@@ -152,7 +169,7 @@ TASKS = {
     ),
 }
 
-GENERATIVE = ("sft", "dpo", "kto", "grpo", "rloo", "vlm_sft")  # tasks that train a decoder's next-token head
+GENERATIVE = ("sft", "dpo", "kto", "grpo", "rloo", "distill", "vlm_sft")  # tasks that train a decoder's next-token head
 
 
 def task(name: str) -> Task:

@@ -20,13 +20,15 @@ from trl import GRPOTrainer, RLOOTrainer
 
 from ..errors import ConfigError
 from ..settings.arguments import Arguments
+from ..settings.tasks import task
 from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
 
 
 def online_parts(args: Arguments, train_rows) -> dict:
     """What RecipeGRPOTrainer and RecipeRLOOTrainer take beside the toolkit's parts: the rewards, each called once
-    on the first prompts (a broken one fails now, in one line, before any step is paid for)."""
+    on the first prompts (a broken one fails now, in one line, before any step is paid for); distillation's, the
+    rollout alone (its teacher loads with the weights: runner.build_trainer)."""
     if args.policy.use_vllm:
         if not torch.cuda.is_available():
             raise ConfigError("--use_vllm true generates with vLLM, which runs on CUDA GPUs only: drop it here "
@@ -34,14 +36,16 @@ def online_parts(args: Arguments, train_rows) -> dict:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("--use_vllm true needs vLLM: pip install -e '.[vllm]' (on a GPU machine), or drop "
                               "it for transformers' generate.")  # fmt: skip
+    rollout = user_function(args.policy.rollout_func, "rollout_func") if args.policy.rollout_func else None
+    if task(args.data.task).teacher:
+        return {"rollout_func": rollout}
     functions = reward_functions(args.policy)
     check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
-    rollout = user_function(args.policy.rollout_func, "rollout_func") if args.policy.rollout_func else None
     return {"reward_funcs": functions, "rollout_func": rollout}
 
 
 def trainer_class(name: str) -> type:
-    """The task's trainer: RecipeGRPOTrainer or RecipeRLOOTrainer."""
+    """The task's trainer: RecipeGRPOTrainer or RecipeRLOOTrainer (distill's is distill.py's)."""
     return {"grpo": RecipeGRPOTrainer, "rloo": RecipeRLOOTrainer}[name]
 
 
@@ -159,12 +163,9 @@ class RecipeGRPOTrainer(OnlineRLMixin, GRPOTrainer):
         return f"{self.recipe.policy.loss_type} (TRL's GRPO)"
 
 
-class RecipeRLOOTrainer(OnlineRLMixin, RLOOTrainer):
-    """The toolkit's parts on TRL's `RLOOTrainer`, and the recipe's rollout_func, which TRL's RLOO does not take:
-    it produces the completion ids in place of sampling, the prompts tokenized as TRL's GRPO passes them to it."""
-
-    objective = "RLOO's (TRL's): each completion's reward less its siblings' mean, clipped per sequence"
-    logger = TRL_LOGGERS["rloo"]
+class RolloutReplay:
+    """The recipe's rollout_func for trainers of TRL's that take none (RLOO's, distillation's): it produces the
+    completion ids in place of sampling, the prompts tokenized as TRL's GRPO passes them to it."""
 
     def __init__(self, *args, rollout_func=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -184,7 +185,14 @@ class RecipeRLOOTrainer(OnlineRLMixin, RLOOTrainer):
             return super()._tokenize_prompts(prompts)
         return self.rolled["prompt_ids"], None, {}
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         if self.rolled is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         return self.rolled["completion_ids"]
+
+
+class RecipeRLOOTrainer(RolloutReplay, OnlineRLMixin, RLOOTrainer):
+    """The toolkit's parts on TRL's `RLOOTrainer`, with the recipe's rollout_func (RolloutReplay)."""
+
+    objective = "RLOO's (TRL's): each completion's reward less its siblings' mean, clipped per sequence"
+    logger = TRL_LOGGERS["rloo"]

@@ -21,7 +21,13 @@ from ..metrics.cost import Budget, CostModel, dollars, memory_tbs, peak_tflops
 from ..models.loading import checkpoint_dtype
 from ..models.meta import meta_model
 from ..planner.compiled import planned_activations
-from ..planner.estimate import assumed_mfu, images_caveat, training_flops_per_token, workload_for
+from ..planner.estimate import (
+    assumed_mfu,
+    images_caveat,
+    teacher_flops_per_token,
+    training_flops_per_token,
+    workload_for,
+)
 from ..planner.layout import Layout
 from ..planner.memory import Memory, plan_memory
 from ..planner.sampling import grpo_step_time
@@ -70,6 +76,7 @@ class RunPlan(RunHeader):
     attention: str = ""  # the kernel the model runs (config._attn_implementation)
     experts: str = ""  # a mixture of experts' routing and expert kernel (config._experts_implementation)
     caveats: list[str] = field(default_factory=list)  # where the memory plan is not the model's own measurement
+    work: Workload = field(default_factory=Workload)  # what the plan sized (distill's teacher among it)
 
     @classmethod
     def of(cls, trainer, arguments: Arguments) -> RunPlan:
@@ -102,7 +109,8 @@ class RunPlan(RunHeader):
         shape = replace(shape, activations=fit, image=image)  # else the formula
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
-        plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None)
+        plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None,
+                   work=work)  # fmt: skip
         if task(arguments.data.task).samples_online:
             plan.cost_plan = plan.online_cost(trainer.args, work, len(trainer.train_dataset))
         else:
@@ -124,7 +132,9 @@ class RunPlan(RunHeader):
         return plan
 
     def flops_per_token(self, seq_length: float) -> float:
-        return training_flops_per_token(self.shape, seq_length, task(self.recipe.data.task).scoring_passes)
+        """The model's FLOPs per trained token: the task's passes over the policy, and distill's teacher forward."""
+        passes = task(self.recipe.data.task).scoring_passes
+        return training_flops_per_token(self.shape, seq_length, passes) + teacher_flops_per_token(self.work, seq_length)
 
     def plan_cost(self, training, lengths: list[int]) -> dict[str, float] | None:
         """The whole run's cost before it starts, the planner's way: planned tokens x FLOPs per token / (the

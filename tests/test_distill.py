@@ -1,0 +1,183 @@
+"""On-policy distillation (task distill) on TRL's DistillationTrainer with the toolkit's parts: a tiny student
+learns a tiny teacher's distribution on its own completions (the teacher a mixture of experts, as the recipe's),
+the plan holds the teacher's weights and forward, `toolkit eval` measures both models against the teacher, a
+preempted run resumes bit-identically, 2 processes under DDP and ZeRO-3 train as one on the same completions, and
+what distillation cannot take is one line before any weights load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, launch, logged, preempt_at, rank_reports, reference_run
+from qwen3_distill import RECIPE as DISTILL
+from safetensors.torch import load_file
+
+from toolkit import run, train
+from toolkit.errors import ConfigError
+from toolkit.results.evaluation import evaluate_run
+from toolkit.results.record import RunRecord
+
+NAME = "qwen3_distill"
+REPLAY = str(ROOT / "tests" / "grpo_replay.py") + ":replay"
+
+
+def distill_flags(out: Path, steps: int = 6, *extra: str) -> list[str]:
+    return ["--tiny", "--max_steps", str(steps), "--record_rank_reports", "true", "--report_to", "none",
+            "--output_dir", str(out), *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("distill") / "one"
+    train(DISTILL, distill_flags(out, 6, "--eval_fraction", "0.05", "--save_strategy", "steps", "--save_steps", "3",
+                                 "--peak_tflops", "0.1", "--memory_tbs", "0.01"), NAME)  # fmt: skip
+    return out
+
+
+def test_a_tiny_student_learns_its_teachers_distribution(one_process):
+    """The divergence to the teacher on the student's own completions falls; the teacher (a tiny Qwen3-MoE of the
+    recipe's teacher's family, the student's tokenizer) is recorded, and the student alone is exported."""
+    losses = logged(one_process, "loss")
+    assert len(losses) == 6 and losses[-1] < 0.6 * losses[0], losses
+    record = RunRecord.read(one_process)
+    assert record.task == "distill" and record.settings["beta"] == 1.0
+    assert "Qwen3-30B-A3B-distill" in record.settings["teacher_model_name_or_path"]
+    assert (one_process / "model.safetensors").is_file()
+    summary = json.loads((one_process / "run_summary.json").read_text())
+    assert summary["summary"]["status"] == "completed" and summary["config"]["cost_plan"]["sampling_seconds"] > 0
+
+
+def test_the_plan_holds_the_teachers_weights_and_forward(tmp_path, capsys):
+    """The memory plan's teacher_model is its weights in the run's dtype (fp32 here), and no reference (distill's
+    beta picks a divergence); the FLOPs per trained token add the teacher's forward, which torch's FlopCounterMode
+    counts on the teacher's checkpoint (eager attention and experts, operators it sees; the full logits, as the
+    formula assumes) within 2%: its routed experts by the tokens sent to them, not all of them."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.planner.estimate import training_flops_per_token
+
+    trainer = train(DISTILL, distill_flags(tmp_path / "run", 1, "--save_strategy", "no"), NAME).trainer
+    teacher = trainer.teacher_model
+    assert trainer.plan.memory.device["teacher_model"] == 4 * sum(p.numel() for p in teacher.parameters())
+    assert "reference_model" not in trainer.plan.memory.device
+    header = capsys.readouterr().out
+    assert "teacher       " in header and "reverse KL (beta 1) to the teacher's next-token distribution" in header
+    counted = AutoModelForCausalLM.from_pretrained(
+        trainer.recipe.model.teacher_model_name_or_path, attn_implementation="eager", experts_implementation="eager"
+    )
+    seq = 32
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        counted(input_ids=torch.randint(0, 256, (2, seq)))
+    added = trainer.plan.flops_per_token(seq) - training_flops_per_token(trainer.plan.shape, seq)
+    assert added == pytest.approx(counter.get_total_flops() / (2 * seq), rel=0.02)
+
+
+def test_eval_measures_both_models_against_the_teacher(one_process):
+    """`toolkit eval`: the teacher's greedy answers to the held-out prompts, and each model's KL from the teacher
+    and top-1 agreement on them; the student moved towards the teacher."""
+    result = evaluate_run(one_process)
+    metrics = {row["metric"]: row for row in result["results"]}
+    assert result["tasks"] == ["held-out"] and set(metrics) == {"kl_to_teacher", "agreement"}
+    assert metrics["kl_to_teacher"]["tuned"] < metrics["kl_to_teacher"]["base"]
+    assert 0 <= metrics["agreement"]["base"] <= 1 and 0 <= metrics["agreement"]["tuned"] <= 1
+
+
+def test_preempted_distill_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
+    from toolkit.training.stopping import PREEMPTED
+
+    preempt_at(monkeypatch, 3)
+    out = tmp_path / "run"
+    flags = distill_flags(out, 6, "--eval_fraction", "0.05", "--save_strategy", "steps", "--save_steps", "3")
+    with pytest.raises(SystemExit) as exit_info:
+        run(DISTILL, flags, NAME)
+    monkeypatch.undo()
+    assert exit_info.value.code == PREEMPTED
+    train(DISTILL, [*flags, "--resume", "auto"], NAME)
+    full, resumed = rank_reports(one_process)[0], rank_reports(out)[0]
+    assert resumed["losses"] == full["losses"] and resumed["weights_sha256"] == full["weights_sha256"]
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory) -> Path:
+    """The 1-process run on replayed completions (tests/grpo_replay.py as the rollout_func: TRL's distillation
+    takes none, the toolkit's trainer does)."""
+    out = tmp_path_factory.mktemp("distill") / "replayed"
+    return reference_run(NAME, distill_flags(out, 3, "--rollout_func", REPLAY), out)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["ddp", "zero3"])
+def test_two_processes_train_as_one_on_the_same_completions(config, replayed, tmp_path):
+    """2 processes of 4 prompts against 1 of 8, the same completions: the same losses and exported weights (TRL
+    divides the summed divergence by the completion tokens of the whole generation batch, all ranks; the teacher
+    partitioned under ZeRO-3 as the student is)."""
+    out = tmp_path / "run"
+    check(launch(config, NAME, *distill_flags(out, 3, "--rollout_func", REPLAY, "--per_device_train_batch_size",
+                                              "4"), cwd=tmp_path))  # fmt: skip
+    reports = rank_reports(out)
+    assert sorted(reports[0]["rows"] + reports[1]["rows"]) == sorted(rank_reports(replayed)[0]["rows"])
+    for key in ("loss", "grad_norm"):
+        assert logged(out, key) == pytest.approx(logged(replayed, key), rel=1e-4, abs=1e-7), key
+    ours, theirs = load_file(out / "model.safetensors"), load_file(replayed / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():  # AdamW's sign-like steps: apart by at most 1% of lr x steps an element
+        apart = float((ours[name] - value).norm())
+        assert apart <= 0.01 * 2e-3 * 3 * value.numel() ** 0.5, (name, apart)
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line_before_weights_load(tmp_path):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    config = json.loads((Path(tiny_student()) / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps(dict(config, vocab_size=1000)))
+    with pytest.raises(
+        ConfigError,
+        match=r"the teacher .*teacher has a vocabulary of 1,000 and the student .* one "
+        r"of \d+: distillation compares their whole next-token distributions",
+    ):
+        train(DISTILL, distill_flags(tmp_path / "run", 1, "--teacher_model_name_or_path", str(teacher)), NAME)
+
+
+def tiny_student() -> str:
+    """The tiny student's folder, as tiny mode makes it."""
+    from toolkit.models.tiny import tiny_checkpoint
+
+    return str(tiny_checkpoint(DISTILL["model_name_or_path"], "distill"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--teacher_model_name_or_path", ""], "a distill recipe needs a teacher: set teacher_model_name_or_path"),
+        (["--beta", "2"], r"beta must be in \[0, 1\] for distill, got 2"),
+        (["--reward_funcs", "accuracy"], "reward_funcs 'accuracy': distill learns the teacher's distribution"),
+        (["--sampler", "continuous"], "TRL's distillation trainer samples with generate or vLLM only"),
+        (["--task", "grpo", "--reward_funcs", "accuracy"], "teacher_model_name_or_path is distillation's: drop it"),
+    ],
+)
+def test_settings_distill_cannot_take_are_one_line(flags, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        train(DISTILL, distill_flags(tmp_path / "run", 1, *flags), NAME)
+
+
+def test_a_local_teacher_folder_is_taken_as_it_is(tmp_path):
+    """A teacher given as a folder (a run's output, say) is not swapped for a tiny one by tiny mode."""
+    folder = tiny_student()
+    trainer = train(DISTILL, distill_flags(tmp_path / "run", 1, "--save_strategy", "no",
+                                           "--teacher_model_name_or_path", folder), NAME).trainer  # fmt: skip
+    assert trainer.recipe.model.teacher_model_name_or_path == folder
+
+
+def test_a_lora_student_trains_and_exports_its_adapter(tmp_path):
+    """A LoRA student: the adapter alone trains (the teacher and the base frozen) and is exported; the divergence
+    falls."""
+    out = tmp_path / "run"
+    trainer = train(DISTILL, distill_flags(out, 4, "--use_lora", "true", "--save_strategy", "no"), NAME).trainer
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+    losses = logged(out, "loss")
+    assert losses[-1] < losses[0] and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
