@@ -46,6 +46,7 @@ def test_a_tiny_student_learns_its_teachers_distribution(one_process):
     assert record.task == "distill" and record.settings["beta"] == 1.0
     assert "Qwen3-30B-A3B-distill" in record.settings["teacher_model_name_or_path"]
     assert (one_process / "model.safetensors").is_file()
+    assert f"| teacher | {record.settings['teacher_model_name_or_path']} |" in (one_process / "README.md").read_text()
     summary = json.loads((one_process / "run_summary.json").read_text())
     assert summary["summary"]["status"] == "completed" and summary["config"]["cost_plan"]["sampling_seconds"] > 0
 

@@ -82,7 +82,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args), model_plan.processor)
     run_checks(DATA, Launch(args, resume=resume, rows=len(data.train)))  # the steps left, known once the data is
-    rewards = reward_parts(args, data)  # checked first: the plan reads a reward model's config
+    rewards = reward_parts(args, data, model_plan.tokenizer)  # checked first: the plan reads a reward model's config
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16
     loaded = load_for_training(args, model_plan, data.label_names, on_meta=receives_weights_from_rank0(),
@@ -176,13 +176,13 @@ def plan_workload(args: Arguments, model_plan: Blueprint) -> Workload:
     return work
 
 
-def reward_parts(args: Arguments, data: PreparedData) -> dict[str, Any]:
+def reward_parts(args: Arguments, data: PreparedData, tokenizer) -> dict[str, Any]:
     """grpo's and rloo's rewards, each called once on the first prompts before any weights load (training/rl.py)."""
     if not task(args.data.task).samples_online:
         return {}
     from .training.rl import online_parts
 
-    return online_parts(args, data.train)
+    return online_parts(args, data.train, tokenizer)
 
 
 def build_trainer(args: Arguments, loaded: LoadedModel, data: PreparedData, work: Workload,

@@ -16,6 +16,7 @@ model must produce after the prompt a chat UI gives it. Three ways to find them,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -68,11 +69,15 @@ def conversation_problem(messages: Any) -> str | None:
 
 def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: str | None,
                                 required: bool = True) -> None:  # fmt: skip
-    """The recipe's template (named or Jinja) on the tokenizer; an error if conversations need one and it has none."""
+    """The recipe's template (named, one of TRL's shipped ones as trl:NAME, or Jinja) on the tokenizer; an error if
+    conversations need one and it has none."""
+    if template and template.startswith("trl:"):
+        template = trl_template(template)
     if template and template not in CHAT_TEMPLATES and "{" not in template:
         named = ", ".join(CHAT_TEMPLATES)
-        raise DataError(f"chat_template '{template}' is neither a named template ({named}) nor a Jinja template: "
-                        "pass --chat_template llama3, or leave it unset for the tokenizer's own.")  # fmt: skip
+        raise DataError(f"chat_template '{template}' is neither a named template ({named}, or trl:NAME for one of "
+                        "TRL's) nor a Jinja template: pass --chat_template llama3, or leave it unset for the "
+                        "tokenizer's own.")  # fmt: skip
     if template:
         tokenizer.chat_template = CHAT_TEMPLATES.get(template, template)
     if tokenizer.chat_template is None and required:
@@ -82,6 +87,19 @@ def apply_chat_template_setting(tokenizer: PreTrainedTokenizerBase, template: st
         )
     if tokenizer.pad_token is None:  # padding is masked out of attention and loss, so any token will do
         tokenizer.pad_token = tokenizer.eos_token
+
+
+def trl_template(name: str) -> str:
+    """`trl:NAME`: the chat template TRL ships as NAME.jinja (the families' own, tool calls included: qwen3,
+    llama3_1, ...), for a tokenizer without one of its own (tiny mode's)."""
+    import trl
+
+    folder = Path(trl.__file__).parent / "chat_templates"
+    path = folder / f"{name.removeprefix('trl:')}.jinja"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in folder.glob("*.jinja") if not p.stem.endswith("_training")))
+        raise DataError(f"chat_template {name}: TRL ships no such template; it ships {shipped}.")
+    return path.read_text()
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, layout: TurnLayout | None = None) -> list[int]:

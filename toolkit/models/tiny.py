@@ -194,6 +194,8 @@ def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
     teacher = values.get("teacher_model_name_or_path")  # distill's: a tiny one of the teacher's family, same tokenizer
     if teacher and task_table.task(values["task"]).teacher and not (looks_like_path(teacher) or Path(teacher).is_dir()):
         layer["teacher_model_name_or_path"] = str(tiny_checkpoint(teacher, values["task"]))
+    if values.get("tools"):  # a template that shows tool calls and results: TRL's Qwen3 one
+        layer["chat_template"] = "trl:qwen3"
     return layer
 
 

@@ -195,6 +195,22 @@ def afterwards(record: RunRecord, evaluation: dict | None, curve: Path | None) -
     return lines
 
 
+def task_rows(record: RunRecord) -> list[tuple[str, Any]]:
+    """What a task adds to the training table: distill's teacher; GRPO's tools, and how often the completions
+    called them and a call failed (TRL's tools/ metrics, over the run's steps)."""
+    settings, out = record.settings, []
+    if settings.get("teacher_model_name_or_path"):
+        out.append(("teacher", settings["teacher_model_name_or_path"]))
+    if settings.get("tools"):
+        log = json_lines(record.folder / RUN_LOG) if (record.folder / RUN_LOG).is_file() else []
+        calls = [r["tools/call_frequency"] for r in log if "tools/call_frequency" in r]
+        failed = [r["tools/failure_frequency"] for r in log if "tools/failure_frequency" in r]
+        measured = f": {sum(calls) / len(calls):.3g} calls a completion, {sum(failed) / len(failed):.0%} of calls " \
+            "failed (the run's mean)" if calls and failed else ""  # fmt: skip
+        out.append(("tools", f"{settings['tools']}{measured}"))
+    return out
+
+
 def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None,
          merged: bool = False) -> str:  # fmt: skip
     summary, config, settings = record.summary, record.config, record.settings
@@ -218,6 +234,7 @@ def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license
                 ("task", record.task),
                 ("base model", base),
                 *([("trained", parts)] if parts else []),
+                *task_rows(record),
                 ("learning rate", figure(settings.get("learning_rate"))),
                 (
                     "batch",

@@ -124,6 +124,17 @@ class PolicyArguments:
     undesirable_weight: float = field(
         default=1.0, metadata={"help": "kto: the loss weight of undesirable completions (TRL's)."}
     )
+    tools: str | None = field(
+        default=None,
+        metadata={"help": "grpo: comma-separated tools completions may call: calculator, module:function or "
+                  "path/file.py:function (typed arguments, an Args: docstring; docs/rl.md)."},
+    )  # fmt: skip
+    max_tool_calls: int | None = field(
+        default=None, metadata={"help": "grpo with tools: tool-calling rounds a completion may take (no limit)."}
+    )
+    tool_timeout: float = field(
+        default=10.0, metadata={"help": "grpo with tools: seconds a call may run before it is stopped (an error)."}
+    )
     vllm_mode: str = field(default="colocate", metadata={"help": f"grpo, rloo with vLLM: {', '.join(VLLM_MODES)}."})
     sampler: str = field(
         default="generate",
@@ -212,6 +223,12 @@ def check_online(policy: PolicyArguments, task: str) -> None:
         raise ConfigError(f"num_generations must be at least 2, got {policy.num_generations}: the "
                           f"{task.upper()} advantage compares one prompt's completions with each other (8 is "
                           "TRL's default).")  # fmt: skip
+    if policy.tools and task != "grpo":
+        raise ConfigError(f"tools: TRL's {task.upper()}Trainer runs no tools (its GRPOTrainer does): train with "
+                          "--task grpo, or drop --tools.")  # fmt: skip
+    if policy.tool_timeout <= 0 or (policy.max_tool_calls is not None and policy.max_tool_calls < 1):
+        raise ConfigError(f"tool_timeout ({policy.tool_timeout:g}) must be positive and max_tool_calls "
+                          f"({policy.max_tool_calls}) at least 1.")  # fmt: skip
     if not policy.rewards():
         raise ConfigError(f"a {task} recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
                           "(docs/rl.md lists the built-in ones).")  # fmt: skip
@@ -301,7 +318,8 @@ def online_config(policy: PolicyArguments, task: str, values: dict, max_length: 
                                       vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
                                       log_completions=False, remove_unused_columns=False)  # fmt: skip
     continuous = policy.sampler == "continuous"
-    config_class, own = (trl.GRPOConfig, {"loss_type": policy.loss_type}) if task == "grpo" else (trl.RLOOConfig, {})
+    grpo = {"loss_type": policy.loss_type, "max_tool_calling_iterations": policy.max_tool_calls}
+    config_class, own = (trl.GRPOConfig, grpo) if task == "grpo" else (trl.RLOOConfig, {})
     try:
         config = config_class(
             **values, **own, beta=policy.beta, reward_weights=policy.weights(), num_generations=policy.num_generations,

@@ -25,7 +25,7 @@ from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
 
 
-def online_parts(args: Arguments, train_rows) -> dict:
+def online_parts(args: Arguments, train_rows, tokenizer) -> dict:
     """What RecipeGRPOTrainer and RecipeRLOOTrainer take beside the toolkit's parts: the rewards, each called once
     on the first prompts (a broken one fails now, in one line, before any step is paid for); distillation's, the
     rollout alone (its teacher loads with the weights: runner.build_trainer)."""
@@ -41,7 +41,19 @@ def online_parts(args: Arguments, train_rows) -> dict:
         return {"rollout_func": rollout}
     functions = reward_functions(args.policy)
     check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
-    return {"reward_funcs": functions, "rollout_func": rollout}
+    parts = {"reward_funcs": functions, "rollout_func": rollout}
+    if args.policy.tools:
+        from trl.chat_template_utils import supports_tool_calling
+
+        from .tools import tool_functions
+
+        parts["tools"] = tool_functions([t.strip() for t in args.policy.tools.split(",") if t.strip()],
+                                        args.policy.tool_timeout)  # fmt: skip
+        if not supports_tool_calling(tokenizer):
+            raise ConfigError("--tools: the chat template cannot show a tool call and its result (TRL renders "
+                              "user -> assistant with tool_calls -> tool to check): use the model's own template, "
+                              "or --chat_template trl:qwen3 (TRL ships the families' templates).")  # fmt: skip
+    return parts
 
 
 def trainer_class(name: str) -> type:
@@ -136,6 +148,8 @@ class OnlineRLMixin(ToolkitTrainerMixin):
                 "rewards       " + ", ".join(f"{name} x {weight:g}" for name, weight in
                                              zip(policy.rewards(), policy.weights(), strict=True))
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
+                *([f"tools         {policy.tools}: each call at most {policy.tool_timeout:g} s, "
+                   f"{policy.max_tool_calls or 'unlimited'} round(s) a completion"] if policy.tools else []),
                 f"loss          {self.objective}",
                 f"              (the memory plan below is the larger phase's: sampling "
                 f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "
