@@ -30,14 +30,12 @@ import torch
 
 from ..errors import ConfigError
 from ..metrics.memory import GIB, device_memory, human_bytes
-from ..models.meta import meta_model
-from ..planner.compiled import planned_activations
 from ..planner.layout import Layout
 from ..planner.memory import plan_memory
-from ..planner.shape import Shape
 from ..planner.workload import Workload
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
+from .run_plan import measured_shape
 
 LIMIT = "TOOLKIT_MEMORY_LIMIT_GIB"  # the memory a device may use, in place of its own (a shared GPU; tests)
 HEADROOM = 0.1  # of the device's memory left free, as `toolkit plan` leaves it
@@ -163,14 +161,7 @@ def memory_budget(processes: int) -> tuple[int, str]:
 def planner(args, model: torch.nn.Module, work: Workload):
     """The planned memory of this run at a micro-batch (the accumulation the rest of the rows)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    task_name, lora = args.data.task, args.model.lora_settings()
-    shape = Shape.of(meta_model(base.config, task_name, lora, args.model.train_parts), base.config)
-    autocast = bool(args.training.bf16 or args.training.fp16)
-    experts = getattr(base.config, "_experts_implementation", None) if shape.routing else None
-    fit, _ = planned_activations(base.config, task_name, work.precision, work.flash_attention, work.fused_head,
-                                 lora, autocast, bool(args.training.torch_compile),
-                                 getattr(args.training, "mixed_precision", None) == "fp8", experts)  # fmt: skip
-    shape = replace(shape, activations=fit)
+    shape, _ = measured_shape(args, base.config, work)
     processes = args.training.world_size
     layout = Layout.replicated("ddp" if processes > 1 else "single", processes)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", processes))

@@ -52,6 +52,18 @@ def precision_of(model: torch.nn.Module, training) -> str:
     return "bf16" if training.bf16 or dtype == torch.bfloat16 else "fp32"
 
 
+def measured_shape(arguments: Arguments, config, work: Workload) -> tuple[Shape, str]:
+    """The run's model as its plans see it (RunPlan's, the batch finder's): its shape, the activations measured as
+    the run will run them (precision, compile, FP8, the experts' kernel), or the formula's with the reason."""
+    task_name, lora, training = arguments.data.task, arguments.model.lora_settings(), arguments.training
+    shape = Shape.of(meta_model(config, task_name, lora, arguments.model.train_parts), config)
+    experts = getattr(config, "_experts_implementation", None) if shape.routing else None  # its kernel's
+    fit, why = planned_activations(config, task_name, work.precision, work.flash_attention, work.fused_head, lora,
+                                   bool(training.bf16 or training.fp16), bool(training.torch_compile),
+                                   getattr(training, "mixed_precision", None) == "fp8", experts)  # fmt: skip
+    return replace(shape, activations=fit), why  # None: the formula
+
+
 def planned_steps(training, train_rows: int) -> int:
     """Optimizer steps the Trainer will take (as it counts them: last micro-batches kept)."""
     if training.max_steps > 0:
@@ -90,23 +102,18 @@ class RunPlan(RunHeader):
         model = trainer.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         task_name, lora = arguments.data.task, arguments.model.lora_settings()
-        shape = Shape.of(meta_model(base.config, task_name, lora, arguments.model.train_parts), base.config)
         peak = run.peak_tflops or peak_tflops(cost.device, precision_of(model, trainer.args))
         # As the checkpoint loads (not as trained: master weights are fp32, FSDP's placeholders may be too)
         dtype = checkpoint_dtype(arguments.model.dtype, base.config)
         work = workload_for(arguments, dtype, on_gpu=torch.cuda.is_available())
-        autocast = bool(trainer.args.bf16 or trainer.args.fp16)
-        compiled = bool(trainer.args.torch_compile)
-        fp8 = getattr(trainer.args, "mixed_precision", None) == "fp8"
-        experts = getattr(base.config, "_experts_implementation", None) if shape.routing else None  # its kernel's
-        fit, why = planned_activations(base.config, task_name, work.precision, work.flash_attention,
-                                       work.fused_head, lora, autocast, compiled, fp8, experts)  # fmt: skip
+        shape, why = measured_shape(arguments, base.config, work)
+        fit, compiled = shape.activations, bool(trainer.args.torch_compile)
         image, image_note = None, ""
         if task(task_name).images:
             image, image_note = measured_image_cost(base.config, task_name, lora, arguments.model.train_parts,
-                                                    work.precision, autocast,
+                                                    work.precision, bool(trainer.args.bf16 or trainer.args.fp16),
                                                     images_per_row(trainer.train_dataset))  # fmt: skip
-        shape = replace(shape, activations=fit, image=image)  # else the formula
+        shape = replace(shape, image=image)
         per_node = accelerator.num_processes // strategy["num_machines"]
         memory = plan_memory(shape, layout, work, per_node, strategy["num_machines"])
         plan = cls(arguments, strategy, layout, cost, shape, peak * 1e12 if peak else None, memory, None, None,
