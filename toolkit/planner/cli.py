@@ -78,10 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mfu", type=float, help=f"override the assumed MFU {ASSUMED_MFU}")
     parser.add_argument("--overhead", type=float, default=1.3, help="cost factor for failed runs, tuning, debugging")
+    parser.add_argument("--choose", action="store_true", help="pick the cheapest fitting GPU type, count and config "
+                        "(planner/choose.py), within --budget_usd and --deadline_hours")  # fmt: skip
+    parser.add_argument("--budget_usd", type=float, help="--choose: the most the run may cost on-demand")
+    parser.add_argument("--deadline_hours", type=float, help="--choose: the longest the run may take, wall clock")
+    parser.add_argument("--gpu_types", help="--choose: comma-separated types to try (default: every priced one)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.model = recipe_name(args.model)  # recipes/llama3_fft.py, as a launch names it
     check_flags(args)
+    if args.choose:
+        from .choose import choose, render_choice
+
+        with stdout_to_stderr():
+            choice = choose(args)
+        print(json.dumps(choice, indent=2) if args.json else render_choice(choice, args.model))
+        return 0
     with stdout_to_stderr():  # what the libraries print on the way (DeepSpeed's logger among them) is not the plan
         plan = build_plan(args)
     print(json.dumps(plan, indent=2) if args.json else render(plan))
