@@ -39,6 +39,10 @@ def test_the_choice_is_the_cheapest_fitting_row_of_the_plans(model, capsys):
             if r["micro_batch"] and not r["refused"] and r.get("usd") is not None]  # fmt: skip
     choice = chosen(model, capsys)
     cheapest = min(usd for usd, *_ in rows)
+    # FP8's row is fsdp2's at the model's own float8 speed-up (tests/test_fp8.py: the share of FLOPs it converts)
+    h100 = planned(model, "H100-80GB", 8, 1, capsys)
+    fp8 = {r["config"]: r.get("samples_per_second") for r in h100["configs"]}
+    assert fp8["fsdp2_fp8"] == pytest.approx(fp8["fsdp2"] * h100["fp8_speedup"]) and h100["fp8_speedup"] < 1.251
     assert choice["row"]["usd"] == cheapest and choice["weighed"] == len(rows)
     own = next(r for _, gpu, gpus, nodes, r in rows if (gpu, gpus, nodes, r["config"]) ==
                (choice["gpu"], choice["gpus"], choice["nodes"], choice["config"]))  # fmt: skip

@@ -217,3 +217,28 @@ def test_fp8_config_trains_checkpoints_resumes_and_exports_on_cpu(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(whole)
     for name, param in model.named_parameters():
         assert type(param) is torch.nn.Parameter and torch.equal(param.detach(), exported[0][name]), name
+
+
+def test_fp8_speedup_scales_by_the_flops_its_float8_linears_run():
+    """torchao's published 1.25x is a dense 8B model's, whose float8 linears run 93% of its FLOPs; a mixture of
+    experts' fused experts are not linear layers and stay 16-bit (Qwen3-30B-A3B: 30% converted, 1.07x). The share
+    is counted as accelerate converts: a tiny Qwen3-MoE converted for real by `convert_model_to_fp8_ao` has exactly
+    the float8 weights the share counts. (The plan's fsdp2_fp8 row is fsdp2's times it: tests/test_choose.py.)"""
+    from accelerate.utils.ao import convert_model_to_fp8_ao
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.data.sources import stored_config
+    from toolkit.models import tiny
+    from toolkit.planner.compiled import float8_share, float8_speedup
+    from toolkit.planner.shape import Shape
+
+    llama = float8_share(stored_config("meta-llama/Meta-Llama-3-8B"), "sft")
+    assert llama > 0.9 and float8_speedup(llama, 1.25) == pytest.approx(1.25)
+    moe = float8_share(stored_config("Qwen/Qwen3-30B-A3B"), "sft")
+    assert 0.25 < moe < 0.35 and 1.05 < float8_speedup(moe, 1.25) < 1.1
+    config = AutoConfig.from_pretrained(tiny.tiny_checkpoint("Qwen/Qwen3-30B-A3B", "sft"))
+    model = AutoModelForCausalLM.from_config(config)
+    shape = Shape.of(model, config)
+    convert_model_to_fp8_ao(model)
+    converted = sum(m.weight.numel() for m in model.modules() if type(m).__name__ == "Float8Linear")
+    assert 0 < converted and float8_share(config, "sft") == pytest.approx(converted / (shape.active - shape.lookups))

@@ -28,7 +28,7 @@ from ..settings.model_arguments import ModelArguments
 from ..settings.policy import PolicyArguments
 from ..settings.tasks import infer_task
 from ..settings.tasks import task as task_table
-from .compiled import planned_activations
+from .compiled import float8_share, float8_speedup, planned_activations
 from .estimate import (
     FP8_SPEEDUP,
     PREFERENCE,
@@ -41,6 +41,7 @@ from .estimate import (
     samples_per_second_at_mfu,
     task_workload,
     teacher_flops_per_token,
+    teacher_row,
     teacher_shape,
     training_flops_per_token,
     verdicts,
@@ -156,7 +157,7 @@ def config_row(args, verdict, layout: Layout, plan: dict) -> dict:
     elif samples:
         rate = samples_per_second_at_mfu(shape, data["tokens_per_sample"], mfu, devices, peak,
                                          work.sequences_per_sample, task_table(task).scoring_passes)  # fmt: skip
-        rate *= FP8_SPEEDUP if layout.fp8 else 1
+        rate *= plan["fp8_speedup"] if layout.fp8 else 1
         cost = cost_from_throughput(samples, data["epochs"], rate, devices, gpu["on_demand"], args.overhead,
                                     gpu.get("spot"))  # fmt: skip
         row.update(mfu=mfu, samples_per_second=rate, device_hours=cost.device_hours, usd=cost.usd,
@@ -238,8 +239,10 @@ def build_plan(args) -> dict:
     data = plan_data(args, values, task, work)
     samples = data["steps"] if online else data["samples"]
     fp8 = "fp8" in gpu["peak_tflops"]  # FP8 tensor cores (metrics/hardware.yaml)
+    share = float8_share(config, task) if fp8 and any(v.fp8 for v in layouts.values()) else None
+    gain = float8_speedup(share, FP8_SPEEDUP) if share is not None else 1.0  # torchao's figure, for this model
     priced = dict(shape=shape, work=work, gpu=gpu, values=values, task=task, config=config, data=data,
-                  samples=samples, online=online)  # fmt: skip
+                  samples=samples, online=online, fp8_speedup=gain)  # fmt: skip
     results = [config_row(args, v, layouts[v.config], priced)
                for v in verdicts(shape, work, gpu["memory_gb"], args.gpus, args.nodes, args.headroom,
                                  list(layouts.values()), fp8, shape_for)]  # fmt: skip
@@ -248,9 +251,6 @@ def build_plan(args) -> dict:
         float8 = " (fsdp2_fp8's float8 casts save more: its run's header measures them)" if "fsdp2_fp8" in shown else ""
         activations_note += f"; compiled ({', '.join(shown)}): {measured['note'].split('; ', 1)[-1]}{float8}"
     fitting = [r for r in results if r["micro_batch"] and not r["refused"]]  # in order of preference
-    teacher = work.teacher and {"model": values.get("teacher_model_name_or_path"), "parameters": work.teacher.total,
-                                "active_per_token": work.teacher.active,
-                                "forward_flops_per_token": teacher_flops_per_token(work, work.seq_length)}  # fmt: skip
     return {
         "model": values["model_name_or_path"],
         "recipe": args.model if is_recipe(args.model) else None,
@@ -272,12 +272,14 @@ def build_plan(args) -> dict:
             "headroom": args.headroom,
         },  # fmt: skip
         "workload": asdict(replace(work, teacher=None)),
-        "teacher": teacher,
+        "teacher": teacher_row(work, values.get("teacher_model_name_or_path")),
         "activations": activations_note if fit else f"{activations_note}; from the Llama/BERT-style formula",
         "conservative": shape.conservative,
         "images": image_note if image else None,
         "left_out": images_caveat(task, image, image_note),
         "data": data if samples or online else None,
+        "fp8_speedup": gain,
+        "fp8_share": share,
         "flops_per_token": training_flops_per_token(shape, work.seq_length, task_table(task).scoring_passes)
         + teacher_flops_per_token(work, work.seq_length),
         "configs": results,

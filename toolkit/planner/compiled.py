@@ -20,6 +20,8 @@ Llama in bf16: 0.36 of eager's bytes, against compile alone's 0.51).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from .activations import (
@@ -149,3 +151,45 @@ def under_compile(fit: ActivationFit, key: list, config, task: str, dtype: torch
     note = (f"{fit.note}; under {under} x{inside:.2f} inside the layers and x{outside:.2f} outside them, "
             "measured on compiled instances")  # fmt: skip
     return ActivationFit(coefficients, fit.ratios, fit.largest_layer, compiled=True), note
+
+
+REFERENCE_FP8_MODEL = "meta-llama/Meta-Llama-3-8B"  # the dense 8B model torchao's published speed-up was measured on
+
+
+def float8_share(config, task: str) -> float:
+    """The share of a token's matmul FLOPs that run in the linears accelerate converts to float8 (its default
+    filter, on a meta-device instance of the model's own size): a dense model's are nearly all of them; a mixture
+    of experts' fused experts are 3-D parameters, not linear layers, so they stay in 16 bits, and experts held as a
+    list of linears count by the share of tokens routed to each."""
+    from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
+
+    from ..settings.tasks import model_class
+    from .shape import Shape
+
+    with torch.device("meta"):
+        model = model_class(task).from_config(config)
+    shape = Shape.of(model, config)
+    text = config.get_text_config()
+    routed = (getattr(text, "num_experts_per_tok", None) or 1) / (shape.experts_per_layer or 1)
+    edges = list(find_first_last_linear_layers(model))
+    converted = sum(m.weight.numel() * (routed if ".experts." in f".{name}." else 1)
+                    for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and filter_linear_layers(m, name, edges))  # fmt: skip
+    return converted / max(shape.active - shape.lookups, 1)
+
+
+def float8_speedup(share: float, end_to_end: float) -> float:
+    """The FP8 run's throughput over bf16 for a model whose float8 linears run `share` of its FLOPs: `end_to_end`
+    (torchao's published figure) holds for the reference dense 8B model, whose share sets the gain on a converted
+    FLOP (Amdahl); the model's own share then gives its speed-up (a mixture of experts, its experts unconverted,
+    gains far less)."""
+    return 1 / ((1 - share) + share / converted_flop_gain(end_to_end))
+
+
+@cache
+def converted_flop_gain(end_to_end: float) -> float:
+    """The gain on a FLOP in a float8 linear that gives the reference model `end_to_end` (Amdahl's law)."""
+    from ..data.sources import stored_config
+
+    reference = float8_share(stored_config(REFERENCE_FP8_MODEL), "sft")
+    return reference / (1 / end_to_end - (1 - reference))

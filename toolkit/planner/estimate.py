@@ -127,6 +127,14 @@ def teacher_flops_per_token(work: Workload, seq_length: float) -> float:
     return training_flops_per_token(work.teacher, seq_length, 1) - training_flops_per_token(work.teacher, seq_length)
 
 
+def teacher_row(work: Workload, name: str | None) -> dict | None:
+    """distill's teacher as `toolkit plan` shows it: its size, what a token passes through, its forward's FLOPs."""
+    if work.teacher is None:
+        return None
+    return {"model": name, "parameters": work.teacher.total, "active_per_token": work.teacher.active,
+            "forward_flops_per_token": teacher_flops_per_token(work, work.seq_length)}  # fmt: skip
+
+
 def reward_model_bytes(task: str, policy) -> int:
     """The weights of an online-RL run's learned rewards (settings/policy.py's reward_models), as TRL loads them."""
     if task not in TASKS or not task_table(task).samples_online:

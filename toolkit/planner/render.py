@@ -63,8 +63,10 @@ def notes(plan: dict) -> list[str]:
                          f"all-to-alls{seconds}, and gathers none of the {r['expert_gathers_gib']:,.4g} GiB of "
                          "experts it would under FSDP; both in the assumed MFU")  # fmt: skip
     if costed and any(r["config"] == "fsdp2_fp8" for r in plan["configs"]):
-        lines.append(f"fsdp2_fp8: {FP8_SPEEDUP:g}x bf16's speed assumed, with torch.compile (on by default under FP8); "
-                     "one H100 measured 1.26x with it, 0.46x without, one H200 1.10x over compiled bf16 at 1B "
+        lines.append(f"fsdp2_fp8: {plan['fp8_speedup']:.3g}x bf16's speed assumed: torchao's {FP8_SPEEDUP:g}x for "
+                     f"a dense 8B model, on the {plan['fp8_share']:.0%} of this model's FLOPs its float8 linears run "
+                     "(fused experts stay 16-bit), with torch.compile (on by default under FP8); one H100 measured "
+                     "1.26x with it, 0.46x without, one H200 1.10x over compiled bf16 at 1B "
                      "(docs/benchmarks.md)")  # fmt: skip
     if plan["recommended"]:
         stages, ep = plan.get("recommended_pipeline_stages", 1), plan.get("recommended_expert_parallel", 1)
