@@ -15,7 +15,9 @@ CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 
-ONLINE = ("smollm2_grpo", "qwen3_grpo", "smollm2_rloo", "qwen3_distill")  # recipes that sample completions
+# the recipes that sample completions, and their tasks
+ONLINE = {"smollm2_grpo": "grpo", "qwen3_grpo": "grpo", "qwen3_grpo_tools": "grpo", "smollm2_rloo": "rloo",
+          "qwen3_distill": "distill"}  # fmt: skip
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -49,7 +51,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
             with pytest.raises(ConfigError, match=message):
                 check(config, recipe)
         elif (pipeline or tensor or split) and recipe in ONLINE:
-            name = recipe.rpartition("_")[2]
+            name = ONLINE[recipe]
             trainer = "DistillationTrainer" if name == "distill" else f"{name.upper()}Trainer"
             with pytest.raises(ConfigError, match=f"under {name}: TRL's {trainer} samples completions"):
                 check(config, recipe)
