@@ -58,14 +58,17 @@ def test_the_choice_is_the_cheapest_fitting_row_of_the_plans(model, capsys):
 
 def test_a_budget_nothing_fits_in_and_unplannable_gpus_are_one_line(capsys):
     """Under the cheapest row's price nothing is chosen: one error line naming the cheapest and the fastest. A GPU
-    type the table does not hold, or holds without a datasheet peak (the CPU entry), is one line too."""
+    type the table does not hold, or holds without a datasheet peak (the CPU entry), is one line too; so is an
+    online recipe, whose step (and so its work) grows with the GPUs."""
     choice = chosen("llama3_fft", capsys)
-    for flags, message in [
-        (["--gpu_types", TYPES, "--budget_usd", f"{choice['row']['usd'] * 0.99}"], "nothing fits within --budget_usd"),
-        (["--gpu_types", "H100-80GB,TPU-v5"], "Unknown GPU type 'TPU-v5'"),
-        (["--gpu_types", "cpu"], "--gpu_types cpu: the price table gives it no device memory"),
-    ]:
+    for model, flags, message in [
+        ("llama3_fft", ["--gpu_types", TYPES, "--budget_usd", f"{choice['row']['usd'] * 0.99}"],
+         "nothing fits within --budget_usd"),
+        ("llama3_fft", ["--gpu_types", "H100-80GB,TPU-v5"], "Unknown GPU type 'TPU-v5'"),
+        ("llama3_fft", ["--gpu_types", "cpu"], "--gpu_types cpu: the price table gives it no device memory"),
+        ("qwen3_grpo", [], "--choose compares the same work on every size, and qwen3_grpo's steps"),
+    ]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
-            cli.main(["llama3_fft", "--choose", *flags])
+            cli.main([model, "--choose", *flags])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.count("error:") == 1 and message in err, err

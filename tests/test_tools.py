@@ -65,6 +65,19 @@ def test_completions_call_the_calculator_and_answer_from_its_result(tmp_path, mo
         out / "README.md").read_text()  # fmt: skip
 
 
+def test_a_run_whose_completions_never_call_a_tool_says_so(tmp_path, monkeypatch):
+    from toolkit.training.rl import RecipeGRPOTrainer
+
+    def answers(self, prompt_ids, *args, **kwargs):
+        return [self.processing_class.encode("4.<|im_end|>", add_special_tokens=False) for _ in prompt_ids], None
+
+    monkeypatch.setattr(RecipeGRPOTrainer, "_generate_single_turn", answers)
+    out = tmp_path / "run"
+    train(TOOLS, tool_flags(out), NAME)
+    assert logged(out, "tools/call_frequency") == [0.0, 0.0]
+    assert "| tools | calculator: never called |" in (out / "README.md").read_text()
+
+
 SLOW_TOOLS = '''
 import time
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..metrics.cost import device_spec, price_table
 from ..project import is_recipe
+from ..settings.tasks import task as task_table
 from .assembly import build_plan
 
 SIZES = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4))  # (GPUs a node, nodes)
@@ -67,6 +68,10 @@ def choose(args: Namespace) -> dict:
     """The cheapest candidate within the budget and the deadline, and what was weighed; one line where none is."""
     if any(limit is not None and limit <= 0 for limit in (args.budget_usd, args.deadline_hours)):
         raise ConfigError("--budget_usd and --deadline_hours must be positive.")
+    if task_table(build_plan(args)["task"]).samples_online:
+        raise ConfigError(f"--choose compares the same work on every size, and {args.model}'s steps sample "
+                          "completions per device (its global batch grows with the GPUs): plan it at the size you "
+                          "mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
     every = candidates(args)
     if not every:
         raise ConfigError(f"{args.model} fits no config of any GPU type tried at up to 4 nodes of 8, or its time "

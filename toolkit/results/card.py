@@ -205,8 +205,10 @@ def task_rows(record: RunRecord) -> list[tuple[str, Any]]:
         log = json_lines(record.folder / RUN_LOG) if (record.folder / RUN_LOG).is_file() else []
         calls = [r["tools/call_frequency"] for r in log if "tools/call_frequency" in r]
         failed = [r["tools/failure_frequency"] for r in log if "tools/failure_frequency" in r]
-        measured = f": {sum(calls) / len(calls):.3g} calls a completion, {sum(failed) / len(failed):.0%} of calls " \
-            "failed (the run's mean)" if calls and failed else ""  # fmt: skip
+        measured = ": never called" if calls and not any(calls) else ""
+        if any(calls) and failed:
+            measured = f": {sum(calls) / len(calls):.3g} calls a completion, {sum(failed) / len(failed):.0%} of " \
+                "calls failed (the run's mean)"  # fmt: skip
         out.append(("tools", f"{settings['tools']}{measured}"))
     return out
 
