@@ -59,6 +59,10 @@ def candidates(args: Namespace) -> list[Candidate]:
     for gpu in plannable_gpus(args.gpu_types):
         for gpus, nodes in SIZES:
             plan = build_plan(Namespace(**{**vars(args), "gpu": gpu, "gpus": gpus, "nodes": nodes}))
+            if task_table(plan["task"]).samples_online:  # known from the first plan
+                raise ConfigError(f"--choose compares the same work on every size, and {args.model}'s steps sample "
+                                  "completions per device (its global batch grows with the GPUs): plan it at the "
+                                  "size you mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
             found += [Candidate(gpu, gpus, nodes, row) for row in plan["configs"]
                       if row["micro_batch"] and not row["refused"] and row.get("usd") is not None]  # fmt: skip
     return sorted(found, key=Candidate.key)
@@ -68,10 +72,6 @@ def choose(args: Namespace) -> dict:
     """The cheapest candidate within the budget and the deadline, and what was weighed; one line where none is."""
     if any(limit is not None and limit <= 0 for limit in (args.budget_usd, args.deadline_hours)):
         raise ConfigError("--budget_usd and --deadline_hours must be positive.")
-    if task_table(build_plan(args)["task"]).samples_online:
-        raise ConfigError(f"--choose compares the same work on every size, and {args.model}'s steps sample "
-                          "completions per device (its global batch grows with the GPUs): plan it at the size you "
-                          "mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
     every = candidates(args)
     if not every:
         raise ConfigError(f"{args.model} fits no config of any GPU type tried at up to 4 nodes of 8, or its time "
