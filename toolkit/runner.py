@@ -310,6 +310,9 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
     """Entry point of a recipe script: one line for bad input or an early stop, its exit code, a clean
     distributed exit."""
     code, distributed, finished = 0, False, None
+    # A group set up before the recipe ran is its host's (a Ray Train worker's), which tears it down and keeps its
+    # process: the run then returns (or raises SystemExit) instead of leaving the group and the process.
+    hosted = dist.is_available() and dist.is_initialized()
     try:
         finished = train(recipe, argv, name)
     except ToolkitError as error:
@@ -322,7 +325,7 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
             # ("terminate called without an active exception"), failing a run that had succeeded.
             dist.barrier()
     finally:
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and not hosted:
             distributed = True
             dist.destroy_process_group()  # every rank leaves the group cleanly, whatever happened
     if finished is not None and finished.trainer.is_world_process_zero():

@@ -70,17 +70,16 @@ def forwarding(signals) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def checked_args(argv: list[str]):
+    """The launch command line parsed by accelerate's own parser, with what every engine needs checked first: the
+    strategy file, this machine, the recipe and its model. The toolkit's mesh flags are exported for the ranks."""
+    from accelerate.commands.launch import launch_command_parser
 
     from .launch_check import check
 
     parser = launch_command_parser()
     parser.prog = "python -m toolkit launch"
-    axes, argv = axis_flags(list(sys.argv[1:] if argv is None else argv))
+    axes, argv = axis_flags(list(argv))
     args = parser.parse_args(argv)
     script = Path(args.training_script)
     recipe = script.stem if script.parent.name == "recipes" else None  # check() names the known recipes
@@ -95,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         check_recipe_model(recipe, args.training_script_args)
     elif recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")
+    return args
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    from accelerate.commands.launch import launch_command
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = checked_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     try:

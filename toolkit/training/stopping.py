@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -125,7 +126,9 @@ class SafeStop(TrainerCallback):
             self.unjudged_at = step
 
     def on_train_begin(self, args, state, control, **kwargs):
-        for sig in SIGNALS:  # kept until uninstall(): a signal during the final save must not cut it short
+        # Kept until uninstall(): a signal during the final save must not cut it short. Python takes handlers only
+        # on the main thread; a Ray Train worker runs the recipe on another, and Ray restarts it (clusters/).
+        for sig in SIGNALS if threading.current_thread() is threading.main_thread() else ():
             self.previous[sig] = signal.signal(sig, self.handle)
         if dist.is_available() and dist.is_initialized():
             # A CPU group for the flags: on GPUs the default group is NCCL, whose collectives wait on the device.

@@ -1,0 +1,121 @@
+"""`python -m toolkit launch --on ray`: each rank a Ray Train worker, on a local Ray cluster of 2 CPU workers, for
+real. The run equals `accelerate launch`'s with 2 processes, and a worker killed mid-run is restarted by Ray and
+resumes to the uninterrupted run's losses and weights, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
+
+from toolkit.clusters.launch import main
+
+FLAGS = ["--tiny", "--max_steps", "6", "--save_steps", "2", "--per_device_train_batch_size", "8",
+         "--record_rank_reports", "true", "--report_to", "none"]  # fmt: skip
+CONFIG = str(ROOT / "accelerate_configs" / "ddp.yaml")
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def on_ray(*words: str) -> list[str]:
+    return [str(BIN / "python"), "-m", "toolkit", "launch", "--on", "ray", "--config_file", CONFIG, *words]
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory):
+    """The reference: the same flags under `accelerate launch --num_processes 2`."""
+    out = tmp_path_factory.mktemp("accelerate") / "run"
+    check(launch("ddp", "bert", *FLAGS, "--output_dir", str(out), cwd=out.parent))
+    return rank_reports(out)
+
+
+@pytest.mark.launch
+def test_ray_workers_train_as_accelerate_launch(accelerate_run, tmp_path):
+    """A local cluster started for the run (no --address): two workers, one gloo group, accelerate's DDP."""
+    out = tmp_path / "run"
+    cmd = on_ray("--num_workers", "2", str(ROOT / "recipes" / "bert.py"), *FLAGS, "--output_dir", str(out))
+    result = check(run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=400))
+    assert "strategy      MULTI_CPU, 2 process(es) on 1 machine(s), cpu, backend gloo" in result.stdout
+    assert "resume auto: no complete checkpoint" in result.stdout  # restartable from the first attempt
+    reports = rank_reports(out)
+    assert [r["process_index"] for r in reports] == [0, 1]
+    for ray_rank, accelerate_rank in zip(reports, accelerate_run, strict=True):
+        assert ray_rank["rows"] == accelerate_rank["rows"]  # the same data split over the ranks
+        assert ray_rank["losses"] == accelerate_rank["losses"]
+        assert ray_rank["weights_sha256"] == accelerate_rank["weights_sha256"]
+
+
+KILLER = """
+import os, signal, sys
+from pathlib import Path
+from toolkit.training import stopping, trainer
+
+class Killed(stopping.SafeStop):
+    def on_step_end(self, args, state, control, **kwargs):
+        marker = Path({marker!r})
+        if state.global_step == 3 and os.environ["RANK"] == "1" and not marker.exists():
+            marker.touch()  # the first attempt only
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().on_step_end(args, state, control, **kwargs)
+
+trainer.SafeStop = Killed
+sys.path.insert(0, {recipes!r})
+from bert import RECIPE
+from toolkit import run
+run(RECIPE, sys.argv[1:], name="bert")
+"""
+
+
+@pytest.mark.launch
+def test_killed_worker_is_restarted_and_resumes_exactly(accelerate_run, tmp_path):
+    """Rank 1 killed (SIGKILL) after step 3 of 6, checkpoint-2 on disk: Ray's FailureConfig restarts the worker
+    group on an already running cluster (--address, as on a remote one), the recipe's `--resume auto` continues from
+    checkpoint-2, and the run ends as the uninterrupted one."""
+    port = free_port()
+    start = [str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
+             "false", "--disable-usage-stats"]  # fmt: skip
+    check(run_cmd(start, cwd=tmp_path, env=RAY_ENV, timeout=120))
+    try:
+        script = tmp_path / "killed.py"
+        script.write_text(KILLER.format(marker=str(tmp_path / "killed"), recipes=str(ROOT / "recipes")))
+        out = tmp_path / "run"
+        cmd = on_ray("--num_workers", "2", "--address", f"127.0.0.1:{port}", "--max_failures", "1", str(script),
+                     *FLAGS, "--output_dir", str(out))  # fmt: skip
+        # `ray start` turns on Ray's token authentication; a client naming the address says it uses it
+        result = check(run_cmd(cmd, cwd=tmp_path, env={**RAY_ENV, "RAY_AUTH_MODE": "token"}, timeout=400))
+    finally:
+        run_cmd([str(BIN / "ray"), "stop", "--force"], cwd=tmp_path, env=RAY_ENV, timeout=120)
+    assert (tmp_path / "killed").exists()  # the kill happened
+    assert f"resume auto: continuing from {out / 'checkpoint-2'}" in result.stdout
+    for resumed, full in zip(rank_reports(out), accelerate_run, strict=True):
+        assert resumed["losses"] == full["losses"]  # history restored, then the same steps
+        assert resumed["learning_rates"] == full["learning_rates"]
+        assert resumed["rows"] == full["rows"][-len(resumed["rows"]) :]  # the steps after checkpoint-2
+        assert resumed["weights_sha256"] == full["weights_sha256"]
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["--num_workers", "0"], "--num_workers 0: pass 1 or more workers."),
+        (["--num_workers", "2", "--num_processes", "2"], "--num_workers and --num_processes name the same count"),
+        (["--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there"),
+        (["--address", "nowhere"], "--address nowhere: pass HOST:PORT"),
+        (["--image", "x"], "--image is not an option of --on ray"),
+    ],
+)
+def test_bad_ray_launches_are_one_line(words, message, capsys, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")  # launch sets it for the ranks
+    with pytest.raises(SystemExit) as stop:
+        main(["--on", "ray", "--config_file", CONFIG, *words, str(ROOT / "recipes" / "bert.py"), "--tiny"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
+def test_ray_missing_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: `import ray` raises ImportError
+    with pytest.raises(SystemExit):
+        main(["--on", "ray", "--config_file", CONFIG, str(ROOT / "recipes" / "bert.py"), "--tiny"])
+    assert capsys.readouterr().err.startswith("error: --on ray needs Ray Train: pip install 'ray[train]'")

@@ -1,0 +1,164 @@
+"""`python -m toolkit launch --on ray [--num_workers N] [--address A] [--max_failures K] ...`: every rank a worker of
+a Ray Train `TorchTrainer`, which starts the workers, sets up their process group (gloo on CPUs, NCCL on GPUs)
+and RANK/WORLD_SIZE/LOCAL_RANK as torchrun does; each worker runs the recipe script as `accelerate launch` would,
+with the strategy's variables accelerate's own launcher computes from the config file.
+
+Failures: Ray's FailureConfig restarts the whole worker group after a worker dies or the run is preempted (exit
+75), up to --max_failures times; the recipe runs with `--resume auto`, so a restart continues from the newest
+complete checkpoint, exactly (tests/test_ray.py). A run that ends for a reason a restart cannot mend (bad input 2,
+diverged 3, budget spent 4) is not restarted: the launch ends on that code, as `toolkit launch` does.
+
+A remote cluster: `ray job submit --address http://HEAD:8265 --working-dir . -- python -m toolkit launch --on ray
+--address auto ...` runs this on the head node (docs/strategies.md). Without --address a local cluster is started
+for the run and stopped after it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
+
+NAME = "ray"
+OPTIONS = ("num_workers", "address", "max_failures")
+FINAL = (0, USER_ERROR, DIVERGED, BUDGET_SPENT)  # exit codes a restart would only repeat
+NOT_PASSED_ON = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")  # Ray's own, per worker
+# Ray Train routes a worker's print() through its logger: the toolkit's lines stay lines, and a library that
+# captures its own stdout (dill, which datasets hashes functions with) keeps it captured.
+WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
+def add_options(group) -> None:
+    group.add_argument("--num_workers", type=int, help="Ray Train workers, one rank each (accelerate's "
+                       "--num_processes; default the config's)")  # fmt: skip
+    group.add_argument("--address", help="a running Ray cluster: `auto` (on its head node, as `ray job submit` "
+                       "runs it), HOST:PORT or ray://HOST:10001; default: a local cluster for the run")  # fmt: skip
+    group.add_argument("--max_failures", type=int, default=3, help="restarts of the worker group after a failure "
+                       "or preemption, each resuming from the newest checkpoint (default 3)")  # fmt: skip
+
+
+def accelerate_words(options, words: list[str]) -> list[str]:
+    """--num_workers is Ray's name for accelerate's --num_processes."""
+    if options.num_workers is None:
+        return words
+    if options.num_workers < 1:
+        raise ConfigError(f"--num_workers {options.num_workers}: pass 1 or more workers.")
+    if any(w == "--num_processes" or w.startswith("--num_processes=") for w in words):
+        raise ConfigError("--num_workers and --num_processes name the same count under --on ray: pass one.")
+    return [*words, "--num_processes", str(options.num_workers)]
+
+
+def check_address(address: str | None) -> None:
+    """A cluster address that does not answer, refused in seconds (ray.init would wait on it for a minute)."""
+    if address in (None, "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--address {address}: pass HOST:PORT (a head node's GCS, 6379), ray://HOST:10001 or auto.")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise ConfigError(f"--address {address}: no Ray cluster answers there ({first_line(error)}). Start one "
+                          "(`ray start --head`) or pass the head node's address.") from None  # fmt: skip
+
+
+def strategy_env(args) -> dict[str, str]:
+    """The variables `accelerate launch` would give the ranks for this config (ACCELERATE_*, FSDP_*, DeepSpeed's),
+    computed by accelerate's own launch helpers; not the rendezvous, which is Ray's."""
+    from accelerate.commands.launch import _validate_launch_command
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:  # as accelerate's launch_command marks the fields the config file set
+        fields = list(defaults.deepspeed_config) if defaults else []
+        fields += ["mixed_precision"] if mixed_precision_from_config else []
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        env = prepare_deepspeed_cmd_env(args)[1]
+    elif args.use_fsdp or args.multi_gpu:
+        env = prepare_multi_gpu_env(args)
+    else:
+        env = prepare_simple_launcher_cmd_env(args)[1]
+    return {k: v for k, v in env.items() if os.environ.get(k) != v and k not in NOT_PASSED_ON}
+
+
+def resumable(script_args: list[str]) -> list[str]:
+    """The recipe's flags with `--resume auto` unless a resume is named: a restarted worker group continues."""
+    if any(a == "--resume" or a.startswith("--resume=") for a in script_args):
+        return list(script_args)
+    return [*script_args, "--resume", "auto"]
+
+
+def launch(options, args) -> int:
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+        from ray.train.v2.api.exceptions import TrainingFailedError
+    except ImportError:
+        raise ConfigError("--on ray needs Ray Train: pip install 'ray[train]' (`make install` has it).") from None
+    check_address(options.address)
+    env = {**strategy_env(args), **{k: v for k, v in os.environ.items() if k.startswith(("TOOLKIT_", "PARALLELISM_"))}}
+    config = {"env": env, "cwd": os.getcwd(), "script": args.training_script,
+              "argv": resumable(args.training_script_args)}  # fmt: skip
+    try:
+        ray.init(address=options.address, include_dashboard=False, configure_logging=False)
+    except ConnectionError as error:  # it answered, but not as a Ray cluster (or went away)
+        raise ConfigError(f"--address {options.address}: {first_line(error)}. A cluster with token authentication "
+                          "(`ray start`'s default) needs RAY_AUTH_MODE=token here, with its token in RAY_AUTH_TOKEN or "
+                          "~/.ray/auth_token; or run on the head node with --address auto.") from None  # fmt: skip
+    try:
+        config["board"] = board = ray.remote(ExitCodes).remote()
+        use_gpu = not args.cpu and ray.cluster_resources().get("GPU", 0) > 0
+        trainer = TorchTrainer(run_worker, train_loop_config=config,
+                               scaling_config=ScalingConfig(num_workers=args.num_processes, use_gpu=use_gpu),
+                               run_config=RunConfig(name=f"{Path(args.training_script).stem}-{os.getpid()}",
+                                                    failure_config=FailureConfig(max_failures=options.max_failures),
+                                                    worker_runtime_env={"env_vars": WORKER_ENV}))  # fmt: skip
+        try:
+            trainer.fit()
+        except TrainingFailedError:  # restarts spent: the workers' exit codes say how it ended, else Ray's log
+            return ray.get(board.outcome.remote()) or 1
+        return ray.get(board.outcome.remote())
+    finally:
+        ray.shutdown()
+
+
+class ExitCodes:
+    """A Ray actor the workers tell their exit codes, as torchrun's agent collects its processes' (the driver
+    may run elsewhere than any worker). The launch ends on rank 0's last code, else the first failed rank's."""
+
+    def __init__(self) -> None:
+        self.codes: dict[int, int] = {}
+
+    def note(self, rank: int, code: int) -> None:
+        self.codes[rank] = code
+
+    def outcome(self) -> int:
+        return self.codes.get(0) or next((c for c in self.codes.values() if c), 0)
+
+
+def run_worker(config: dict) -> None:
+    """One rank: the recipe script run in this worker, as its own `__main__`, with the launch's variables."""
+    import ray.train
+
+    os.environ.update(config["env"])
+    if Path(config["cwd"]).is_dir():  # a remote cluster's workers run in `ray job submit`'s working directory
+        os.chdir(config["cwd"])
+    sys.argv = [config["script"], *config["argv"]]
+    try:
+        runpy.run_path(config["script"], run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    rank = ray.train.get_context().get_world_rank()
+    ray.get(config["board"].note.remote(rank, code))
+    if code not in FINAL:  # preempted (75) or a crash: Ray restarts the group, which resumes
+        raise RuntimeError(f"rank {rank} exited with code {code}")
