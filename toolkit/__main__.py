@@ -9,7 +9,7 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
     "plan": "toolkit.planner.cli:main",  # memory, fit, time and cost, before launching
     "check": "toolkit.distributed.launch_check:main",  # a strategy file's mistakes, in a second
     "prepare": "toolkit.runner:prepare_main",  # tokenize (and pack) a recipe's data ahead of a launch
-    "launch": "toolkit.clusters.launch:main",  # accelerate launch (or Ray, Kubernetes, SkyPilot), on the run's exit code
+    "launch": "toolkit.clusters.launch:main",  # accelerate launch (or Ray, Kubernetes, SkyPilot), ending on its code
     "mesh": "toolkit.distributed.launcher:mesh_main",  # a config's mesh sized for a multi-node job (slurm/)
     "report": "toolkit.metrics.report:main",  # runs side by side: charts, pages, samples
     "generate": "toolkit.generate:generate_main",  # answers from a trained model

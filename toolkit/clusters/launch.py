@@ -15,9 +15,9 @@ import sys
 
 from ..distributed import launcher
 from ..errors import ConfigError, command
-from . import ray_train
+from . import kubernetes, ray_train
 
-ENGINES = {"ray": ray_train}
+ENGINES = {"ray": ray_train, "kubernetes": kubernetes}
 
 
 def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -50,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--{stray[0]} is not an option of --on {options.on} (its own: "
                           f"{', '.join('--' + o for o in engine.OPTIONS)}).")  # fmt: skip
     rest = engine.accelerate_words(options, rest)
-    args = launcher.checked_args(rest + script)
+    args = launcher.checked_args(rest + script, here=engine.RUNS_HERE)
     return engine.launch(options, args)

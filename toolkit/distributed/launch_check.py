@@ -40,7 +40,7 @@ from ..project import (
     strategy_files,
 )
 from ..settings.mesh import LAUNCHER_KEYS, PIPELINE_SCHEDULES, config_mesh
-from .strategy import check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
+from .strategy import FP8_CAPABILITY, check_4bit_engine, check_fp8, check_mesh_engine, cuda_capability, layer_class
 
 SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "fp8_config")  # keys: accelerate launch flags
 
@@ -225,8 +225,9 @@ def check_mesh(config: dict, path: Path, recipe: str | None) -> None:
         raise ConfigError(f"{path} with {recipe}: {error}") from None
 
 
-def check(config_file: str | Path, recipe: str | None = None) -> str:
-    """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary."""
+def check(config_file: str | Path, recipe: str | None = None, here: bool = True) -> str:
+    """All checks of one strategy file (and, given a recipe, of the pair); returns a one-line summary. Not `here`
+    (a manifest for a cluster): this machine's GPU is not the one the run gets."""
     path = Path(config_file)
     recipe = recipe_name(recipe) if recipe is not None else None  # recipes/bert.py, as the launch names it
     if recipe is not None and not is_recipe(recipe):
@@ -272,7 +273,8 @@ def check(config_file: str | Path, recipe: str | None = None) -> str:
     if str(config.get("mixed_precision")).lower() == "fp8":  # before accelerate's launcher fails on it
         qlora = recipe is not None and bool(load_recipe(recipe).get("load_in_4bit"))
         fsdp = config.get("fsdp_config") or {}
-        check_fp8((config.get("fp8_config") or {}).get("backend"), qlora, cuda_capability(),
+        capability = cuda_capability() if here else FP8_CAPABILITY
+        check_fp8((config.get("fp8_config") or {}).get("backend"), qlora, capability,
                   kind if kind in ("FSDP", "DEEPSPEED") else "replicated",
                   str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() == "true")  # fmt: skip
         summary += ", FP8"

@@ -70,9 +70,10 @@ def forwarding(signals) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def checked_args(argv: list[str]):
+def checked_args(argv: list[str], here: bool = True):
     """The launch command line parsed by accelerate's own parser, with what every engine needs checked first: the
-    strategy file, this machine, the recipe and its model. The toolkit's mesh flags are exported for the ranks."""
+    strategy file, the recipe and, for a run on this machine (`here`), what the machine can run and the recipe's
+    model. The toolkit's mesh flags are exported for the ranks."""
     from accelerate.commands.launch import launch_command_parser
 
     from .launch_check import check
@@ -86,11 +87,12 @@ def checked_args(argv: list[str]):
     if recipe is None and not script.is_file():
         raise ConfigError(f"No script {script}: pass a recipe (recipes/<name>.py) or your own training script.")
     if args.config_file:
-        check(args.config_file, recipe)  # a bad file is one line here, not a traceback from every rank
+        check(args.config_file, recipe, here)  # a bad file is one line here, not a traceback from every rank
         export_axes(args.config_file, axes)
         os.environ["TOOLKIT_CONFIG_FILE"] = args.config_file  # the run's model card says how it was launched
-    check_this_machine(args)
-    if recipe is not None and is_recipe(recipe):
+    if here:
+        check_this_machine(args)
+    if recipe is not None and is_recipe(recipe) and here:
         check_recipe_model(recipe, args.training_script_args)
     elif recipe is not None and not is_recipe(recipe):
         raise ConfigError(f"No recipe '{recipe}' in recipes/. Known: {', '.join(recipe_names())}.")

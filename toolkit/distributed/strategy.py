@@ -116,6 +116,7 @@ def check_launcher_axes(world_size: int) -> None:
 
 
 # accelerate's fp8_config backends: the module each imports, and what installs it.
+FP8_CAPABILITY = (8, 9)  # the first CUDA compute capability with FP8 tensor cores (Ada, Hopper)
 FP8_BACKENDS = {"AO": ("torchao", "torchao"), "TE": ("transformer_engine", "transformer-engine[pytorch]"),
                 "MSAMP": ("msamp", "ms-amp")}  # fmt: skip
 
@@ -153,7 +154,7 @@ def check_fp8(backend: str | None, load_in_4bit: bool, capability: tuple[int, in
         raise ConfigError("fp8_config backend MSAMP under FSDP: accelerate does not support the pair: use backend AO "
                           "(torchao) with FSDP2, or MS-AMP under DeepSpeed.")  # fmt: skip
     cpu_switch = capability is None and name == "AO" and env_flag("TOOLKIT_FP8_ON_CPU")
-    if (capability is None or capability < (8, 9)) and not cpu_switch:
+    if (capability is None or capability < FP8_CAPABILITY) and not cpu_switch:
         found = "this machine has no CUDA GPU" if capability is None else f"this GPU is {capability[0]}.{capability[1]}"
         raise ConfigError(f"mixed_precision fp8 needs GPUs with FP8 tensor cores (compute capability 8.9+: H100, "
                           f"H200, L40S, B200) and {found}: use the same strategy without FP8 (fsdp2.yaml), "

@@ -1,0 +1,131 @@
+"""`toolkit launch --on kubernetes`: every config's TrainingRuntime and TrainJob validate against Kubeflow Trainer's
+published CRD schemas (tests/crds/, offline), and the command a node's container runs trains for real."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import os
+from functools import cache
+
+import pytest
+import yaml
+from conftest import BIN, ROOT, check, free_port, rank_reports, run_cmd
+from jsonschema import Draft7Validator, FormatChecker
+
+from toolkit.clusters.launch import main
+from toolkit.distributed.launch_check import strategy_files
+from toolkit.errors import BUDGET_SPENT, DIVERGED, USER_ERROR
+
+CRDS = ROOT / "tests" / "crds"
+
+
+def closed(schema):
+    """Every object that lists its properties refuses others, as the API server's strict field validation does
+    (the CRDs leave additionalProperties open; plain JSON Schema would let a misspelt field through)."""
+    if isinstance(schema, dict):
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema = {**schema, "additionalProperties": False}
+        return {k: closed(v) for k, v in schema.items()}
+    return [closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
+@cache
+def validator(kind: str) -> Draft7Validator:
+    crd = yaml.safe_load(gzip.decompress((CRDS / f"trainer.kubeflow.org_{kind.lower()}s.yaml.gz").read_bytes()))
+    (version,) = crd["spec"]["versions"]
+    assert crd["spec"]["names"]["kind"] == kind and version["name"] == "v1alpha1"
+    return Draft7Validator(closed(version["schema"]["openAPIV3Schema"]), format_checker=FormatChecker())
+
+
+def errors(document: dict) -> list[str]:
+    found = validator(document["kind"]).iter_errors(document)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in found]
+
+
+def written(tmp_path, *words: str, recipe: str = "llama3_fft") -> list[dict]:
+    out = tmp_path / "job.yaml"
+    main(["--on", "kubernetes", "--image", "ghcr.io/acme/finetune:1", "--output", str(out), *words,
+          str(ROOT / "recipes" / f"{recipe}.py")])  # fmt: skip
+    return list(yaml.safe_load_all(out.read_text()))
+
+
+@pytest.mark.parametrize("config", [p.name for p in strategy_files()])
+def test_every_config_validates_against_the_crds(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+    settings = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text())
+    recipe = "qwen3_moe_fft" if config == "fsdp2_ep.yaml" else "llama3_fft"  # expert parallelism needs experts
+    runtime, job = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / config), recipe=recipe)
+    assert errors(runtime) == [] and errors(job) == []
+    assert job["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"], "apiGroup": "trainer.kubeflow.org",
+                                         "kind": "TrainingRuntime"}  # fmt: skip
+    nodes, per_node = job["spec"]["trainer"]["numNodes"], job["spec"]["trainer"]["numProcPerNode"]
+    assert (nodes, nodes * per_node) == (settings.get("num_machines", 1), settings["num_processes"])
+    assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == per_node
+    pod_failures = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]
+    assert pod_failures["rules"][0]["onExitCodes"]["values"] == [USER_ERROR, DIVERGED, BUDGET_SPENT]  # not 75
+    assert "--resume auto" in job["spec"]["trainer"]["command"][-1]
+
+
+def test_the_validation_refuses_what_the_api_server_would(tmp_path, monkeypatch):
+    """The check can fail: a wrong type, a misspelt field, a field where the schema has none."""
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+    runtime, job = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"))
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["numNodes"] = "two"
+    assert errors(bad) == ["spec.trainer.numNodes: 'two' is not of type 'integer'"]
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["numNode"] = 2
+    assert errors(bad) == ["spec.trainer: Additional properties are not allowed ('numNode' was unexpected)"]
+    bad = copy.deepcopy(runtime)
+    bad["spec"]["template"]["spec"]["failurePolicy"]["rules"][0]["action"] = "Retry"
+    assert len(errors(bad)) == 1
+
+
+@pytest.mark.launch
+def test_a_nodes_command_trains(tmp_path):
+    """The container's command, run as Kubeflow Trainer runs it on one node of 2 processes (its PET_* variables),
+    in the image's working directory (this repository): a 2-process run whose output is on the claim's path."""
+    out = tmp_path / "job.yaml"
+    check(run_cmd([str(BIN / "python"), "-m", "toolkit", "launch", "--on", "kubernetes", "--image", "img",
+                   "--output", str(out), "--checkpoint_dir", str(tmp_path / "claim"), "--config_file",
+                   "accelerate_configs/ddp.yaml", "--num_processes", "2", "recipes/bert.py", "--tiny",
+                   "--max_steps", "4", "--record_rank_reports", "true", "--report_to", "none"], cwd=ROOT))  # fmt: skip
+    _, job = yaml.safe_load_all(out.read_text())
+    command = job["spec"]["trainer"]["command"]
+    env = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": str(job["spec"]["trainer"]["numProcPerNode"]),
+           "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port()),
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    result = check(run_cmd(command, cwd=ROOT, env=env))
+    assert "strategy      MULTI_CPU, 2 process(es) on 1 machine(s)" in result.stdout
+    assert "resume auto: no complete checkpoint" in result.stdout
+    assert [r["process_index"] for r in rank_reports(tmp_path / "claim" / "bert-ddp")] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["--gpus_per_node", "4"], "needs 8 GPUs a node and a node has 4 (--gpus_per_node): pass --num_machines 2"),
+        (["--num_processes", "6", "--num_machines", "4"], "6 processes do not split over 4 nodes"),
+        (["--job_name", "___"], "--job_name '___': use lower-case letters"),
+        (["--submit"], "--submit: no cluster to submit to"),
+        (["--max_failures", "2"], "--max_failures is not an option of --on kubernetes"),
+    ],
+)
+def test_bad_kubernetes_launches_are_one_line(words, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))  # no cluster configured, not inside one
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"), *words)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
+def test_no_image_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+    with pytest.raises(SystemExit):
+        main(["--on", "kubernetes", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+              str(ROOT / "recipes" / "bert.py")])  # fmt: skip
+    assert capsys.readouterr().err.startswith("error: --on kubernetes needs --image")

@@ -1,0 +1,196 @@
+"""`python -m toolkit launch --on kubernetes --image IMAGE [--submit] ...`: the launch as a Kubeflow Trainer (v2)
+TrainJob, with a TrainingRuntime of its own, written to a file (and applied with --submit, through the official
+`kubernetes` client).
+
+- Nodes and GPUs per node from the config (`num_machines`, `num_processes`, the command line's over them); each
+  node's container runs `toolkit launch` with Trainer's torch variables (PET_NNODES, PET_NPROC_PER_NODE,
+  PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) as accelerate's machine flags, the mesh sized by `toolkit mesh`
+  as slurm/launch_node.sh does.
+- Checkpoints on a shared volume (a PersistentVolumeClaim, `--checkpoint_claim`), the output folder in it.
+- Preemption: Kubernetes sends SIGTERM, the run saves a checkpoint (terminationGracePeriodSeconds covers torch's
+  300 s shutdown) and exits 75. The runtime's JobSet restarts the job (up to --max_restarts), and the recipe's
+  `--resume auto` continues it; exits 2, 3 and 4 (bad input, diverged, budget spent) fail it instead, as a
+  restart would only repeat them (a Job pod failure policy, then a JobSet failure rule).
+Validated against the CRDs' published schemas, for every config (tests/test_kubernetes.py).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from ..distributed.launch_check import read_yaml
+from ..distributed.launcher import SHUTDOWN_TIMEOUT_S
+from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
+
+NAME = "kubernetes"
+RUNS_HERE = False  # a manifest: the cluster loads the model
+OPTIONS = ("image", "namespace", "checkpoint_claim", "checkpoint_dir", "gpus_per_node", "max_restarts", "job_name",
+           "output", "submit")  # fmt: skip
+GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
+CONTAINER = "node"  # the torch runtime's trainer container, which gets the PET_* variables
+FINAL = (USER_ERROR, DIVERGED, BUDGET_SPENT)
+
+
+def add_options(group) -> None:
+    group.add_argument("--image", help="the container image: this repository installed (`make install`) in its "
+                       "working directory")  # fmt: skip
+    group.add_argument("--namespace", default="default")
+    group.add_argument(
+        "--checkpoint_claim",
+        default="finetune-checkpoints",
+        help="the PersistentVolumeClaim (ReadWriteMany) the nodes share for checkpoints",
+    )
+    group.add_argument("--checkpoint_dir", default="/checkpoints", help="where the claim is mounted")
+    group.add_argument("--gpus_per_node", type=int, default=8, help="the GPUs a node of the pool has (default 8)")
+    group.add_argument("--max_restarts", type=int, default=3, help="JobSet restarts after a failure or preemption")
+    group.add_argument("--job_name", help="the TrainJob's name (default: the recipe's and the config's)")
+    group.add_argument("--output", help="the manifest file (default: <job name>.yaml)")
+    group.add_argument("--submit", action="store_true", help="apply it to the cluster of the current kubeconfig")
+
+
+def accelerate_words(options, words: list[str]) -> list[str]:
+    return words
+
+
+def dns_name(text: str) -> str:
+    """A Kubernetes object name (RFC 1123 label: lower-case letters, digits and '-', at most 63)."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:63].strip("-")
+
+
+def node_shape(args, options) -> tuple[int, int]:
+    """(nodes, processes per node) from the config, the command line's counts over it; refused where a node of
+    the pool has fewer GPUs."""
+    config = read_yaml(Path(args.config_file)) if args.config_file else {}
+    processes = int(args.num_processes or config.get("num_processes") or 1)
+    nodes = int(args.num_machines or config.get("num_machines") or 1)
+    if processes % nodes:
+        raise ConfigError(f"{processes} processes do not split over {nodes} nodes: pass --num_processes as a "
+                          "multiple of --num_machines.")  # fmt: skip
+    per_node = processes // nodes
+    if per_node > options.gpus_per_node:
+        raise ConfigError(f"{args.config_file or 'the launch'} needs {per_node} GPUs a node and a node has "
+                          f"{options.gpus_per_node} (--gpus_per_node): pass --num_machines "
+                          f"{-(-processes // options.gpus_per_node)} to spread the {processes} processes.")  # fmt: skip
+    return nodes, per_node
+
+
+def node_command(args, options, name: str) -> str:
+    """The bash line each node's container runs: this node's `toolkit launch`, from Trainer's torch variables."""
+    config = shlex.quote(args.config_file) if args.config_file else ""
+    flags = ["--output_dir", f"{options.checkpoint_dir}/{name}", *args.training_script_args]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in flags):
+        flags += ["--resume", "auto"]  # a restarted job continues from the newest checkpoint
+    sizes = '--nodes "$PET_NNODES" --gpus_per_node "$PET_NPROC_PER_NODE"'
+    mesh = f"$(python -m toolkit mesh {config} {sizes}) " if config else ""
+    return (
+        "exec python -m toolkit launch " + (f"--config_file {config} " if config else "")
+        + '--num_machines "$PET_NNODES" --num_processes "$((PET_NNODES * PET_NPROC_PER_NODE))" '
+        + '--machine_rank "$PET_NODE_RANK" --main_process_ip "$PET_MASTER_ADDR" '
+        + '--main_process_port "$PET_MASTER_PORT" ' + mesh
+        + " ".join(shlex.quote(w) for w in [args.training_script, *flags])
+    )  # fmt: skip
+
+
+def manifests(args, options) -> list[dict]:
+    """The TrainingRuntime and the TrainJob that uses it."""
+    if not options.image:
+        raise ConfigError("--on kubernetes needs --image: a container image with this repository installed in its "
+                          "working directory (`make install`).")  # fmt: skip
+    nodes, per_node = node_shape(args, options)
+    stem = Path(args.training_script).stem + (f"-{Path(args.config_file).stem}" if args.config_file else "")
+    name = dns_name(options.job_name or stem)
+    if not name:
+        raise ConfigError(f"--job_name {options.job_name!r}: use lower-case letters, digits and '-'.")
+    metadata = {"name": name, "namespace": options.namespace}
+    pod = {
+        "restartPolicy": "Never",  # the Job's pod failure policy needs it; the JobSet restarts the whole job
+        "terminationGracePeriodSeconds": SHUTDOWN_TIMEOUT_S + 30,  # torch's shutdown wait, then the launcher's own
+        "containers": [{"name": CONTAINER, "image": options.image,
+                        "volumeMounts": [{"name": "checkpoints", "mountPath": options.checkpoint_dir},
+                                         {"name": "shm", "mountPath": "/dev/shm"}]}],
+        # a container's /dev/shm is 64 MB: too small for NCCL's buffers and the data loader's workers
+        "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": options.checkpoint_claim}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+    }  # fmt: skip
+    job = {
+        "backoffLimit": 0,
+        "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+            "containerName": CONTAINER, "operator": "In", "values": list(FINAL)}}]},
+        "template": {"spec": pod},
+    }  # fmt: skip
+    runtime = {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingRuntime",
+        "metadata": {**metadata, "labels": {f"{GROUP}/framework": "torch"}},
+        "spec": {
+            "mlPolicy": {"numNodes": nodes, "torch": {}},
+            "template": {"spec": {
+                "failurePolicy": {"maxRestarts": options.max_restarts, "rules": [
+                    {"name": "final-exit-codes", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                "replicatedJobs": [{"name": CONTAINER, "template": {
+                    "metadata": {"labels": {f"{GROUP}/trainjob-ancestor-step": "trainer"}}, "spec": job}}],
+            }},
+        },
+    }  # fmt: skip
+    trainjob = {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "metadata": metadata,
+        "spec": {
+            "runtimeRef": {"name": name, "apiGroup": GROUP, "kind": "TrainingRuntime"},
+            "trainer": {
+                "image": options.image,
+                "command": ["bash", "-c", node_command(args, options, name)],
+                "numNodes": nodes, "numProcPerNode": per_node,
+                "resourcesPerNode": {"limits": {"nvidia.com/gpu": per_node}},
+                "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token",
+                                                                            "optional": True}}}],
+            },
+        },
+    }  # fmt: skip
+    return [runtime, trainjob]
+
+
+def launch(options, args) -> int:
+    import yaml
+
+    documents = manifests(args, options)
+    name = documents[1]["metadata"]["name"]
+    path = Path(options.output or f"{name}.yaml")
+    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    print(f"wrote {path}: TrainJob {name}, {documents[0]['spec']['mlPolicy']['numNodes']} node(s) x "
+          f"{documents[1]['spec']['trainer']['numProcPerNode']} GPU(s), checkpoints on claim "
+          f"{options.checkpoint_claim}")  # fmt: skip
+    if not options.submit:
+        print(f"apply it with: kubectl apply -f {path}  (or add --submit)")
+        return 0
+    submit(documents, options.namespace)
+    print(f"submitted TrainJob {name} to namespace {options.namespace}: kubectl get trainjob {name} -n "
+          f"{options.namespace}")  # fmt: skip
+    return 0
+
+
+def submit(documents: list[dict], namespace: str) -> None:
+    """Both objects created through the official client, from the current kubeconfig (or in-cluster)."""
+    try:
+        import urllib3
+        from kubernetes import client, config
+        from kubernetes.client.rest import ApiException
+    except ImportError:
+        raise ConfigError("--submit needs the kubernetes client: pip install kubernetes (`make install` has "
+                          "it), or apply the file with kubectl.") from None  # fmt: skip
+    try:
+        config.load_kube_config()
+    except Exception:  # noqa: BLE001 - no kubeconfig: a pod's own service account, else one line
+        try:
+            config.load_incluster_config()
+        except config.ConfigException as error:
+            raise ConfigError(f"--submit: no cluster to submit to ({first_line(error)}). Point KUBECONFIG at "
+                              "one, or apply the file with kubectl.") from None  # fmt: skip
+    api = client.CustomObjectsApi()
+    for document in documents:
+        plural = {"TrainingRuntime": "trainingruntimes", "TrainJob": "trainjobs"}[document["kind"]]
+        try:
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, document)
+        except (ApiException, OSError, urllib3.exceptions.HTTPError) as error:
+            raise ConfigError(f"--submit: the cluster refused the {document['kind']} "
+                              f"({first_line(error)}). Is Kubeflow Trainer v2 installed?") from None  # fmt: skip
