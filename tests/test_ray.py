@@ -101,7 +101,7 @@ def test_killed_worker_is_restarted_and_resumes_exactly(accelerate_run, tmp_path
         (["--num_workers", "2", "--num_processes", "2"], "--num_workers and --num_processes name the same count"),
         (["--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there"),
         (["--address", "nowhere"], "--address nowhere: pass HOST:PORT"),
-        (["--image", "x"], "--image is not an option of --on ray"),
+        (["--image", "x"], "--image is not an option of --on ray (it is --on kubernetes's)"),
     ],
 )
 def test_bad_ray_launches_are_one_line(words, message, capsys, monkeypatch):

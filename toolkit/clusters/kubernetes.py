@@ -23,11 +23,10 @@ from pathlib import Path
 from ..distributed.launch_check import read_yaml
 from ..distributed.launcher import SHUTDOWN_TIMEOUT_S
 from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
+from .workdir import dump, portable
 
 NAME = "kubernetes"
 RUNS_HERE = False  # a manifest: the cluster loads the model
-OPTIONS = ("image", "namespace", "checkpoint_claim", "checkpoint_dir", "gpus_per_node", "max_restarts", "job_name",
-           "output", "submit")  # fmt: skip
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
 CONTAINER = "node"  # the torch runtime's trainer container, which gets the PET_* variables
 FINAL = (USER_ERROR, DIVERGED, BUDGET_SPENT)
@@ -78,7 +77,7 @@ def node_shape(args, options) -> tuple[int, int]:
 
 def node_command(args, options, name: str) -> str:
     """The bash line each node's container runs: this node's `toolkit launch`, from Trainer's torch variables."""
-    config = shlex.quote(args.config_file) if args.config_file else ""
+    config = shlex.quote(portable(args.config_file, "--config_file")) if args.config_file else ""
     flags = ["--output_dir", f"{options.checkpoint_dir}/{name}", *args.training_script_args]
     if not any(a == "--resume" or a.startswith("--resume=") for a in flags):
         flags += ["--resume", "auto"]  # a restarted job continues from the newest checkpoint
@@ -89,7 +88,7 @@ def node_command(args, options, name: str) -> str:
         + '--num_machines "$PET_NNODES" --num_processes "$((PET_NNODES * PET_NPROC_PER_NODE))" '
         + '--machine_rank "$PET_NODE_RANK" --main_process_ip "$PET_MASTER_ADDR" '
         + '--main_process_port "$PET_MASTER_PORT" ' + mesh
-        + " ".join(shlex.quote(w) for w in [args.training_script, *flags])
+        + " ".join(shlex.quote(w) for w in [portable(args.training_script, "the script"), *flags])
     )  # fmt: skip
 
 
@@ -151,12 +150,10 @@ def manifests(args, options) -> list[dict]:
 
 
 def launch(options, args) -> int:
-    import yaml
-
     documents = manifests(args, options)
     name = documents[1]["metadata"]["name"]
     path = Path(options.output or f"{name}.yaml")
-    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    path.write_text(dump(documents))
     print(f"wrote {path}: TrainJob {name}, {documents[0]['spec']['mlPolicy']['numNodes']} node(s) x "
           f"{documents[1]['spec']['trainer']['numProcPerNode']} GPU(s), checkpoints on claim "
           f"{options.checkpoint_claim}")  # fmt: skip

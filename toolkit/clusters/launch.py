@@ -15,9 +15,9 @@ import sys
 
 from ..distributed import launcher
 from ..errors import ConfigError, command
-from . import kubernetes, ray_train
+from . import kubernetes, ray_train, skypilot
 
-ENGINES = {"ray": ray_train, "kubernetes": kubernetes}
+ENGINES = {"ray": ray_train, "kubernetes": kubernetes, "skypilot": skypilot}
 
 
 def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -28,11 +28,10 @@ def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def engine_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m toolkit launch", add_help=False, allow_abbrev=False)
-    parser.add_argument("--on", choices=sorted(ENGINES))
-    for engine in ENGINES.values():
-        engine.add_options(parser.add_argument_group(f"--on {engine.NAME}"))
+def engine_parser(engine) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m toolkit launch --on {engine.NAME}", add_help=False,
+                                     allow_abbrev=False)  # fmt: skip
+    engine.add_options(parser)
     return parser
 
 
@@ -40,15 +39,18 @@ def engine_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words, script = split_script(argv)
-    if "--on" not in words and not any(w.startswith("--on=") for w in words):
+    chooser = argparse.ArgumentParser(prog="python -m toolkit launch", add_help=False, allow_abbrev=False)
+    chooser.add_argument("--on", choices=sorted(ENGINES))
+    picked, words = chooser.parse_known_args(words)
+    if picked.on is None:
         return launcher.main(argv)
-    options, rest = engine_parser().parse_known_args(words)
-    engine = ENGINES[options.on]
-    given = {action.dest for action in engine_parser()._actions if getattr(options, action.dest) != action.default}
-    stray = sorted(given - {"on"} - set(engine.OPTIONS))
-    if stray:
-        raise ConfigError(f"--{stray[0]} is not an option of --on {options.on} (its own: "
-                          f"{', '.join('--' + o for o in engine.OPTIONS)}).")  # fmt: skip
+    engine = ENGINES[picked.on]
+    options, rest = engine_parser(engine).parse_known_args(words)
+    for other in ENGINES.values():  # another engine's option: say so, rather than accelerate's "unrecognized"
+        for action in engine_parser(other)._actions:
+            if other is not engine and set(action.option_strings) & {w.partition("=")[0] for w in rest}:
+                raise ConfigError(f"{action.option_strings[0]} is not an option of --on {engine.NAME} (it is "
+                                  f"--on {other.NAME}'s).")  # fmt: skip
     rest = engine.accelerate_words(options, rest)
     args = launcher.checked_args(rest + script, here=engine.RUNS_HERE)
     return engine.launch(options, args)

@@ -25,7 +25,6 @@ from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
 
 NAME = "ray"
 RUNS_HERE = True  # the driver starts the workers, on this cluster
-OPTIONS = ("num_workers", "address", "max_failures")
 FINAL = (0, USER_ERROR, DIVERGED, BUDGET_SPENT)  # exit codes a restart would only repeat
 NOT_PASSED_ON = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")  # Ray's own, per worker
 # Ray Train routes a worker's print() through its logger: the toolkit's lines stay lines, and a library that

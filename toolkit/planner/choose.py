@@ -54,7 +54,8 @@ def plannable_gpus(named: str | None) -> list[str]:
 
 
 def candidates(args: Namespace) -> list[Candidate]:
-    """Every fitting, priced (GPU type, size, config) the plan gives, cheapest first."""
+    """Every fitting, priced (GPU type, size, config) the plan gives, cheapest first; only `args.config`'s rows
+    where it names one (a launch's strategy file)."""
     found = []
     for gpu in plannable_gpus(args.gpu_types):
         for gpus, nodes in SIZES:
@@ -64,7 +65,8 @@ def candidates(args: Namespace) -> list[Candidate]:
                                   "completions per device (its global batch grows with the GPUs): plan it at the "
                                   "size you mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
             found += [Candidate(gpu, gpus, nodes, row) for row in plan["configs"]
-                      if row["micro_batch"] and not row["refused"] and row.get("usd") is not None]  # fmt: skip
+                      if row["micro_batch"] and not row["refused"] and row.get("usd") is not None
+                      and getattr(args, "config", None) in (None, row["config"])]  # fmt: skip
     return sorted(found, key=Candidate.key)
 
 

@@ -45,8 +45,8 @@ def check_flags(args) -> None:
                           f"runs only): pass one of {', '.join(gpus)}.")  # fmt: skip
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
+def plan_parser():
+    """`toolkit plan`'s options (also read by `toolkit launch --on skypilot`, which plans before it writes)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m toolkit plan", description="Memory, fit, time and cost of a "
@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline_hours", type=float, help="--choose: the longest the run may take, wall clock")
     parser.add_argument("--gpu_types", help="--choose: comma-separated types to try (default: every priced one)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    args = plan_parser().parse_args(argv)
     args.model = recipe_name(args.model)  # recipes/llama3_fft.py, as a launch names it
     check_flags(args)
     if args.choose:
