@@ -20,6 +20,14 @@ from toolkit.errors import BUDGET_SPENT, DIVERGED, USER_ERROR
 CRDS = ROOT / "tests" / "crds"
 
 
+@pytest.fixture(autouse=True)
+def in_the_repository(monkeypatch):
+    """Job files name paths relative to the repository, the working directory the nodes get; a launch sets
+    TOOLKIT_CONFIG_FILE for its ranks."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+
+
 def closed(schema):
     """Every object that lists its properties refuses others, as the API server's strict field validation does
     (the CRDs leave additionalProperties open; plain JSON Schema would let a misspelt field through)."""
@@ -51,8 +59,7 @@ def written(tmp_path, *words: str, recipe: str = "llama3_fft") -> list[dict]:
 
 
 @pytest.mark.parametrize("config", [p.name for p in strategy_files()])
-def test_every_config_validates_against_the_crds(config, tmp_path, monkeypatch):
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+def test_every_config_validates_against_the_crds(config, tmp_path):
     settings = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text())
     recipe = "qwen3_moe_fft" if config == "fsdp2_ep.yaml" else "llama3_fft"  # expert parallelism needs experts
     runtime, job = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / config), recipe=recipe)
@@ -67,9 +74,8 @@ def test_every_config_validates_against_the_crds(config, tmp_path, monkeypatch):
     assert "--resume auto" in job["spec"]["trainer"]["command"][-1]
 
 
-def test_the_validation_refuses_what_the_api_server_would(tmp_path, monkeypatch):
+def test_the_validation_refuses_what_the_api_server_would(tmp_path):
     """The check can fail: a wrong type, a misspelt field, a field where the schema has none."""
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
     runtime, job = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"))
     bad = copy.deepcopy(job)
     bad["spec"]["trainer"]["numNodes"] = "two"
@@ -113,7 +119,6 @@ def test_a_nodes_command_trains(tmp_path):
     ],
 )
 def test_bad_kubernetes_launches_are_one_line(words, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))  # no cluster configured, not inside one
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(SystemExit) as stop:
@@ -123,8 +128,7 @@ def test_bad_kubernetes_launches_are_one_line(words, message, tmp_path, capsys, 
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
 
 
-def test_no_image_is_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+def test_no_image_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--on", "kubernetes", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
               str(ROOT / "recipes" / "bert.py")])  # fmt: skip

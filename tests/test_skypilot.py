@@ -21,6 +21,14 @@ SKY = BIN.parent.with_name(".venv-skypilot") / "bin" / "python"  # SkyPilot's cl
 TYPES = "H100-80GB,A100-80GB"  # two types: each choice plans 12 sizes
 
 
+@pytest.fixture(autouse=True)
+def in_the_repository(monkeypatch):
+    """Job files name paths relative to the repository, the working directory the nodes get; a launch sets
+    TOOLKIT_CONFIG_FILE for its ranks."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+
+
 def written(tmp_path, *words: str, name: str = "task") -> dict:
     out = tmp_path / f"{name}.sky.yaml"
     main(["--on", "skypilot", "--bucket", "s3://acme-checkpoints", "--output", str(out), *words])
@@ -35,12 +43,10 @@ def sky_parses(tmp_path, *paths) -> subprocess.CompletedProcess:
     return run_cmd([str(SKY), "-c", code, *map(str, paths)], cwd=ROOT, env={"HOME": str(home)}, timeout=120)
 
 
-def test_resources_are_the_plans_choice(tmp_path, capsys, monkeypatch):
+def test_resources_are_the_plans_choice(tmp_path, capsys):
     """The task's GPUs, nodes, strategy and micro-batch are the row `toolkit plan --choose --json` prints (the
     choice itself, the cheapest fitting row, is tests/test_choose.py's)."""
     recipe = "llama3_fft"
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
     cli.main([recipe, "--choose", "--json", "--gpu_types", TYPES])
     choice = json.loads(capsys.readouterr().out)
     task = written(tmp_path, "--gpu_types", TYPES, f"recipes/{recipe}.py", "--max_steps", "50", name=recipe)
@@ -58,9 +64,7 @@ def test_resources_are_the_plans_choice(tmp_path, capsys, monkeypatch):
     assert parsed == f"{choice['nodes']} { ({sky_name: choice['gpus']}) }"  # as SkyPilot reads it
 
 
-def test_a_config_or_a_gpu_fixes_the_choice(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+def test_a_config_or_a_gpu_fixes_the_choice(tmp_path):
     zero3 = written(tmp_path, "--gpu_types", "H100-80GB", "--config_file", "accelerate_configs/zero3.yaml",
                     "recipes/llama3_fft.py", name="zero3")  # fmt: skip
     assert "--config_file accelerate_configs/zero3.yaml" in zero3["run"]
@@ -111,9 +115,7 @@ def test_the_run_script_trains(tmp_path):
         (["--budget_usd", "0.01", "--gpu_types", "H100-80GB"], "nothing fits within --budget_usd 0.01"),
     ],
 )
-def test_bad_skypilot_launches_are_one_line(words, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+def test_bad_skypilot_launches_are_one_line(words, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         written(tmp_path, *words, "recipes/llama3_fft.py")
     assert stop.value.code == 2
@@ -125,9 +127,7 @@ def test_bad_skypilot_launches_are_one_line(words, message, tmp_path, capsys, mo
     ("bucket", "message"),
     [(None, "--on skypilot needs --bucket"), ("s3://acme/checkpoints", "pass the bucket's root")],
 )
-def test_bad_buckets_are_one_line(bucket, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("TOOLKIT_CONFIG_FILE", "")
+def test_bad_buckets_are_one_line(bucket, message, tmp_path, capsys):
     words = ["--bucket", bucket] if bucket else []
     with pytest.raises(SystemExit):
         main(["--on", "skypilot", *words, "--output", str(tmp_path / "t.yaml"), "recipes/llama3_fft.py"])

@@ -56,17 +56,19 @@ def plannable_gpus(named: str | None) -> list[str]:
 def candidates(args: Namespace) -> list[Candidate]:
     """Every fitting, priced (GPU type, size, config) the plan gives, cheapest first; only `args.config`'s rows
     where it names one (a launch's strategy file)."""
-    found = []
-    for gpu in plannable_gpus(args.gpu_types):
-        for gpus, nodes in SIZES:
-            plan = build_plan(Namespace(**{**vars(args), "gpu": gpu, "gpus": gpus, "nodes": nodes}))
-            if task_table(plan["task"]).samples_online:  # known from the first plan
-                raise ConfigError(f"--choose compares the same work on every size, and {args.model}'s steps sample "
-                                  "completions per device (its global batch grows with the GPUs): plan it at the "
-                                  "size you mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
-            found += [Candidate(gpu, gpus, nodes, row) for row in plan["configs"]
-                      if row["micro_batch"] and not row["refused"] and row.get("usd") is not None
-                      and getattr(args, "config", None) in (None, row["config"])]  # fmt: skip
+    from tqdm.auto import tqdm
+
+    found, sizes = [], [(gpu, *size) for gpu in plannable_gpus(args.gpu_types) for size in SIZES]
+    bar = tqdm(sizes, desc="planning each GPU type and size", unit="plan", leave=False, disable=None)  # a TTY's
+    for gpu, gpus, nodes in bar:
+        plan = build_plan(Namespace(**{**vars(args), "gpu": gpu, "gpus": gpus, "nodes": nodes}))
+        if task_table(plan["task"]).samples_online:  # known from the first plan
+            raise ConfigError(f"--choose compares the same work on every size, and {args.model}'s steps sample "
+                              "completions per device (its global batch grows with the GPUs): plan it at the "
+                              "size you mean, python -m toolkit plan MODEL --gpu TYPE --gpus N.")  # fmt: skip
+        found += [Candidate(gpu, gpus, nodes, row) for row in plan["configs"]
+                  if row["micro_batch"] and not row["refused"] and row.get("usd") is not None
+                  and getattr(args, "config", None) in (None, row["config"])]  # fmt: skip
     return sorted(found, key=Candidate.key)
 
 
