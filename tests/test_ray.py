@@ -119,3 +119,17 @@ def test_ray_missing_is_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--on", "ray", "--config_file", CONFIG, str(ROOT / "recipes" / "bert.py"), "--tiny"])
     assert capsys.readouterr().err.startswith("error: --on ray needs Ray Train: pip install 'ray[train]'")
+
+
+@pytest.mark.launch
+def test_a_final_exit_code_ends_the_launch_without_a_restart(tmp_path):
+    """A mistake the ranks find (a learning rate below 0) ends every worker on exit 2: Ray does not restart the
+    group for it, and the launch ends on 2, as `toolkit launch` does on one machine."""
+    out = tmp_path / "run"
+    cmd = on_ray("--num_workers", "2", "--max_failures", "3", str(ROOT / "recipes" / "bert.py"), *FLAGS,
+                 "--learning_rate", "-1", "--output_dir", str(out))  # fmt: skip
+    result = run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=400)
+    assert result.returncode == 2, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert log.count("error: ") == 1 and "learning_rate" in log, log[-3000:]
+    assert "Attempting to start training worker group" in log and log.count("Attempting to start training worker") == 1
