@@ -122,9 +122,7 @@ def teacher_shape(task: str, name: str | None) -> Shape | None:
 def teacher_flops_per_token(work: Workload, seq_length: float) -> float:
     """The teacher's forward per trained token (2 per weight a token passes through, and attention's 4LHT): a
     forward without gradients, as a reference's (training_flops_per_token's scoring pass); 0 without a teacher."""
-    if work.teacher is None:
-        return 0.0
-    return training_flops_per_token(work.teacher, seq_length, 1) - training_flops_per_token(work.teacher, seq_length)
+    return 0.0 if work.teacher is None else forward_flops_per_token(work.teacher, seq_length)
 
 
 def teacher_row(work: Workload, name: str | None) -> dict | None:
@@ -205,7 +203,14 @@ def training_flops_per_token(shape: Shape, seq_length: int, scoring_passes: int 
         frozen -= shape.image.parameters - shape.image.trainable
         images = shape.image.flops_per_sample / seq_length
     flops = 6 * trainable + 4 * frozen + 2 * shape.merged_frozen + attention + images
-    return flops + scoring_passes * (2 * (shape.active - shape.lookups) + attention / 3)
+    return flops + scoring_passes * forward_flops_per_token(shape, seq_length)
+
+
+def forward_flops_per_token(shape: Shape, seq_length: float) -> float:
+    """One forward without gradients per token: 2 per weight a token passes through (looked-up embeddings none)
+    and attention's 4LHT, a third of training's 12LHT: a reference's scoring pass, a teacher's forward."""
+    layers = shape.num_layers if shape.attention_layers is None else shape.attention_layers
+    return 2 * (shape.active - shape.lookups) + 4 * layers * shape.hidden_size * seq_length
 
 
 @dataclass(frozen=True)
