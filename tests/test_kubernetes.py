@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import json
 import os
 from functools import cache
 
@@ -133,3 +134,43 @@ def test_no_image_is_one_line(tmp_path, capsys):
         main(["--on", "kubernetes", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
               str(ROOT / "recipes" / "bert.py")])  # fmt: skip
     assert capsys.readouterr().err.startswith("error: --on kubernetes needs --image")
+
+
+def test_submit_creates_both_objects_through_the_client(tmp_path, capsys, monkeypatch):
+    """--submit with a kubeconfig whose API server is a stand-in on loopback: the official client POSTs the
+    TrainingRuntime, then the TrainJob, to their resource paths in the namespace, as the file has them."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    received = []
+
+    class APIServer(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, json.loads(body)))
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), APIServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
+        "clusters": [{"name": "stand-in", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "me", "user": {"token": "t"}}],
+        "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "me"}}],
+    }))  # fmt: skip
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    try:
+        documents = written(tmp_path, "--config_file", "accelerate_configs/fsdp2.yaml", "--namespace", "ml", "--submit")
+    finally:
+        server.shutdown()
+    prefix = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml"
+    assert [path for path, _ in received] == [f"{prefix}/trainingruntimes", f"{prefix}/trainjobs"]
+    assert [body for _, body in received] == documents
+    assert "submitted TrainJob llama3-fft-fsdp2 to namespace ml" in capsys.readouterr().out

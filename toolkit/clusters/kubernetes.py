@@ -16,6 +16,7 @@ Validated against the CRDs' published schemas, for every config (tests/test_kube
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -175,14 +176,16 @@ def submit(documents: list[dict], namespace: str) -> None:
     except ImportError:
         raise ConfigError("--submit needs the kubernetes client: pip install kubernetes (`make install` has "
                           "it), or apply the file with kubectl.") from None  # fmt: skip
-    try:
-        config.load_kube_config()
-    except Exception:  # noqa: BLE001 - no kubeconfig: a pod's own service account, else one line
+    try:  # KUBECONFIG read now: the client reads it once, when first imported
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    except Exception as error:  # noqa: BLE001 - no usable kubeconfig: a pod's own service account, else one line
         try:
             config.load_incluster_config()
-        except config.ConfigException as error:
-            raise ConfigError(f"--submit: no cluster to submit to ({first_line(error)}). Point KUBECONFIG at "
-                              "one, or apply the file with kubectl.") from None  # fmt: skip
+        except config.ConfigException:
+            raise ConfigError(
+                f"--submit: no cluster to submit to (kubeconfig: {first_line(error)}; not inside a "
+                "cluster). Point KUBECONFIG at one, or apply the file with kubectl."
+            ) from None
     api = client.CustomObjectsApi()
     for document in documents:
         plural = {"TrainingRuntime": "trainingruntimes", "TrainJob": "trainjobs"}[document["kind"]]
