@@ -206,12 +206,13 @@ def launch(
     num_processes: int = 2,
     env: dict | None = None,
     launcher_args: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py ARGS`, for real."""
     cmd = [str(BIN / "accelerate"), "launch"]
     if config:
         cmd += ["--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml")]
-    cmd += [*launcher_args, "--num_processes", str(num_processes), "--main_process_port", str(free_port())]
+    cmd += [*launcher_args, "--num_processes", str(num_processes), "--main_process_port", str(port or free_port())]
     cmd += [str(ROOT / "recipes" / f"{recipe}.py"), *args]
     return run_cmd(cmd, cwd, env)
 

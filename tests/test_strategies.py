@@ -172,7 +172,11 @@ def test_strategy(config, recipe, reference, tmp_path):
         stale = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "cpu_adam" / "lock"
         stale.parent.mkdir(parents=True, exist_ok=True)
         stale.touch()
-    result = check(launch(config, recipe, *run_flags(recipe, processes, out), cwd=tmp_path, num_processes=processes))
+    port = free_port()
+    result = check(launch(config, recipe, *run_flags(recipe, processes, out), cwd=tmp_path, num_processes=processes,
+                          port=port))  # fmt: skip
+    if STRATEGIES[config][0] == "DEEPSPEED":  # its CPU all-reduce's /dev/shm segments (RAM) end with the run
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     if stale:
         assert result.stderr.count(f"warning: removed {stale}, left by a killed build of the cpu_adam op") == 1
     check_run(config, recipe, out, result, reference)

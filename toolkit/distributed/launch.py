@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -77,3 +78,24 @@ def tell_deepspeed_the_local_processes() -> None:
 
 def is_local_main_process() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def release_deepspeed_shm() -> None:
+    """DeepSpeed's CPU all-reduce (its shm_comm op) gives each rank a 67 MB segment in RAM-backed /dev/shm, named
+    deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, that every rank maps and none unlinks
+    (DeepSpeed defines shared_close and never calls it): each CPU DeepSpeed launch kept 134 MB of RAM after it
+    ended, 13 GB on this machine after a day of test runs, until the OOM killer took a test worker. Once every rank
+    has mapped its peers' segments (DeepSpeed's comm init waits for them all; then a barrier), each removes its
+    own name: the mappings stay valid, and the memory is freed when the processes end, however they end. Called
+    once the engine exists (DeepSpeed makes its comm backend, and the segments, in deepspeed.initialize)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (env_flag("ACCELERATE_USE_DEEPSPEED") and dist.is_available() and dist.is_initialized()):
+        return
+    if torch.cuda.is_available():  # DeepSpeed's CUDA accelerator all-reduces with NCCL, no segments
+        return
+    dist.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}"
+    with contextlib.suppress(OSError):
+        os.unlink(f"/dev/shm/{name}_{dist.get_rank()}")

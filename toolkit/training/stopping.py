@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..distributed.launch import release_deepspeed_shm
 from ..errors import BUDGET_SPENT, DIVERGED, PREEMPTED, PREEMPTION_SIGNALS, warn
 from ..metrics.cost import dollars
 from .checkpoints import complete_checkpoints
@@ -133,6 +134,7 @@ class SafeStop(TrainerCallback):
         if dist.is_available() and dist.is_initialized():
             # A CPU group for the flags: on GPUs the default group is NCCL, whose collectives wait on the device.
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        release_deepspeed_shm()  # the engine exists now; the process group's housekeeping at the start is here
 
     def diverged(self, control, read: bool = False) -> bool:
         """Before the weights are logged, evaluated, saved or kept (`read`): did a loss turn non-finite on any rank?
