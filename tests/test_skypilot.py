@@ -18,7 +18,7 @@ from toolkit.metrics.cost import price_table
 from toolkit.planner import cli
 
 SKY = BIN.parent.with_name(".venv-skypilot") / "bin" / "python"  # SkyPilot's client, beside the toolkit's venv
-TYPES = "H100-80GB,A100-80GB"  # two types: each choice plans 12 sizes
+TYPES = "H100-80GB,A100-80GB"  # two types, 12 plans a choice: the cheaper type is chosen between them
 
 
 @pytest.fixture(autouse=True)
