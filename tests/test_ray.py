@@ -121,15 +121,32 @@ def test_ray_missing_is_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("error: --on ray needs Ray Train: pip install 'ray[train]'")
 
 
-@pytest.mark.launch
-def test_a_final_exit_code_ends_the_launch_without_a_restart(tmp_path):
-    """A mistake the ranks find (a learning rate below 0) ends every worker on exit 2: Ray does not restart the
-    group for it, and the launch ends on 2, as `toolkit launch` does on one machine."""
-    out = tmp_path / "run"
-    cmd = on_ray("--num_workers", "2", "--max_failures", "3", str(ROOT / "recipes" / "bert.py"), *FLAGS,
-                 "--learning_rate", "-1", "--output_dir", str(out))  # fmt: skip
-    result = run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=400)
-    assert result.returncode == 2, result.stderr[-3000:]
-    log = result.stdout + result.stderr
-    assert log.count("error: ") == 1 and "learning_rate" in log, log[-3000:]
-    assert "Attempting to start training worker group" in log and log.count("Attempting to start training worker") == 1
+@pytest.mark.parametrize(("code", "restarts"), [(0, False), (2, False), (3, False), (4, False), (75, True), (1, True)])
+def test_a_worker_raises_only_for_what_a_restart_can_mend(code, restarts, tmp_path, monkeypatch):
+    """A worker whose recipe ends on bad input (2), divergence (3) or a spent budget (4) returns, so Ray does not
+    restart the group (any exception from a worker restarts it); a preempted (75) or crashed one raises. Either
+    way the exit code reaches the board the launch ends on."""
+    import types
+
+    from toolkit.clusters import ray_train
+
+    script = tmp_path / "ends.py"
+    script.write_text(f"import sys\nsys.exit({code})\n")
+    noted = {}
+    board = types.SimpleNamespace(note=types.SimpleNamespace(remote=lambda rank, c: noted.update({rank: c})))
+    context = types.SimpleNamespace(get_world_rank=lambda: 1)
+    monkeypatch.setattr("ray.train.get_context", lambda: context)
+    monkeypatch.setattr("ray.get", lambda value: value)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.chdir(tmp_path)  # the worker moves to the launch's directory: restored after
+    config = {"env": {}, "cwd": str(tmp_path), "script": str(script), "argv": [], "board": board}
+    if restarts:
+        with pytest.raises(RuntimeError, match=f"rank 1 exited with code {code}"):
+            ray_train.run_worker(config)
+    else:
+        ray_train.run_worker(config)
+    assert noted == {1: code}
+    codes = ray_train.ExitCodes()
+    codes.note(1, code)
+    codes.note(0, 0)
+    assert codes.outcome() == code  # rank 0 ended well: the first failed rank's code
