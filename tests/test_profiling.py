@@ -48,7 +48,7 @@ def test_the_split_puts_each_phases_time_in_its_row(tmp_path, monkeypatch):
     import torch
     import transformers
 
-    delay = 0.08
+    delay = 0.25  # against the scheduling noise of a loaded 2-core machine (+46 ms seen on an 80 ms delay)
     unslowed = train(load_recipe("llama3_fft"), [*FLAGS, "--profile", "2-3", "--output_dir", str(tmp_path / "b")],
                      "llama3_fft").trainer.profiler.split  # fmt: skip
 

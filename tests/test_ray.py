@@ -1,13 +1,14 @@
 """`python -m toolkit launch --on ray`: each rank a Ray Train worker, on a local Ray cluster of 2 CPU workers, for
-real. The run equals `accelerate launch`'s with 2 processes, and a worker killed mid-run is restarted by Ray and
-resumes to the uninterrupted run's losses and weights, bit for bit."""
+real. A worker killed mid-run is restarted by Ray, and the run ends as `accelerate launch`'s uninterrupted run with
+2 processes: the same losses and weights, bit for bit. (A running cluster joined with --address was checked the
+same way by hand, `ray start --head` then RAY_AUTH_MODE=token; the launch costs 30-90 s on 2 cores.)"""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-from conftest import BIN, ROOT, check, free_port, launch, rank_reports, run_cmd
+from conftest import BIN, ROOT, check, launch, rank_reports, run_cmd
 
 from toolkit.clusters.launch import main
 
@@ -27,22 +28,6 @@ def accelerate_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate") / "run"
     check(launch("ddp", "bert", *FLAGS, "--output_dir", str(out), cwd=out.parent))
     return rank_reports(out)
-
-
-@pytest.mark.launch
-def test_ray_workers_train_as_accelerate_launch(accelerate_run, tmp_path):
-    """A local cluster started for the run (no --address): two workers, one gloo group, accelerate's DDP."""
-    out = tmp_path / "run"
-    cmd = on_ray("--num_workers", "2", str(ROOT / "recipes" / "bert.py"), *FLAGS, "--output_dir", str(out))
-    result = check(run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=400))
-    assert "strategy      MULTI_CPU, 2 process(es) on 1 machine(s), cpu, backend gloo" in result.stdout
-    assert "resume auto: no complete checkpoint" in result.stdout  # restartable from the first attempt
-    reports = rank_reports(out)
-    assert [r["process_index"] for r in reports] == [0, 1]
-    for ray_rank, accelerate_rank in zip(reports, accelerate_run, strict=True):
-        assert ray_rank["rows"] == accelerate_rank["rows"]  # the same data split over the ranks
-        assert ray_rank["losses"] == accelerate_rank["losses"]
-        assert ray_rank["weights_sha256"] == accelerate_rank["weights_sha256"]
 
 
 KILLER = """
@@ -67,30 +52,27 @@ run(RECIPE, sys.argv[1:], name="bert")
 
 
 @pytest.mark.launch
-def test_killed_worker_is_restarted_and_resumes_exactly(accelerate_run, tmp_path):
-    """Rank 1 killed (SIGKILL) after step 3 of 6, checkpoint-2 on disk: Ray's FailureConfig restarts the worker
-    group on an already running cluster (--address, as on a remote one), the recipe's `--resume auto` continues from
-    checkpoint-2, and the run ends as the uninterrupted one."""
-    port = free_port()
-    start = [str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
-             "false", "--disable-usage-stats"]  # fmt: skip
-    check(run_cmd(start, cwd=tmp_path, env=RAY_ENV, timeout=120))
-    try:
-        script = tmp_path / "killed.py"
-        script.write_text(KILLER.format(marker=str(tmp_path / "killed"), recipes=str(ROOT / "recipes")))
-        out = tmp_path / "run"
-        cmd = on_ray("--num_workers", "2", "--address", f"127.0.0.1:{port}", "--max_failures", "1", str(script),
-                     *FLAGS, "--output_dir", str(out))  # fmt: skip
-        # `ray start` turns on Ray's token authentication; a client naming the address says it uses it
-        result = check(run_cmd(cmd, cwd=tmp_path, env={**RAY_ENV, "RAY_AUTH_MODE": "token"}, timeout=400))
-    finally:
-        run_cmd([str(BIN / "ray"), "stop", "--force"], cwd=tmp_path, env=RAY_ENV, timeout=120)
+def test_killed_worker_is_restarted_and_resumes_as_accelerate_launch(accelerate_run, tmp_path):
+    """Two workers on a local cluster started for the run (no --address), one gloo group, accelerate's DDP. Rank 1
+    is killed (SIGKILL) after step 3 of 6, checkpoint-2 on disk: Ray's FailureConfig restarts the worker group,
+    the recipe's `--resume auto` continues from checkpoint-2, and the run ends as the uninterrupted
+    `accelerate launch --num_processes 2` run, bit for bit: the losses (history restored, then the same steps),
+    learning rates, each rank's rows after the resume and the weights."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLER.format(marker=str(tmp_path / "killed"), recipes=str(ROOT / "recipes")))
+    out = tmp_path / "run"
+    cmd = on_ray("--num_workers", "2", "--max_failures", "1", str(script), *FLAGS, "--output_dir", str(out))
+    result = check(run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=400))
+    assert "strategy      MULTI_CPU, 2 process(es) on 1 machine(s), cpu, backend gloo" in result.stdout
+    assert "resume auto: no complete checkpoint" in result.stdout  # the first attempt: restartable from the start
     assert (tmp_path / "killed").exists()  # the kill happened
     assert f"resume auto: continuing from {out / 'checkpoint-2'}" in result.stdout
-    for resumed, full in zip(rank_reports(out), accelerate_run, strict=True):
-        assert resumed["losses"] == full["losses"]  # history restored, then the same steps
+    reports = rank_reports(out)
+    assert [r["process_index"] for r in reports] == [0, 1]
+    for resumed, full in zip(reports, accelerate_run, strict=True):
+        assert resumed["losses"] == full["losses"]
         assert resumed["learning_rates"] == full["learning_rates"]
-        assert resumed["rows"] == full["rows"][-len(resumed["rows"]) :]  # the steps after checkpoint-2
+        assert resumed["rows"] == full["rows"][-len(resumed["rows"]) :]
         assert resumed["weights_sha256"] == full["weights_sha256"]
 
 
