@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from pathlib import Path
 
 from ..distributed.launch_check import read_yaml
 from ..distributed.launcher import SHUTDOWN_TIMEOUT_S
 from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
-from .workdir import dump, portable
+from .workdir import dump, node_launch, portable, resumable
 
 NAME = "kubernetes"
 RUNS_HERE = False  # a manifest: the cluster loads the model
@@ -78,19 +77,18 @@ def node_shape(args, options) -> tuple[int, int]:
 
 def node_command(args, options, name: str) -> str:
     """The bash line each node's container runs: this node's `toolkit launch`, from Trainer's torch variables."""
-    config = shlex.quote(portable(args.config_file, "--config_file")) if args.config_file else ""
-    flags = ["--output_dir", f"{options.checkpoint_dir}/{name}", *args.training_script_args]
-    if not any(a == "--resume" or a.startswith("--resume=") for a in flags):
-        flags += ["--resume", "auto"]  # a restarted job continues from the newest checkpoint
-    sizes = '--nodes "$PET_NNODES" --gpus_per_node "$PET_NPROC_PER_NODE"'
-    mesh = f"$(python -m toolkit mesh {config} {sizes}) " if config else ""
-    return (
-        "exec python -m toolkit launch " + (f"--config_file {config} " if config else "")
-        + '--num_machines "$PET_NNODES" --num_processes "$((PET_NNODES * PET_NPROC_PER_NODE))" '
-        + '--machine_rank "$PET_NODE_RANK" --main_process_ip "$PET_MASTER_ADDR" '
-        + '--main_process_port "$PET_MASTER_PORT" ' + mesh
-        + " ".join(shlex.quote(w) for w in [portable(args.training_script, "the script"), *flags])
-    )  # fmt: skip
+    config = portable(args.config_file, "--config_file") if args.config_file else None
+    flags = resumable(["--output_dir", f"{options.checkpoint_dir}/{name}", *args.training_script_args])
+    return "exec " + node_launch(
+        config,
+        portable(args.training_script, "the script"),
+        flags,
+        "PET_NNODES",
+        "PET_NPROC_PER_NODE",
+        '"$PET_NODE_RANK"',
+        '"$PET_MASTER_ADDR"',
+        '"$PET_MASTER_PORT"',
+    )
 
 
 def manifests(args, options) -> list[dict]:

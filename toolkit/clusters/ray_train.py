@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
+from .workdir import resumable
 
 NAME = "ray"
 RUNS_HERE = True  # the driver starts the workers, on this cluster
@@ -87,13 +88,6 @@ def strategy_env(args) -> dict[str, str]:
     else:
         env = prepare_simple_launcher_cmd_env(args)[1]
     return {k: v for k, v in env.items() if os.environ.get(k) != v and k not in NOT_PASSED_ON}
-
-
-def resumable(script_args: list[str]) -> list[str]:
-    """The recipe's flags with `--resume auto` unless a resume is named: a restarted worker group continues."""
-    if any(a == "--resume" or a.startswith("--resume=") for a in script_args):
-        return list(script_args)
-    return [*script_args, "--resume", "auto"]
 
 
 def launch(options, args) -> int:

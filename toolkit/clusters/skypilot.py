@@ -14,13 +14,12 @@ diverged, budget spent) end the job. SkyPilot is not imported here: it is a clie
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 from ..errors import PREEMPTED, ConfigError
 from ..metrics.cost import device_spec, price_table
 from ..project import is_recipe, recipe_name
-from .workdir import dump, portable
+from .workdir import dump, node_launch, portable, resumable
 
 NAME = "skypilot"
 RUNS_HERE = False  # a task file: the cloud's machines load the model
@@ -45,12 +44,16 @@ def accelerate_words(options, words: list[str]) -> list[str]:
     return words
 
 
+def rentable() -> list[str]:
+    """The price table's GPU types SkyPilot rents (those it names)."""
+    return [name for name, d in price_table()["devices"].items() if d.get("skypilot")]
+
+
 def sky_name(gpu: str) -> str:
     """SkyPilot's name for a price-table GPU type, or one line naming the types it can rent."""
     spec = device_spec(gpu, "a GPU type of toolkit/metrics/hardware.yaml")
     if not spec.get("skypilot"):
-        rentable = [name for name, d in price_table()["devices"].items() if d.get("skypilot")]
-        raise ConfigError(f"--gpu {gpu}: SkyPilot names no such part to rent; pass one of {', '.join(rentable)}.")
+        raise ConfigError(f"--gpu {gpu}: SkyPilot names no such part to rent; pass one of {', '.join(rentable())}.")
     return spec["skypilot"]
 
 
@@ -71,11 +74,10 @@ def choice(args, options) -> dict:
     if not is_recipe(recipe):
         raise ConfigError(f"{args.training_script} is not a recipe the planner can size: pass --gpu TYPE (with "
                           "--gpus, --nodes) and --config_file.")  # fmt: skip
-    rentable = [name for name, d in price_table()["devices"].items() if d.get("skypilot")]
     for name in (options.gpu_types or "").split(","):
         if name.strip():
             sky_name(name.strip())
-    words = [recipe, "--choose", "--gpu_types", options.gpu_types or ",".join(rentable)]
+    words = [recipe, "--choose", "--gpu_types", options.gpu_types or ",".join(rentable())]
     words += [w for flag in ("budget_usd", "deadline_hours") if getattr(options, flag) is not None
               for w in (f"--{flag}", str(getattr(options, flag)))]  # fmt: skip
     plan_args = plan_parser().parse_args(words)
@@ -87,26 +89,26 @@ def choice(args, options) -> dict:
 
 def run_script(args, picked: dict, name: str) -> str:
     """What each node runs: its `toolkit launch` from SkyPilot's node variables, the mesh sized by `toolkit mesh`."""
-    config = f"accelerate_configs/{picked['config']}.yaml"
-    script = portable(args.training_script, "the script")
+    config = (
+        portable(args.config_file, "--config_file")
+        if args.config_file
+        else f"accelerate_configs/{picked['config']}.yaml"
+    )
     flags = list(args.training_script_args)
     if picked["micro_batch"] and not any(f.startswith("--per_device_train_batch_size") for f in flags):
         flags += ["--per_device_train_batch_size", str(picked["micro_batch"])]  # the plan's fitting micro-batch
-    if not any(f == "--resume" or f.startswith("--resume=") for f in flags):
-        flags += ["--resume", "auto"]  # a recovered job continues from the newest checkpoint
-    flags = ["--output_dir", f"{MOUNT}/{name}", *flags]
-    return "\n".join([
-        "set -e",
-        'nodes=$SKYPILOT_NUM_NODES per_node=$SKYPILOT_NUM_GPUS_PER_NODE',
-        'main_ip=$(echo "$SKYPILOT_NODE_IPS" | head -n1)',
-        f'mesh=$(python -m toolkit mesh {config} --nodes "$nodes" --gpus_per_node "$per_node")',
-        'port=${MAIN_PORT:-29500}',
-        f'python -m toolkit launch --config_file {config} --num_machines "$nodes" \\',
-        '  --num_processes "$((nodes * per_node))" --machine_rank "$SKYPILOT_NODE_RANK" \\',
-        '  --main_process_ip "$main_ip" --main_process_port "$port" $mesh \\',
-        "  " + " ".join(shlex.quote(w) for w in [script, *flags]),
-        "",
-    ])  # fmt: skip
+    flags = resumable(["--output_dir", f"{MOUNT}/{name}", *flags])
+    launch = node_launch(
+        config,
+        portable(args.training_script, "the script"),
+        flags,
+        "SKYPILOT_NUM_NODES",
+        "SKYPILOT_NUM_GPUS_PER_NODE",
+        '"$SKYPILOT_NODE_RANK"',
+        '"$main_ip"',
+        '"${MAIN_PORT:-29500}"',
+    )
+    return "\n".join(["set -e", 'main_ip=$(echo "$SKYPILOT_NODE_IPS" | head -n1)', launch, ""])
 
 
 def task(args, options) -> tuple[dict, dict]:

@@ -1,8 +1,10 @@
-"""Paths in a job file: relative to the working directory the cluster runs in (this repository, synced by SkyPilot
-or installed in the image), since this machine's absolute paths mean nothing there."""
+"""What a job file for a cluster holds, whatever the engine: paths relative to the working directory the cluster
+runs in (this repository, synced by SkyPilot or installed in the image: this machine's absolute paths mean nothing
+there), each node's `toolkit launch` from the scheduler's variables, resumable, and YAML a person can read."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import yaml
@@ -18,6 +20,29 @@ def portable(path: str, what: str) -> str:
     except ValueError:
         raise ConfigError(f"{what} {path} is outside {Path.cwd()}, which is what the job's nodes get: run from the "
                           "repository's root, with the file inside it.") from None  # fmt: skip
+
+
+def resumable(flags: list[str]) -> list[str]:
+    """The recipe's flags with `--resume auto` unless a resume is named: a restarted job continues from the newest
+    complete checkpoint (a first start finds none and starts fresh)."""
+    if any(f == "--resume" or f.startswith("--resume=") for f in flags):
+        return list(flags)
+    return [*flags, "--resume", "auto"]
+
+
+def node_launch(config: str | None, script: str, flags: list[str], nodes: str, per_node: str, rank: str, addr: str,
+                port: str) -> str:  # fmt: skip
+    """One node's `toolkit launch` of a multi-node job, in bash: accelerate's machine flags from the scheduler's
+    variables (`nodes`, `per_node`: variable names; `rank`, `addr`, `port`: shell words), the mesh sized for the
+    job by `toolkit mesh`, as slurm/launch_node.sh does."""
+    quoted = shlex.quote(config) if config else None
+    mesh = f' $(python -m toolkit mesh {quoted} --nodes "${nodes}" --gpus_per_node "${per_node}")' if config else ""
+    return " \\\n  ".join([
+        "python -m toolkit launch" + (f" --config_file {quoted}" if config else ""),
+        f'--num_machines "${nodes}" --num_processes "$(({nodes} * {per_node}))" --machine_rank {rank}',
+        f"--main_process_ip {addr} --main_process_port {port}{mesh}",
+        " ".join(shlex.quote(w) for w in [script, *flags]),
+    ])  # fmt: skip
 
 
 class BlockDumper(yaml.SafeDumper):
