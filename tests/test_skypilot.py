@@ -133,3 +133,16 @@ def test_bad_buckets_are_one_line(bucket, message, tmp_path, capsys):
         main(["--on", "skypilot", *words, "--output", str(tmp_path / "t.yaml"), "recipes/llama3_fft.py"])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "t.yaml").exists()
+
+
+def test_the_launchs_own_config_file_is_the_one_run(tmp_path, monkeypatch):
+    """A strategy file of the user's, outside accelerate_configs/: the run names that file (the plan knows configs
+    by their stem; the task once ran accelerate_configs/<stem>.yaml, another file or none)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()  # a copy: the job's files must be inside its working directory
+    (tmp_path / "recipes" / "bert.py").write_text((ROOT / "recipes" / "bert.py").read_text())
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "ddp_tuned.yaml").write_text((ROOT / "accelerate_configs" / "ddp.yaml").read_text())
+    task = written(tmp_path, "--gpu", "H100-80GB", "--config_file", "mine/ddp_tuned.yaml", "recipes/bert.py")
+    assert "--config_file mine/ddp_tuned.yaml" in task["run"] and "accelerate_configs" not in task["run"]
+    assert "toolkit mesh mine/ddp_tuned.yaml" in task["run"]

@@ -88,7 +88,8 @@ def choice(args, options) -> dict:
 
 
 def run_script(args, picked: dict, name: str) -> str:
-    """What each node runs: its `toolkit launch` from SkyPilot's node variables, the mesh sized by `toolkit mesh`."""
+    """What each node runs: its `toolkit launch` from SkyPilot's node variables, the mesh sized by `toolkit mesh`;
+    the config the launch named, else the plan's."""
     config = (
         portable(args.config_file, "--config_file")
         if args.config_file
