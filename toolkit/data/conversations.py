@@ -15,6 +15,7 @@ model must produce after the prompt a chat UI gives it. Three ways to find them,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,17 +125,38 @@ def text_of(content: str | list[dict]) -> str:
     return "".join(part["text"] for part in content if part.get("type") == "text")
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         tools=tools)  # fmt: skip
 
 
-def tokenize_by_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> dict:
+def row_tools(value: Any) -> list[dict] | None:
+    """A row's `tools` column (the tools the conversation offers, as TRL's tool-calling SFT data has it): JSON
+    schemas as a list, or as one JSON string (what a table keeps without merging their fields); empty is none."""
+    try:
+        value = json.loads(value) if isinstance(value, str) and value.strip() else value or None
+    except json.JSONDecodeError as error:
+        raise DataError(f"a row's tools column is not JSON ({error}): write the tools' JSON schemas as a list, or "
+                        "as one JSON string of that list.") from None  # fmt: skip
+    if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+        raise DataError(f"a row's tools column holds {type(value).__name__}, not a list of JSON schemas (objects "
+                        "with type and function, as transformers' get_json_schema writes them).")  # fmt: skip
+    return value
+
+
+def tokenize_by_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int,
+                         tools: list[dict] | None = None) -> dict:  # fmt: skip
     """The reference: each assistant turn's tokens are the difference between the conversation rendered up to the
     turn (with the generation prompt) and rendered through it. Any template works, as long as rendering a prefix
     gives a prefix of the tokens (checked)."""
 
     def ids(msgs, generation_prompt=False):
-        return tokenizer(render(tokenizer, msgs, generation_prompt), add_special_tokens=False)["input_ids"]
+        return tokenizer(render(tokenizer, msgs, generation_prompt, tools), add_special_tokens=False)["input_ids"]
 
     input_ids = ids(messages)
     labels = [IGNORE_INDEX] * len(input_ids)
@@ -211,23 +233,33 @@ def labels_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int
 
 
 def tokenize_conversations(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], max_len: int,
-                           layout: TurnLayout | None) -> list[dict]:  # fmt: skip
+                           layout: TurnLayout | None, tools: list | None = None) -> list[dict]:  # fmt: skip
     """Each conversation's input_ids, attention_mask and labels (the assistant's tokens), as the reference
-    gives them, by the fastest of the three ways that holds for the template and the conversation."""
+    gives them, by the fastest of the three ways that holds for the template and the conversation. `tools`: each
+    conversation's `tools` column (row_tools), offered by the template as a run with --tools offers them."""
+    offered = [row_tools(t) for t in tools] if tools is not None else [None] * len(conversations)
     if "generation %}" in (tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)  # fmt: skip
-        return [truncated(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)], max_len)
-                for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True)]  # fmt: skip
-    texts = [render(tokenizer, messages) for messages in conversations]
+        groups = (
+            [(conversations, None)]
+            if not any(offered)
+            else [([c], t) for c, t in zip(conversations, offered, strict=True)]
+        )
+        rows = []
+        for group, offer in groups:  # one call for the rows when none offers tools (they share none)
+            out = tokenizer.apply_chat_template(group, tools=offer, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)  # fmt: skip
+            rows += [truncated(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)], max_len)
+                     for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True)]  # fmt: skip
+        return rows
+    texts = [render(tokenizer, messages, tools=t) for messages, t in zip(conversations, offered, strict=True)]
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     rows = []
-    for messages, text, ids, offsets in zip(conversations, texts, encoded["input_ids"], encoded["offset_mapping"],
-                                            strict=True):  # fmt: skip
+    for messages, t, text, ids, offsets in zip(conversations, offered, texts, encoded["input_ids"],
+                                               encoded["offset_mapping"], strict=True):  # fmt: skip
         spans = layout.spans(text, messages) if layout is not None else None
         trained = labels_from_spans(offsets, spans) if spans is not None else None
         if trained is None:
-            rows.append(tokenize_by_prefixes(tokenizer, messages, max_len))
+            rows.append(tokenize_by_prefixes(tokenizer, messages, max_len, t))
         else:
             rows.append(truncated(ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, trained, strict=True)],
                                   max_len))  # fmt: skip

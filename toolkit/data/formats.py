@@ -23,7 +23,15 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
 from ..settings.arguments import DATA_FORMATS
-from .conversations import IGNORE_INDEX, SHAREGPT, TurnLayout, conversation_problem, tokenize_conversations, truncated
+from .conversations import (
+    IGNORE_INDEX,
+    SHAREGPT,
+    TurnLayout,
+    conversation_problem,
+    row_tools,
+    tokenize_conversations,
+    truncated,
+)
 
 COLUMNS = {  # in DATA_FORMATS' order, the detection order: a data set with messages and text is conversations
     "messages": None,  # the recipe's messages_column
@@ -120,7 +128,7 @@ def tokenize_rows(tokenizer: PreTrainedTokenizerBase, batch: dict, data_format: 
                   max_len: int, layout: TurnLayout | None) -> list[dict]:  # fmt: skip
     """input_ids, attention_mask and labels for a batch of rows of a `kind`."""
     if data_format == "messages":
-        return tokenize_conversations(tokenizer, batch[messages_column], max_len, layout)
+        return tokenize_conversations(tokenizer, batch[messages_column], max_len, layout, batch.get("tools"))
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if data_format == "text":  # every token trained; a long document becomes several rows, none of it dropped
         rows = []
@@ -131,11 +139,12 @@ def tokenize_rows(tokenizer: PreTrainedTokenizerBase, batch: dict, data_format: 
         return rows
     prompts, completions = batch["prompt"], batch["completion"]
     if isinstance(prompts[0], list):  # conversations: the completion's assistant tokens, none of the prompt's
+        tools = batch.get("tools") or [None] * len(prompts)
         rows = tokenize_conversations(tokenizer, [p + c for p, c in zip(prompts, completions, strict=True)], max_len,
-                                      layout)  # fmt: skip
-        for row, prompt in zip(rows, prompts, strict=True):
-            cut = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])  # fmt: skip
+                                      layout, tools)  # fmt: skip
+        for row, prompt, offered in zip(rows, prompts, tools, strict=True):
+            cut = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                    tools=row_tools(offered))["input_ids"])  # fmt: skip
             row["labels"][:cut] = [IGNORE_INDEX] * min(cut, len(row["labels"]))
         return rows
     prompt_ids = tokenizer(prompts)["input_ids"]

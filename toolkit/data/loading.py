@@ -233,6 +233,8 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
         require_columns(split, columns, flag)
         problem_of, keep = PROBLEMS[data_format], columns
+        if data_format in ("messages", "prompt_completion") and "tools" in split.column_names:
+            keep = [*columns, "tools"]  # the tools each conversation offers (TRL's tool-calling SFT data)
     else:
         text_columns = [c.strip() for c in args.text_columns.split(",")]
         columns = [text_columns[0], args.label_column]
