@@ -15,38 +15,26 @@ from .record import RunRecord
 
 
 def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int = 16) -> dict[str, float]:
-    """The rewards of the model's greedy completions to the held-out prompts, averaged."""
-    import torch
-
+    """The rewards of the model's greedy completions to the held-out prompts, averaged (a run with tools: with the
+    tools, held_out_tools.py, and the share of answers that called one)."""
     policy = record.arguments(PolicyArguments)
     policy.resolve(record.task)
     functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
                  if isinstance(f, Checked)]  # fmt: skip
     columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
-    texts, finished, ids_out = [], [], []
-    try:
-        for start in range(0, len(rows), batch_size):
-            prompts = rows["prompt"][start : start + batch_size]
-            rendered = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-            batch = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            with torch.no_grad():
-                out = model.generate(**batch, do_sample=False, max_new_tokens=policy.max_completion_length,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-            eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-                      else [model.generation_config.eos_token_id])  # fmt: skip
-            for row in out[:, batch["input_ids"].shape[1] :].tolist():
-                ends = next((k for k, t in enumerate(row) if t in eos), None)
-                ids_out.append(row[: ends if ends is not None else len(row)])
-                finished.append(float(ends is not None))
-                texts.append(tokenizer.decode(ids_out[-1], skip_special_tokens=True))
-            print(f"  {len(texts)}/{len(rows)} held-out prompts answered", file=sys.stderr, flush=True)
-    finally:
-        tokenizer.padding_side = side
-    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                   for t, p in zip(texts, rows["prompt"], strict=True)]  # fmt: skip
     scores: dict[str, Any] = {}
-    total = [0.0] * len(texts)
+    if policy.tools:
+        from .held_out_tools import answers_with_tools
+
+        answers = answers_with_tools(model, tokenizer, rows["prompt"], policy, batch_size)
+        completions, ids_out = [a.messages for a in answers], [a.ids for a in answers]
+        finished = [float(a.finished) for a in answers]
+        scores["tool_calls"] = sum(a.calls > 0 for a in answers) / len(answers)  # the share that called a tool
+    else:
+        texts, ids_out, finished = plain_answers(model, tokenizer, rows["prompt"], policy, batch_size)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for t, p in zip(texts, rows["prompt"], strict=True)]  # fmt: skip
+    total = [0.0] * len(completions)
     for function, weight in functions:
         values = function(rows["prompt"], completions, ids_out, **columns)
         kept = [v for v in values if v is not None]
@@ -55,3 +43,30 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
     scores["reward"] = sum(total) / len(total)
     scores["finished"] = sum(finished) / len(finished)
     return scores
+
+
+def plain_answers(model, tokenizer, prompts: list, policy, batch_size: int) -> tuple[list, list, list]:
+    """Each prompt's greedy answer: its text, ids, and whether it ended within the length."""
+    import torch
+
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
+    texts, finished, ids_out = [], [], []
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    try:
+        for start in range(0, len(prompts), batch_size):
+            rendered = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                        for p in prompts[start : start + batch_size]]  # fmt: skip
+            batch = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            with torch.no_grad():
+                out = model.generate(**batch, do_sample=False, max_new_tokens=policy.max_completion_length,
+                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            for row in out[:, batch["input_ids"].shape[1] :].tolist():
+                ends = next((k for k, t in enumerate(row) if t in eos), None)
+                ids_out.append(row[: ends if ends is not None else len(row)])
+                finished.append(float(ends is not None))
+                texts.append(tokenizer.decode(ids_out[-1], skip_special_tokens=True))
+            print(f"  {len(texts)}/{len(prompts)} held-out prompts answered", file=sys.stderr, flush=True)
+    finally:
+        tokenizer.padding_side = side
+    return texts, ids_out, finished

@@ -39,9 +39,11 @@ class RewardError(ToolkitError, RuntimeError):
 
 
 def text_of(completion: Any) -> str:
-    """A completion's text: TRL passes text, or for conversational prompts a list of the answer's messages."""
+    """A completion's text: TRL passes text, or for conversational prompts a list of the answer's messages: the
+    assistant's, not a tool's result (a number the model never said is not its answer)."""
     if isinstance(completion, list):
-        return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict))
+        return "".join(str(m.get("content") or "") for m in completion
+                       if isinstance(m, dict) and m.get("role") != "tool")  # fmt: skip
     return str(completion)
 
 
