@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft demo-grpo demo-rloo demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install demo demo-sft demo-grpo demo-rloo demo-tools demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -47,6 +47,17 @@ demo-grpo:
 # Offline: the same model, problems and budget trained by RLOO (leave-one-out baseline, KL penalty to the start).
 demo-rloo:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_rloo.py $(ARGS)
+
+# Offline: tool use against none, the same model, data and budget (docs/rl.md#the-tool-demo). With a calculator:
+# LoRA SFT on worked exchanges (half of them call it), then GRPO on three-term sums it never saw, answers scored
+# with the tool. Without: SFT on the same questions answered directly, then the same GRPO with no tool.
+demo-tools:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_tools_sft.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_tools.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_tools_sft.py --dataset_name recipes/data/direct_answers.jsonl \
+		--output_dir runs/smollm2_direct_sft $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_tools.py --model_name_or_path runs/smollm2_direct_sft/merged \
+		--tools "" --output_dir runs/smollm2_grpo_direct $(ARGS)
 
 # Offline: the image-text recipe's architecture (Gemma 3) at toy size, random init, full fine-tune, taught to name
 # the colour of a square it sees in generated pictures; held-out answer accuracy before and after. No VLM's weights

