@@ -246,12 +246,12 @@ def _glibc_mallinfo2() -> bool:
         return False
 
 
-def narrow_llama(vocab_size: int, checkpointing: bool):
+def narrow_llama(vocab_size: int, checkpointing: bool, layers: int = 4):
     """Llama-3-8B's architecture at 256 wide, 4 layers, fp32, sdpa, seeded: a step whose peak malloc can see."""
     from transformers import AutoModelForCausalLM
 
     config = tiny.stored_config(LLAMA)
-    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    narrow = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size)  # fmt: skip
     for key, value in narrow.items():
         setattr(config, key, value)
@@ -359,7 +359,7 @@ def test_float8_under_compile_saves_what_the_plan_says():
 
     from toolkit.planner.compiled import BACKEND, planned_activations
 
-    model, config = narrow_llama(8192, False)
+    model, config = narrow_llama(8192, False, layers=2)  # each layer is more of dynamo's tracing: a minute on 2 cores
     model.to(torch.bfloat16)
     convert_model_to_fp8_ao(model)
     ids = torch.randint(0, config.vocab_size, (2, 128))
