@@ -10,37 +10,23 @@ tool. The demo's other arm trains the same way with no tool (Makefile: demo-tool
     make demo-tools
 """
 
+from smollm2_grpo import RECIPE as GRPO
+
 from toolkit import run
 
 RECIPE = dict(
+    GRPO,  # the GRPO demo's model settings, LoRA, learning rate, sampling temperature and reward
     model_name_or_path="runs/smollm2_tools_sft/merged",
-    dtype="float32",
-    attn_implementation="sdpa",
-    task="grpo",
     dataset_name="reasoning_gym:basic_arithmetic?min_terms=3&max_terms=3&min_digits=2&max_digits=3"
     "&operators=+,-&allow_negation=false&allow_parentheses=false&size=400&seed=1",
-    eval_fraction=0.25,
     chat_template="trl:qwen2_5",  # the template the first stage was taught with: it offers tools
     tools="calculator",
     max_tool_calls=2,
-    reward_funcs="accuracy",
     num_generations=4,
     max_completion_length=96,  # a call (~40 tokens), its result (~20) and the answer
-    max_seq_length=320,
-    temperature=0.8,
-    use_lora=True,
-    lora_r=16,
-    lora_alpha=32,
-    lora_target_modules="all-linear",
-    learning_rate=5e-4,
-    lr_scheduler_type="constant",
+    max_seq_length=360,  # the longest prompt (259 tokens: the tool's description is most of it) and the completion
     max_steps=8,
     per_device_train_batch_size=8,  # completions: 2 micro-batches of 8 = 4 problems x 4 answers a step
-    gradient_accumulation_steps=2,
-    logging_steps=1,
-    save_strategy="no",
-    eval_strategy="no",
-    eval_after_training=True,  # the first stage's model and this one on the held-out problems, with the tool
     output_dir="runs/smollm2_grpo_tools",
 )
 

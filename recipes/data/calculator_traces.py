@@ -34,8 +34,10 @@ def main() -> None:
     with open(HERE / "calculator_traces.jsonl", "w") as traced, open(HERE / "direct_answers.jsonl", "w") as direct:
         for k, p in enumerate(questions):
             ask, answer = {"role": "user", "content": p["question"]}, str(p["answer"])
-            call = {"type": "function", "function": {"name": "calculator",
-                                                     "arguments": {"expression": p["metadata"]["expression"]}}}
+            call = {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": p["metadata"]["expression"]}},
+            }
             messages = [ask, {"role": "assistant", "content": "", "tool_calls": [call]},
                         {"role": "tool", "name": "calculator", "content": calculator(p["metadata"]["expression"])},
                         {"role": "assistant", "content": answer}]  # fmt: skip
