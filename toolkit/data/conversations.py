@@ -135,6 +135,21 @@ def render(
                                          tools=tools)  # fmt: skip
 
 
+def without_nulls(value: Any) -> Any:
+    """`value` without the None fields a table adds: Arrow stores a column's lists of objects with the union of
+    their fields, so a tool's schema, or a call's arguments, read back with the other tools' fields as None."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    return [without_nulls(v) for v in value] if isinstance(value, list) else value
+
+
+def as_called(messages: list[dict]) -> list[dict]:
+    """The conversation with each tool call's arguments as written (without_nulls): what the model is taught."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    return [{**m, "tool_calls": without_nulls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
+
+
 def row_tools(value: Any) -> list[dict] | None:
     """A row's `tools` column (the tools the conversation offers, as TRL's tool-calling SFT data has it): JSON
     schemas as a list, or as one JSON string (what a table keeps without merging their fields); empty is none."""
@@ -146,7 +161,7 @@ def row_tools(value: Any) -> list[dict] | None:
     if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
         raise DataError(f"a row's tools column holds {type(value).__name__}, not a list of JSON schemas (objects "
                         "with type and function, as transformers' get_json_schema writes them).")  # fmt: skip
-    return value
+    return without_nulls(value)
 
 
 def tokenize_by_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int,
@@ -238,6 +253,7 @@ def tokenize_conversations(tokenizer: PreTrainedTokenizerBase, conversations: li
     gives them, by the fastest of the three ways that holds for the template and the conversation. `tools`: each
     conversation's `tools` column (row_tools), offered by the template as a run with --tools offers them."""
     offered = [row_tools(t) for t in tools] if tools is not None else [None] * len(conversations)
+    conversations = [as_called(messages) for messages in conversations]
     if "generation %}" in (tokenizer.chat_template or ""):
         groups = (
             [(conversations, None)]

@@ -27,6 +27,7 @@ from .conversations import (
     IGNORE_INDEX,
     SHAREGPT,
     TurnLayout,
+    as_called,
     conversation_problem,
     row_tools,
     tokenize_conversations,
@@ -143,8 +144,9 @@ def tokenize_rows(tokenizer: PreTrainedTokenizerBase, batch: dict, data_format: 
         rows = tokenize_conversations(tokenizer, [p + c for p, c in zip(prompts, completions, strict=True)], max_len,
                                       layout, tools)  # fmt: skip
         for row, prompt, offered in zip(rows, prompts, tools, strict=True):
-            cut = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                    tools=row_tools(offered))["input_ids"])  # fmt: skip
+            said = tokenizer.apply_chat_template(as_called(prompt), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True, tools=row_tools(offered))  # fmt: skip
+            cut = len(said["input_ids"])
             row["labels"][:cut] = [IGNORE_INDEX] * min(cut, len(row["labels"]))
         return rows
     prompt_ids = tokenizer(prompts)["input_ids"]

@@ -51,8 +51,9 @@ def plain_answers(model, tokenizer, prompts: list, policy, batch_size: int) -> t
 
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
     texts, finished, ids_out = [], [], []
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    eos = model.generation_config.eos_token_id  # and the tokenizer's end of sequence, as TRL stops sampling
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
     try:
         for start in range(0, len(prompts), batch_size):
             rendered = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
@@ -60,10 +61,10 @@ def plain_answers(model, tokenizer, prompts: list, policy, batch_size: int) -> t
             batch = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             with torch.no_grad():
                 out = model.generate(**batch, do_sample=False, max_new_tokens=policy.max_completion_length,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)  # fmt: skip
             for row in out[:, batch["input_ids"].shape[1] :].tolist():
                 ends = next((k for k, t in enumerate(row) if t in eos), None)
-                ids_out.append(row[: ends if ends is not None else len(row)])
+                ids_out.append(row[: ends + 1 if ends is not None else len(row)])  # its end, as TRL's ids hold it
                 finished.append(float(ends is not None))
                 texts.append(tokenizer.decode(ids_out[-1], skip_special_tokens=True))
             print(f"  {len(texts)}/{len(prompts)} held-out prompts answered", file=sys.stderr, flush=True)

@@ -2,7 +2,8 @@
 answer generated greedily and, where it calls a tool, the call run (with the run's time limit), its result
 appended as a tool message and the answer continued, at most --max_tool_calls rounds, within the run's
 --max_completion_length for all of it, tool results included: what GRPOTrainer's tool loop does when it samples,
-without the sampling. Without it a held-out answer would stop at its first call, its result never seen.
+without the sampling, with its template, end-of-turn ids, error results and length rules (Loop). Without it a
+held-out answer would stop at its first call, its result never seen.
 """
 
 from __future__ import annotations
@@ -23,52 +24,82 @@ class Answer:
     turn_calls: list | None = None  # the calls the last turn made, to run
 
 
-def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
-    """The tokens that follow an assistant turn that called tools: the tool messages and the next assistant header,
-    as the template renders them (the difference of two renders, cut at the assistant turn's end-of-turn token,
-    as TRL cuts it)."""
-    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
-    prefix = tokenizer.apply_chat_template(head, tokenize=True, return_dict=False)
-    full = tokenizer.apply_chat_template(head + tool_messages, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)  # fmt: skip
-    ends = [k for k, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    prefix = prefix[: ends[-1] + 1] if ends else prefix
-    if full[: len(prefix)] != prefix:
-        raise ValueError("the chat template does not render a tool result after the assistant's turn it answers")
-    return full[len(prefix) :]
+@dataclass
+class Loop:
+    """What every round uses, set up as GRPOTrainer sets it up: the tools, the template it renders with (a
+    prefix-preserving training copy where the tokenizer's own rewrites earlier turns, as Qwen3's does), the ids
+    that end a turn (the generation config's and the tokenizer's end of sequence), and the run's limits."""
 
+    tools: list
+    template: str | None
+    eos: list[int]
+    budget: int  # --max_completion_length: the model's tokens and the tool results'
+    rounds: int | None  # --max_tool_calls
 
-def run_calls(calls: list[dict], tools: dict) -> list[dict]:
-    """The tool messages for an assistant turn's calls: each result, or the error a failed call gives (TRL's)."""
-    out = []
-    for call in calls:
-        name = call.get("function", {}).get("name", "unknown")
-        try:
-            result = tools[name](**call["function"]["arguments"])
-        except Exception as error:  # noqa: BLE001 - a failing tool is an answer's error result, as in training
-            result = {"error": str(error)}
-        out.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
-    return out
+    @classmethod
+    def of(cls, model, tokenizer, policy) -> Loop:
+        from trl.chat_template_utils import add_response_schema, get_training_chat_template
+        from trl.chat_template_utils import is_chat_template_prefix_preserving as preserves
+
+        from ..training.tools import tool_functions
+
+        tools = tool_functions([t.strip() for t in policy.tools.split(",") if t.strip()], policy.tool_timeout)
+        if not any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")):
+            add_response_schema(tokenizer)  # how TRL reads a call out of a turn, for the templates it knows
+        preserving = preserves(tokenizer)
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
+        return cls(tools, None if preserving else get_training_chat_template(tokenizer), eos,
+                   policy.max_completion_length, policy.max_tool_calls)  # fmt: skip
+
+    def render(self, tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+        return tokenizer.apply_chat_template(messages, tools=self.tools, chat_template=self.template, tokenize=True,
+                                             add_generation_prompt=generation_prompt, return_dict=False)  # fmt: skip
+
+    def suffix(self, tokenizer, tool_messages: list[dict]) -> list[int]:
+        """The tokens that follow an assistant turn that called tools: the tool messages and the next assistant
+        header, as the template renders them (the difference of two renders, cut at the assistant turn's end of
+        sequence, as TRL cuts it)."""
+        call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        prefix, full = self.render(tokenizer, head, False), self.render(tokenizer, head + tool_messages, True)
+        ends = [k for k, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+        prefix = prefix[: ends[-1] + 1] if ends else prefix
+        if full[: len(prefix)] != prefix:
+            raise ValueError("the chat template does not render a tool result after the assistant's turn it answers")
+        return full[len(prefix) :]
+
+    def run(self, calls: list[dict]) -> list[dict]:
+        """The tool messages for an assistant turn's calls: each result, or the error a failed call gives, worded as
+        TRL words it (the model reads it)."""
+        by_name, out = {tool.__name__: tool for tool in self.tools}, []
+        for call in calls:
+            if call.get("type") != "function":
+                name, result = call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}
+            else:
+                name = call["function"]["name"]
+                try:
+                    if name not in by_name:
+                        raise ValueError(f"Tool {name} not found.")
+                    result = by_name[name](**call["function"]["arguments"])
+                except Exception as error:  # noqa: BLE001 - a failing tool is an answer's error result, as in training
+                    result = {"error": str(error)}
+            out.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
+        return out
 
 
 def answers_with_tools(model, tokenizer, prompts: list, policy, batch_size: int) -> list[Answer]:
     """Each prompt's greedy answer with the run's tools (module docstring)."""
-    from trl.chat_template_utils import add_response_schema
-
-    from ..training.tools import tool_functions
-
-    tools = tool_functions([t.strip() for t in policy.tools.split(",") if t.strip()], policy.tool_timeout)
-    add_response_schema(tokenizer)  # how TRL reads a call out of a turn, for the templates it knows
-    answers = [Answer(tokenizer.apply_chat_template(p, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)) for p in prompts]  # fmt: skip
+    loop = Loop.of(model, tokenizer, policy)
+    answers = [Answer(loop.render(tokenizer, p, True)) for p in prompts]
     active = list(range(len(answers)))
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
     try:
         while active:
             for start in range(0, len(active), batch_size):
-                continued(model, tokenizer, [answers[k] for k in active[start : start + batch_size]], policy, tools)
-            active = [k for k in active if called(tokenizer, answers[k], policy, tools)]
+                continued(model, tokenizer, [answers[k] for k in active[start : start + batch_size]], loop)
+            active = [k for k in active if called(tokenizer, answers[k], loop)]
             print(f"  {len(answers) - len(active)}/{len(answers)} held-out prompts answered (with tools)",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
@@ -76,41 +107,41 @@ def answers_with_tools(model, tokenizer, prompts: list, policy, batch_size: int)
     return answers
 
 
-def continued(model, tokenizer, group: list[Answer], policy, tools: list) -> None:
+def continued(model, tokenizer, group: list[Answer], loop: Loop) -> None:
     """The answers continued greedily to their next end of turn, within what is left of the length."""
     import torch
     from trl.chat_template_utils import parse_response
 
-    budget = policy.max_completion_length
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
     contexts = [a.prompt_ids + a.ids for a in group]
     batch = tokenizer.pad({"input_ids": contexts}, padding=True, return_tensors="pt").to(model.device)
     with torch.no_grad():
-        out = model.generate(**batch, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             max_new_tokens=max(budget - len(a.ids) for a in group))  # fmt: skip
+        out = model.generate(**batch, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=loop.eos,
+                             max_new_tokens=max(loop.budget - len(a.ids) for a in group))  # fmt: skip
     for answer, context, row in zip(group, contexts, out[:, batch["input_ids"].shape[1] :].tolist(), strict=True):
-        row = row[: budget - len(answer.ids)]
-        ends = next((k for k, t in enumerate(row) if t in eos), None)
+        row = row[: loop.budget - len(answer.ids)]
+        ends = next((k for k, t in enumerate(row) if t in loop.eos), None)
         said = row[: ends + 1] if ends is not None else row
         answer.finished = ends is not None
         answer.ids += said
-        turn = parse_response(tokenizer, said, prefix=context, tools=tools)
+        turn = parse_response(tokenizer, said, prefix=context, tools=loop.tools)
         answer.messages.append(turn)
         answer.turn_calls = turn.get("tool_calls") if answer.finished else None
 
 
-def called(tokenizer, answer: Answer, policy, tools: list) -> bool:
-    """Whether the answer goes on: its last turn's calls run and their results appended, if it made any, rounds
-    are left (--max_tool_calls) and the results fit in the length with room to answer."""
-    if not answer.turn_calls or (policy.max_tool_calls is not None and answer.calls >= policy.max_tool_calls):
+def called(tokenizer, answer: Answer, loop: Loop) -> bool:
+    """Whether the answer goes on: its last turn's calls run and their results appended, if it made any and rounds
+    are left (--max_tool_calls). Results past the length are dropped and the answer ends as it stands (ended on its
+    end of turn); results that fill it exactly are kept and the answer ends cut short: TRL's rules."""
+    if not answer.turn_calls or (loop.rounds is not None and answer.calls >= loop.rounds):
         return False
-    results = run_calls(answer.turn_calls, {tool.__name__: tool for tool in tools})
+    results = loop.run(answer.turn_calls)
     answer.calls += 1
-    suffix = tool_suffix_ids(tokenizer, results)
-    if len(answer.ids) + len(suffix) >= policy.max_completion_length:  # TRL drops such a result: the answer ends
-        answer.finished = False
+    suffix = loop.suffix(tokenizer, results)
+    if len(answer.ids) + len(suffix) > loop.budget:
         return False
     answer.ids += suffix
     answer.messages += results
+    if len(answer.ids) == loop.budget:
+        answer.finished = False
+        return False
     return True

@@ -42,8 +42,9 @@ def text_of(completion: Any) -> str:
     """A completion's text: TRL passes text, or for conversational prompts a list of the answer's messages: the
     assistant's, not a tool's result (a number the model never said is not its answer)."""
     if isinstance(completion, list):
-        return "".join(str(m.get("content") or "") for m in completion
-                       if isinstance(m, dict) and m.get("role") != "tool")  # fmt: skip
+        return "\n".join(
+            str(m.get("content") or "") for m in completion if isinstance(m, dict) and m.get("role") != "tool"
+        )  # turns apart: "12" then "34" is not 1234
     return str(completion)
 
 
