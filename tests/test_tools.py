@@ -209,6 +209,7 @@ class ScriptedModel:
 
         replies = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            assert mask == sorted(mask), "padded on the right: generation would continue the padding"
             text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
             said = text.rpartition("<|im_start|>user\n")[2]
             results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", said)
