@@ -11,6 +11,7 @@ from typing import Any
 
 from ..settings.policy import PolicyArguments
 from ..training.rewards import Checked, reward_functions
+from .held_out_tools import answers_with_tools, end_ids
 from .record import RunRecord
 
 
@@ -24,8 +25,6 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
     columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
     scores: dict[str, Any] = {}
     if policy.tools:
-        from .held_out_tools import answers_with_tools
-
         answers = answers_with_tools(model, tokenizer, rows["prompt"], policy, batch_size)
         completions, ids_out = [a.messages for a in answers], [a.ids for a in answers]
         finished = [float(a.finished) for a in answers]
@@ -51,9 +50,7 @@ def plain_answers(model, tokenizer, prompts: list, policy, batch_size: int) -> t
 
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
     texts, finished, ids_out = [], [], []
-    eos = model.generation_config.eos_token_id  # and the tokenizer's end of sequence, as TRL stops sampling
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    eos = eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
+    eos = end_ids(model, tokenizer)
     try:
         for start in range(0, len(prompts), batch_size):
             rendered = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)

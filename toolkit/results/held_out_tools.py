@@ -24,6 +24,14 @@ class Answer:
     turn_calls: list | None = None  # the calls the last turn made, to run
 
 
+def end_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer, as GRPOTrainer stops sampling: the generation config's end of sequence and the
+    tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
+
+
 @dataclass
 class Loop:
     """What every round uses, set up as GRPOTrainer sets it up: the tools, the template it renders with (a
@@ -47,10 +55,7 @@ class Loop:
         if not any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")):
             add_response_schema(tokenizer)  # how TRL reads a call out of a turn, for the templates it knows
         preserving = preserves(tokenizer)
-        eos = model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        eos = eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
-        return cls(tools, None if preserving else get_training_chat_template(tokenizer), eos,
+        return cls(tools, None if preserving else get_training_chat_template(tokenizer), end_ids(model, tokenizer),
                    policy.max_completion_length, policy.max_tool_calls)  # fmt: skip
 
     def render(self, tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
