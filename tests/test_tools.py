@@ -271,7 +271,8 @@ def test_a_tools_column_that_is_not_schemas_is_one_line(tools, message, tmp_path
         prepare_main(["smollm2_tools_sft", "--dataset_name", str(data)])
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: a row's tools column") and message in line and "Traceback" not in err
+    assert line.startswith("error: row 0 of the train split of") and "tools column" in line and message in line
+    assert "Traceback" not in err
 
 
 LOOKUP = {
@@ -318,3 +319,61 @@ def test_rows_offering_different_tools_keep_their_own_schemas(tmp_path, monkeypa
     expected = {tokenizer.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False) for r in rows}
     got = {tokenizer.decode(row["input_ids"]) for row in load_from_disk(f"{folder}/data")["train"]}
     assert got == expected and "null" not in "".join(got)
+
+
+def tool_exchange(name: str, arguments: dict, result: str) -> list[dict]:
+    """A user's request, the assistant's call of `name`, the tool's result and the answer."""
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return [{"role": "user", "content": f"Ask {name}."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": name, "content": result},
+            {"role": "assistant", "content": result}]  # fmt: skip
+
+
+def prepared_rows(capsys, flags: list[str]):
+    from datasets import load_from_disk
+
+    from toolkit.runner import prepare_main
+
+    prepare_main(["smollm2_tools_sft", "--eval_fraction", "0", *flags])
+    folder = re.search(r"(/\S+/prepared/sft-\w+)", capsys.readouterr().out).group(1)
+    return load_from_disk(f"{folder}/data")["train"]
+
+
+def test_prompt_completion_rows_offer_their_tools(tmp_path, monkeypatch, capsys):
+    """Prompt/completion rows with a `tools` column: each row is its whole exchange rendered with its tools
+    offered, and the trained tokens are the completion's call and answer, not the prompt (the tools' description
+    included) nor the tool's result."""
+    from transformers.utils import get_json_schema
+
+    exchange = tool_exchange("calculator", {"expression": "2 + 2"}, "4")
+    row = {"prompt": exchange[:1], "completion": exchange[1:], "tools": [get_json_schema(calculator)]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
+    monkeypatch.chdir(Path(__file__).parents[1])
+    (got, *_) = prepared_rows(capsys, ["--dataset_name", str(data)])
+    tokenizer = smollm2_tokenizer()
+    offered = tokenizer.apply_chat_template(exchange, tools=row["tools"], tokenize=False)
+    assert got["input_ids"] == tokenizer(offered, add_special_tokens=False)["input_ids"]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "2 + 2"}})
+    trained = tokenizer.decode([t for t in got["labels"] if t != -100])
+    assert trained == f"<tool_call>\n{call}\n</tool_call><|im_end|>\n4<|im_end|>\n"
+
+
+def test_a_mixture_of_sources_with_and_without_tools_trains_each_as_it_is(tmp_path, monkeypatch, capsys):
+    """A dataset_mixture of a source whose rows offer tools (as lists) and one with no tools column: each row is
+    rendered with its own source's tools, or none; before, datasets refused to concatenate the two."""
+    from transformers.utils import get_json_schema
+
+    tools = [get_json_schema(calculator)]
+    with_tools, without = tmp_path / "tools.jsonl", tmp_path / "plain.jsonl"
+    exchange = tool_exchange("calculator", {"expression": "2 + 2"}, "4")
+    with_tools.write_text("\n".join(json.dumps({"messages": exchange, "tools": tools}) for _ in range(4)) + "\n")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    without.write_text("\n".join(json.dumps({"messages": chat}) for _ in range(4)) + "\n")
+    monkeypatch.chdir(Path(__file__).parents[1])
+    rows = prepared_rows(capsys, ["--dataset_mixture", f"{with_tools}=1,{without}=1"])
+    tokenizer = smollm2_tokenizer()
+    expected = {tokenizer.apply_chat_template(exchange, tools=tools, tokenize=False),
+                tokenizer.apply_chat_template(chat, tokenize=False)}  # fmt: skip
+    assert {tokenizer.decode(row["input_ids"]) for row in rows} == expected and len(rows) == 8

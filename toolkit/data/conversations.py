@@ -164,6 +164,21 @@ def row_tools(value: Any) -> list[dict] | None:
     return without_nulls(value)
 
 
+def tools_problem(value: Any) -> str | None:
+    """What is wrong with a row's `tools` column (loading.py names the row), or None."""
+    try:
+        row_tools(value)
+    except DataError as error:
+        return str(error).removeprefix("a row's ")
+    return None
+
+
+def tools_text(value: Any) -> str:
+    """A row's tools as one JSON string ("" for none): what a table keeps whatever the source's layout."""
+    offered = row_tools(value)
+    return json.dumps(offered) if offered else ""
+
+
 def tokenize_by_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int,
                          tools: list[dict] | None = None) -> dict:  # fmt: skip
     """The reference: each assistant turn's tokens are the difference between the conversation rendered up to the

@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, load_dataset
 
 from ..errors import DataError, warn
 from ..settings.arguments import DataArguments
 from ..settings.tasks import task
+from .conversations import tools_problem, tools_text
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
 from .image_rows import absolute_paths, image_columns, image_problem
 from .labelled import LABELLED_COLUMNS, labelled_problem
@@ -51,6 +53,25 @@ def load_data(args: DataArguments) -> tuple[DatasetDict, str]:
         out["eval"] = _head(ds["eval"], args.max_eval_samples)
     mixture = "a mixture of " if len(parts) > 1 else ""
     return out, mixture + ", ".join(described)
+
+
+def aligned(splits: list[Dataset]) -> list[Dataset]:
+    """The sources' splits with one layout per column where one can hold the others: datasets keeps conversations
+    with tool calls as JSON objects (its `Json` feature) and plain ones as structs, and a source that offers no
+    tools a row (a `tools` column) offers none; whatever no layout holds is left for the caller's error."""
+    if any("tools" in split.column_names for split in splits):
+        splits = [s if "tools" in s.column_names else s.add_column("tools", [""] * len(s)) for s in splits]
+    for column in splits[0].column_names:
+        layouts = list(dict.fromkeys(repr(s.features[column]) for s in splits if column in s.column_names))
+        if len(layouts) < 2:
+            continue
+        for layout in (s.features[column] for s in splits if column in s.column_names):
+            try:
+                splits = [s.cast_column(column, layout) if column in s.column_names else s for s in splits]
+                break
+            except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
+                continue
+    return splits
 
 
 def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None]:
@@ -119,9 +140,9 @@ def mixed(parts: dict[str, DatasetDict], weights: dict[str, float]) -> DatasetDi
         trains += [part["train"]] * whole + [part["train"].shuffle(seed=0).select(range(remainder))] * (remainder > 0)
     evals = [part["eval"] for part in parts.values() if "eval" in part]
     try:
-        out = DatasetDict({"train": concatenate_datasets(trains).shuffle(seed=0)})
+        out = DatasetDict({"train": concatenate_datasets(aligned(trains)).shuffle(seed=0)})
         if evals:
-            out["eval"] = concatenate_datasets(evals)
+            out["eval"] = concatenate_datasets(aligned(evals))
     except ValueError as error:  # features that do not line up
         features = {name: dict(part["train"].features) for name, part in parts.items()}
         raise DataError(f"The mixture's data sets have columns of different types ({' '.join(str(error).split())}): "
@@ -247,12 +268,13 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     # another format is named as such, not as an empty row of this one.
     others = {f: columns_of(f, args.messages_column) for f in FORMATS if f != data_format and data_format
               and set(columns_of(f, args.messages_column)) <= set(split.column_names)}  # fmt: skip
-    read = list(dict.fromkeys([*columns, *(c for cs in others.values() for c in cs)]))
+    tools = "tools" in keep and "tools" not in columns  # each row's offered tools, checked beside its conversation
+    read = list(dict.fromkeys([*columns, *(c for cs in others.values() for c in cs), *(["tools"] * tools)]))
     bad: list[tuple[int, str]] = []
     for start, batch in zip(range(0, len(split), 1000), split.select_columns(read).iter(1000), strict=False):
         for offset, values in enumerate(zip(*(batch[c] for c in read), strict=True)):
             row = dict(zip(read, values, strict=True))
-            problem = problem_of(*(row[c] for c in columns))
+            problem = problem_of(*(row[c] for c in columns)) or (tools_problem(row["tools"]) if tools else None)
             if problem and (mixed := next((f for f, cs in others.items() if all(row[c] is not None for c in cs)),
                                           None)):  # fmt: skip
                 raise DataError(f"row {start + offset} of the {name} split of {source} is a {mixed} row ("
@@ -275,6 +297,8 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         return as_prompts(split, args.prompt_column)
     if task(args.task).images:
         return absolute_paths(split.select_columns(keep), columns, root)
+    if "tools" in keep:  # one JSON string a row: sources of other layouts (list, string) then mix
+        return split.select_columns(keep).map(lambda row: {"tools": tools_text(row["tools"])})
     return split.select_columns(keep)
 
 
