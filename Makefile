@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft demo-grpo demo-rloo demo-tools demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -58,6 +58,13 @@ demo-tools:
 		--output_dir runs/smollm2_direct_sft $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_tools.py --model_name_or_path runs/smollm2_direct_sft/merged \
 		--tools "" --output_dir runs/smollm2_grpo_direct $(ARGS)
+
+# Offline: the GRPO demo's model (trained again here, merged) distilled on-policy into SmolLM2 as it ships: the same
+# problems and budget, no rewards (docs/rl.md#the-distillation-demo).
+demo-distill:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo.py --merge_lora true --eval_after_training false \
+		--output_dir runs/smollm2_grpo_teacher
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_distill.py $(ARGS)
 
 # Offline: the image-text recipe's architecture (Gemma 3) at toy size, random init, full fine-tune, taught to name
 # the colour of a square it sees in generated pictures; held-out answer accuracy before and after. No VLM's weights

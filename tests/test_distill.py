@@ -77,14 +77,67 @@ def test_the_plan_holds_the_teachers_weights_and_forward(tmp_path, capsys):
     assert added == pytest.approx(counter.get_total_flops() / (2 * seq), rel=0.02)
 
 
-def test_eval_measures_both_models_against_the_teacher(one_process):
+def test_eval_measures_both_models_against_the_teacher(one_process, capsys):
     """`toolkit eval`: the teacher's greedy answers to the held-out prompts, and each model's KL from the teacher
-    and top-1 agreement on them; the student moved towards the teacher."""
+    and top-1 agreement on them; the student moved towards the teacher. The data has gold answers, so each
+    model's own answers are scored by them too, and the teacher's once."""
     result = evaluate_run(one_process)
     metrics = {row["metric"]: row for row in result["results"]}
-    assert result["tasks"] == ["held-out"] and set(metrics) == {"kl_to_teacher", "agreement"}
+    assert result["tasks"] == ["held-out"]
+    assert set(metrics) == {"kl_to_teacher", "agreement", "accuracy", "finished"}
     assert metrics["kl_to_teacher"]["tuned"] < metrics["kl_to_teacher"]["base"]
-    assert 0 <= metrics["agreement"]["base"] <= 1 and 0 <= metrics["agreement"]["tuned"] <= 1
+    for name in ("agreement", "accuracy", "finished"):
+        assert 0 <= metrics[name]["base"] <= 1 and 0 <= metrics[name]["tuned"] <= 1
+    assert capsys.readouterr().err.count("eval: the teacher's own held-out accuracy") == 1
+
+
+class Adder:
+    """A model whose greedy answer to "What is A plus B?" is scripted: right, or off by one for every
+    `wrong_every`-th question."""
+
+    def __init__(self, tokenizer, wrong_every: int = 0) -> None:
+        self.tokenizer, self.wrong_every, self.asked = tokenizer, wrong_every, 0
+        self.generation_config = type("Config", (), {"eos_token_id": tokenizer.eos_token_id})()
+        self.device = torch.device("cpu")
+
+    def reply(self, question: str) -> str:
+        a, b = (int(word) for word in question.split("What is ")[-1].split("?")[0].split(" plus "))
+        self.asked += 1
+        wrong = self.wrong_every and self.asked % self.wrong_every == 0
+        return f"{a} plus {b} is {a + b + wrong}."
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **_):
+        replies = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+            ids = self.tokenizer.encode(self.reply(text), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            replies.append(ids[:max_new_tokens])
+        width = max(map(len, replies))
+        padded = [r + [pad_token_id] * (width - len(r)) for r in replies]
+        return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
+
+
+@pytest.mark.parametrize(("wrong_every", "expected"), [(0, 1.0), (2, 0.5), (1, 0.0)])
+def test_eval_scores_a_distilled_model_s_answers_by_the_gold_ones(one_process, wrong_every, expected):
+    """A distill run has no rewards: its held-out answers, and the teacher's, are scored by GRPO's accuracy
+    reward against the data's gold answers (here a scripted model, right on all, half or none of 4 questions)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from toolkit.results.held_out_rewards import held_out_rewards
+    from toolkit.results.held_out_teacher import teacher_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(one_process)
+    record = RunRecord.read(one_process)
+    questions = [(3, 4), (10, 22), (0, 9), (51, 48)]
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                               "answer": str(a + b)} for a, b in questions])  # fmt: skip
+    scores = held_out_rewards(record, Adder(tokenizer, wrong_every), tokenizer, rows, batch_size=3,
+                              rewards="accuracy")  # fmt: skip
+    assert scores["accuracy"] == expected and scores["finished"] == 1.0
+    teacher = Adder(tokenizer, wrong_every)
+    answers = [tokenizer.encode(teacher.reply(f"What is {a} plus {b}?")) for a, b in questions]
+    assert teacher_accuracy(record, tokenizer, rows, answers) == expected
 
 
 def test_preempted_distill_run_resumes_bit_identically(one_process, tmp_path, monkeypatch):
@@ -158,11 +211,15 @@ def tiny_student() -> str:
         (["--reward_funcs", "accuracy"], "reward_funcs 'accuracy': distill learns the teacher's distribution"),
         (["--sampler", "continuous"], "TRL's distillation trainer samples with generate or vLLM only"),
         (["--task", "grpo", "--reward_funcs", "accuracy"], "teacher_model_name_or_path is distillation's: drop it"),
+        (
+            ["--teacher_model_name_or_path", "{tmp}/runs/smollm2_chat/merged"],  # a run's folder not yet written
+            r"The teacher path .*/runs/smollm2_chat/merged does not exist: it is recipes/smollm2_chat.py's output",
+        ),
     ],
 )
 def test_settings_distill_cannot_take_are_one_line(flags, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
-        train(DISTILL, distill_flags(tmp_path / "run", 1, *flags), NAME)
+        train(DISTILL, distill_flags(tmp_path / "run", 1, *(f.format(tmp=tmp_path) for f in flags)), NAME)
 
 
 def test_a_local_teacher_folder_is_taken_as_it_is(tmp_path):

@@ -38,9 +38,10 @@ def recipe_name(given: str) -> str:
 
 
 def recipe_writing(path: str | Path) -> str | None:
-    """The recipe whose run writes `path` (its default output folder, runs/<recipe>), if any: a DPO recipe starts
-    from an SFT recipe's output."""
+    """The recipe whose run writes `path` (its default output folder, runs/<recipe>, or the merged model in it),
+    if any: a DPO recipe starts from an SFT recipe's output."""
     parts = Path(path).parts
+    parts = parts[:-1] if parts[-1:] == ("merged",) else parts
     return parts[-1] if len(parts) >= 2 and parts[-2] == "runs" and is_recipe(parts[-1]) else None
 
 

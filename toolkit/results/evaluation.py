@@ -158,7 +158,7 @@ def task_held_out(record: RunRecord, which: str, model, tokenizer, rows, batch_s
     if kind.teacher:
         from .held_out_teacher import held_out_teacher
 
-        return held_out_teacher(record, model, tokenizer, rows, last=which == "tuned")
+        return held_out_teacher(record, model, tokenizer, rows, last=which == "tuned", batch_size=batch_size)
     if kind.samples_online:
         from .held_out_rewards import held_out_rewards
 

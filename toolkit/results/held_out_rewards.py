@@ -15,11 +15,16 @@ from .held_out_tools import answers_with_tools, end_ids
 from .record import RunRecord
 
 
-def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int = 16) -> dict[str, float]:
+def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int = 16,
+                     rewards: str | None = None) -> dict[str, float]:  # fmt: skip
     """The rewards of the model's greedy completions to the held-out prompts, averaged (a run with tools: with the
-    tools, held_out_tools.py, and the share of answers that called one)."""
+    tools, held_out_tools.py, and the share of answers that called one); `rewards` in place of the run's (a
+    distill run has none: held_out_teacher.py scores its answers by accuracy)."""
     policy = record.arguments(PolicyArguments)
-    policy.resolve(record.task)
+    if rewards:
+        policy.reward_funcs, policy.reward_weights = rewards, None
+    else:
+        policy.resolve(record.task)
     functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
                  if isinstance(f, Checked)]  # fmt: skip
     columns = {key: rows[key] for key in rows.column_names if key != "prompt"}

@@ -2,8 +2,10 @@
 --max_completion_length), and each model is compared with the teacher at every token of those answers: the KL
 divergence from the teacher's next-token distribution to the model's (`kl_to_teacher`, nats per token: what
 distillation shrinks, whichever divergence it trained on) and the share of tokens where the model's first choice
-is the teacher's (`agreement`). The teacher stays loaded for both models, as it was beside the student in
-training, and is freed after the second."""
+is the teacher's (`agreement`). Where the data brings gold answers (a reasoning-gym problem, an `answer` column),
+each model's own greedy answers are also scored by GRPO's accuracy reward (`accuracy`, `finished`), and the
+teacher's once, for the ceiling: closeness to the teacher is the means, the task is the end. The teacher stays
+loaded for both models, as it was beside the student in training, and is freed after the second."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from .record import RunRecord
 
 FIGURES = ("kl_to_teacher", "agreement")
+GOLD = ("reasoning_gym", "answer")  # the columns the accuracy reward scores against (training/rewards.py)
 TEACHERS: dict[str, tuple] = {}  # a run's teacher and its answers: (model, [(prompt and answer ids, answer start)])
 
 
@@ -44,9 +47,10 @@ def teacher_and_answers(record: RunRecord, tokenizer, rows) -> tuple:
     return TEACHERS[key]
 
 
-def held_out_teacher(record: RunRecord, model, tokenizer, rows, last: bool = False) -> dict[str, float]:
-    """The model's KL from the teacher and top-1 agreement with it over the teacher's held-out answers; `last`
-    frees the teacher afterwards."""
+def held_out_teacher(record: RunRecord, model, tokenizer, rows, last: bool = False,
+                     batch_size: int = 16) -> dict[str, float]:  # fmt: skip
+    """The model's KL from the teacher and top-1 agreement with it over the teacher's held-out answers, and its
+    own answers' accuracy where the data can score them; `last` frees the teacher afterwards."""
     import torch
 
     teacher, answers = teacher_and_answers(record, tokenizer, rows)
@@ -62,4 +66,25 @@ def held_out_teacher(record: RunRecord, model, tokenizer, rows, last: bool = Fal
             tokens += len(ours)
     if last:
         TEACHERS.pop(str(record.folder), None)
-    return {"kl_to_teacher": kl / max(tokens, 1), "agreement": agreed / max(tokens, 1)}
+    figures = {"kl_to_teacher": kl / max(tokens, 1), "agreement": agreed / max(tokens, 1)}
+    if any(column in rows.column_names for column in GOLD):
+        from .held_out_rewards import held_out_rewards
+
+        if not last:  # once, before the first model's
+            teachers = teacher_accuracy(record, tokenizer, rows, [(ids[start:]) for ids, start in answers])
+            print(f"eval: the teacher's own held-out accuracy {teachers:.4g}", file=sys.stderr, flush=True)
+        scored = held_out_rewards(record, model, tokenizer, rows, batch_size, rewards="accuracy")
+        figures.update(accuracy=scored["accuracy"], finished=scored["finished"])
+    return figures
+
+
+def teacher_accuracy(record: RunRecord, tokenizer, rows, answers: list[list[int]]) -> float:
+    """The accuracy reward of the teacher's greedy answers (ids, ending on its end of sequence where it ended)."""
+    from ..settings.policy import PolicyArguments
+    from ..training.rewards import accuracy_reward
+
+    policy = record.arguments(PolicyArguments)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
+    columns = {key: rows[key] for key in GOLD if key in rows.column_names}
+    values = accuracy_reward(policy.answer_pattern)(rows["prompt"], texts, answers, **columns)
+    return sum(values) / len(values)

@@ -156,6 +156,8 @@ class ModelArguments:
         if not self.lora_target_modules.replace(",", " ").strip():
             raise ConfigError("lora_target_modules is empty: pass all-linear, or module names like q_proj,v_proj.")
         check_local_path(self.model_name_or_path, "model", "--model_name_or_path", "config.json")
+        if self.teacher_model_name_or_path:
+            check_local_path(self.teacher_model_name_or_path, "teacher", "--teacher_model_name_or_path", "config.json")
         if self.load_in_4bit:
             check_qlora(self)
 
