@@ -213,7 +213,8 @@ def tiny_student() -> str:
         (["--task", "grpo", "--reward_funcs", "accuracy"], "teacher_model_name_or_path is distillation's: drop it"),
         (
             ["--teacher_model_name_or_path", "{tmp}/runs/smollm2_chat/merged"],  # a run's folder not yet written
-            r"The teacher path .*/runs/smollm2_chat/merged does not exist: it is recipes/smollm2_chat.py's output",
+            r"The teacher path .*/runs/smollm2_chat/merged does not exist: it is recipes/smollm2_chat.py's model "
+            r"merged with its adapter \(make finetune MODEL=smollm2_chat ARGS='--use_lora true --merge_lora true'",
         ),
     ],
 )

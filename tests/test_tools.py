@@ -272,6 +272,7 @@ def test_a_tools_column_that_is_not_schemas_is_one_line(tools, message, tmp_path
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert line.startswith("error: row 0 of the train split of") and "tools column" in line and message in line
+    assert ". Fix the data, or pass --skip_bad_rows true" in line and ".." not in line
     assert "Traceback" not in err
 
 
@@ -362,7 +363,8 @@ def test_prompt_completion_rows_offer_their_tools(tmp_path, monkeypatch, capsys)
 
 def test_a_mixture_of_sources_with_and_without_tools_trains_each_as_it_is(tmp_path, monkeypatch, capsys):
     """A dataset_mixture of a source whose rows offer tools (as lists) and one with no tools column: each row is
-    rendered with its own source's tools, or none; before, datasets refused to concatenate the two."""
+    rendered with its own source's tools, or none. Before, datasets refused to concatenate the two: it reads the
+    conversations with tool calls as JSON objects, the plain ones as structs."""
     from transformers.utils import get_json_schema
 
     tools = [get_json_schema(calculator)]
@@ -377,3 +379,18 @@ def test_a_mixture_of_sources_with_and_without_tools_trains_each_as_it_is(tmp_pa
     expected = {tokenizer.apply_chat_template(exchange, tools=tools, tokenize=False),
                 tokenizer.apply_chat_template(chat, tokenize=False)}  # fmt: skip
     assert {tokenizer.decode(row["input_ids"]) for row in rows} == expected and len(rows) == 8
+
+
+def test_prompts_for_online_rl_keep_a_tools_column_as_it_is(tmp_path):
+    """GRPO reads no `tools` column (its tools are --tools): a prompt source with one, of any layout (here tool
+    names, not schemas), mixes with a source without one, and neither is checked as SFT's offered tools."""
+    from toolkit.data.loading import load_data
+    from toolkit.settings.arguments import DataArguments
+
+    named, plain = tmp_path / "named.jsonl", tmp_path / "plain.jsonl"
+    prompt = [{"role": "user", "content": "What is 2 plus 2?"}]
+    named.write_text("\n".join(json.dumps({"prompt": prompt, "answer": "4", "tools": ["calculator"]})
+                               for _ in range(8)) + "\n")  # fmt: skip
+    plain.write_text("\n".join(json.dumps({"prompt": prompt, "answer": "4"}) for _ in range(8)) + "\n")
+    raw, _ = load_data(DataArguments(task="grpo", dataset_mixture=f"{named}=1,{plain}=1", eval_fraction=0))
+    assert sorted(map(str, raw["train"]["tools"])) == ["None"] * 8 + ["['calculator']"] * 8

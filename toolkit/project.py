@@ -99,8 +99,14 @@ def check_local_path(name: str, what: str, flag: str, inside: str | None = None)
         return
     path = Path(name).expanduser()
     if not path.exists():
-        recipe = recipe_writing(path)
-        made_by = f"it is recipes/{recipe}.py's output (make finetune MODEL={recipe} makes it); or " if recipe else ""
+        recipe, made_by = recipe_writing(path), ""
+        if recipe and path.name == "merged":
+            made_by = (
+                f"it is recipes/{recipe}.py's model merged with its adapter (make finetune MODEL={recipe} "
+                "ARGS='--use_lora true --merge_lora true' makes it); or "
+            )
+        elif recipe:
+            made_by = f"it is recipes/{recipe}.py's output (make finetune MODEL={recipe} makes it); or "
         raise ConfigError(f"The {what} path {name} does not exist: {made_by}pass an existing path with {flag}, or a "
                           "Hub id (org/name).")  # fmt: skip
     if inside and path.is_dir() and not (path / inside).is_file():

@@ -169,7 +169,7 @@ def tools_problem(value: Any) -> str | None:
     try:
         row_tools(value)
     except DataError as error:
-        return str(error).removeprefix("a row's ")
+        return str(error).removeprefix("a row's ").removesuffix(".")  # the caller ends the sentence
     return None
 
 

@@ -57,10 +57,9 @@ def load_data(args: DataArguments) -> tuple[DatasetDict, str]:
 
 def aligned(splits: list[Dataset]) -> list[Dataset]:
     """The sources' splits with one layout per column where one can hold the others: datasets keeps conversations
-    with tool calls as JSON objects (its `Json` feature) and plain ones as structs, and a source that offers no
-    tools a row (a `tools` column) offers none; whatever no layout holds is left for the caller's error."""
-    if any("tools" in split.column_names for split in splits):
-        splits = [s if "tools" in s.column_names else s.add_column("tools", [""] * len(s)) for s in splits]
+    with tool calls as JSON objects (its `Json` feature) and plain ones as structs (a column one source lacks, its
+    rows get as None: a source without `tools` offers none); whatever no layout holds is left for the caller's
+    error."""
     for column in splits[0].column_names:
         layouts = list(dict.fromkeys(repr(s.features[column]) for s in splits if column in s.column_names))
         if len(layouts) < 2:
@@ -227,6 +226,7 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     """The rows of a split, each checked before tokenizing (the first unusable one is an error naming its index,
     0-based in the file's order, and the fix; with --skip_bad_rows the unusable ones are left out and counted),
     read as messages where the format is a conversation's, and only the task's columns kept."""
+    offered = False  # an SFT row's `tools` column: the tools its conversation offers, checked beside it
     if task(args.task).pairs:
         if not set(PAIR_COLUMNS) <= set(split.column_names):
             raise DataError(f"task {args.task} trains on preference pairs, chosen and rejected columns (UltraFeedback-"
@@ -254,7 +254,8 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         flag = "--messages_column" if data_format == "messages" else f"--data_format (it is {data_format})"
         require_columns(split, columns, flag)
         problem_of, keep = PROBLEMS[data_format], columns
-        if data_format in ("messages", "prompt_completion") and "tools" in split.column_names:
+        offered = data_format in ("messages", "prompt_completion") and "tools" in split.column_names
+        if offered:
             keep = [*columns, "tools"]  # the tools each conversation offers (TRL's tool-calling SFT data)
     else:
         text_columns = [c.strip() for c in args.text_columns.split(",")]
@@ -268,13 +269,12 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
     # another format is named as such, not as an empty row of this one.
     others = {f: columns_of(f, args.messages_column) for f in FORMATS if f != data_format and data_format
               and set(columns_of(f, args.messages_column)) <= set(split.column_names)}  # fmt: skip
-    tools = "tools" in keep and "tools" not in columns  # each row's offered tools, checked beside its conversation
-    read = list(dict.fromkeys([*columns, *(c for cs in others.values() for c in cs), *(["tools"] * tools)]))
+    read = list(dict.fromkeys([*columns, *(c for cs in others.values() for c in cs), *(["tools"] * offered)]))
     bad: list[tuple[int, str]] = []
     for start, batch in zip(range(0, len(split), 1000), split.select_columns(read).iter(1000), strict=False):
         for offset, values in enumerate(zip(*(batch[c] for c in read), strict=True)):
             row = dict(zip(read, values, strict=True))
-            problem = problem_of(*(row[c] for c in columns)) or (tools_problem(row["tools"]) if tools else None)
+            problem = problem_of(*(row[c] for c in columns)) or (tools_problem(row["tools"]) if offered else None)
             if problem and (mixed := next((f for f, cs in others.items() if all(row[c] is not None for c in cs)),
                                           None)):  # fmt: skip
                 raise DataError(f"row {start + offset} of the {name} split of {source} is a {mixed} row ("
@@ -297,7 +297,7 @@ def checked_rows(split: Dataset, name: str, source: str, args: DataArguments, da
         return as_prompts(split, args.prompt_column)
     if task(args.task).images:
         return absolute_paths(split.select_columns(keep), columns, root)
-    if "tools" in keep:  # one JSON string a row: sources of other layouts (list, string) then mix
+    if offered:  # one JSON string a row: sources of other layouts (list, string) then mix
         return split.select_columns(keep).map(lambda row: {"tools": tools_text(row["tools"])})
     return split.select_columns(keep)
 

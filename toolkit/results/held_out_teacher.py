@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from .held_out_tools import end_ids
 from .record import RunRecord
 
 FIGURES = ("kl_to_teacher", "agreement")
@@ -41,7 +42,8 @@ def teacher_and_answers(record: RunRecord, tokenizer, rows) -> tuple:
                                                     return_dict=False)  # fmt: skip
                 out = teacher.generate(torch.tensor([ids], device=teacher.device), do_sample=False,
                                        max_new_tokens=record.settings["max_completion_length"],
-                                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                       pad_token_id=tokenizer.pad_token_id,
+                                       eos_token_id=end_ids(teacher, tokenizer))  # fmt: skip  # as the students stop
                 answers.append((out[0].tolist(), len(ids)))
         TEACHERS[key] = teacher, answers
     return TEACHERS[key]
@@ -71,7 +73,7 @@ def held_out_teacher(record: RunRecord, model, tokenizer, rows, last: bool = Fal
         from .held_out_rewards import held_out_rewards
 
         if not last:  # once, before the first model's
-            teachers = teacher_accuracy(record, tokenizer, rows, [(ids[start:]) for ids, start in answers])
+            teachers = teacher_accuracy(record, tokenizer, rows, [ids[start:] for ids, start in answers])
             print(f"eval: the teacher's own held-out accuracy {teachers:.4g}", file=sys.stderr, flush=True)
         scored = held_out_rewards(record, model, tokenizer, rows, batch_size, rewards="accuracy")
         figures.update(accuracy=scored["accuracy"], finished=scored["finished"])
