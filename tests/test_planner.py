@@ -219,6 +219,19 @@ class _PeakLiveBytes(TorchDispatchMode):
         return out
 
 
+def training_peak(trainer) -> int:
+    """The most bytes alive during `trainer.train()` above those alive before it."""
+    gc.collect()
+    gc.disable()  # what a collection frees at a moment that varies from run to run would move the peak
+    before, mode = live_heap_bytes(), _PeakLiveBytes()
+    try:
+        with mode:
+            trainer.train()
+    finally:
+        gc.enable()
+    return mode.peak - before
+
+
 def alone(request) -> bool:
     """Run this test again in a fresh interpreter and report its outcome; False inside that run. mallinfo2 walks
     every free chunk of the heap: after the suite's earlier tests (40,000 of them) a call takes 1.7 ms instead of
@@ -523,14 +536,7 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                               args=args, train_dataset=prompts, processing_class=tokenizer,
                               peft_config=LoraConfig(**lora, task_type="CAUSAL_LM"))  # fmt: skip
-        gc.collect()
-        gc.disable()  # what a collection frees at a moment that varies from run to run would move the peak
-        before, mode = live_heap_bytes(), _PeakLiveBytes()
-        try:
-            with mode:
-                trainer.train()
-        finally:
-            gc.enable()
+        measured = training_peak(trainer)
         work = Workload(precision="fp32", micro_batch=micro_batch, micro_batches=micro_batches, cuda_context_gib=0.0,
                         seq_length=prompt_tokens + completion, dropout_mask_bytes=4, trainable_fp32=True,
                         **task_workload("grpo", lora=True))  # fmt: skip
@@ -538,7 +544,7 @@ def test_grpo_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
         planned = plan_memory(shape, layout("single_gpu"), work, 1).device
         assert (planned["generation"] > 0) == sampling_peaks, planned
         above_weights = sum(planned.values()) - planned["parameters"]
-        assert mode.peak - before == pytest.approx(above_weights, rel=0.10), (micro_batch, mode.peak - before, planned)
+        assert measured == pytest.approx(above_weights, rel=0.10), (micro_batch, measured, planned)
         del trainer, model
 
 
@@ -581,14 +587,7 @@ def test_distill_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     trainer = DistillationTrainer(model=model, teacher_model=teacher, args=args, train_dataset=prompts,
                                   processing_class=tokenizer,
                                   peft_config=LoraConfig(**lora, task_type="CAUSAL_LM"))  # fmt: skip
-    gc.collect()
-    gc.disable()
-    before, mode = live_heap_bytes(), _PeakLiveBytes()
-    try:
-        with mode:
-            trainer.train()
-    finally:
-        gc.enable()
+    measured = training_peak(trainer)
     work = Workload(precision="fp32", micro_batch=micro_batch, micro_batches=micro_batches, cuda_context_gib=0.0,
                     seq_length=prompt_tokens + completion, dropout_mask_bytes=4, trainable_fp32=True,
                     teacher=Shape.of(teacher, config), **task_workload("distill", lora=True))  # fmt: skip
@@ -596,7 +595,7 @@ def test_distill_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     planned = plan_memory(shape, layout("single_gpu"), work, 1).device
     above_weights = sum(planned.values()) - planned["parameters"] - planned["teacher_model"]
     assert trainer.state.log_history[-1]["train_loss"] > 0  # a divergence to train on: the teacher is not the student
-    assert mode.peak - before == pytest.approx(above_weights, rel=0.10), (mode.peak - before, above_weights, planned)
+    assert measured == pytest.approx(above_weights, rel=0.10), (measured, above_weights, planned)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
