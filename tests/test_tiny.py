@@ -96,13 +96,14 @@ def test_tiny_mode_for_an_unknown_model_says_how_to_add_it():
 
 
 @pytest.mark.parametrize(
-    "recipe", [name for name in recipe_names() if name not in ("llama3_dpo", "llama3_dpo_lora", "smollm2_grpo_tools")]
+    "recipe",
+    [n for n in recipe_names() if n not in ("llama3_dpo", "llama3_dpo_lora", "smollm2_grpo_tools", "smollm2_distill")],
 )
 def test_every_recipes_tiny_settings_are_accepted(recipe):
     """`--tiny` runs any recipe: its settings, with tiny mode's layer over them, pass every check a run makes of
     them (smollm2_chat's generation samples and minilm_bbc's evaluation after training need held-out rows, which
     tiny mode holds none of: it turns them off too). The DPO recipes and the tool demo's GRPO stage start from an
-    SFT run's output folder."""
+    SFT run's output folder, the distillation demo from its first stage's teacher."""
     from toolkit.settings.parser import parse
 
     args = parse(load_recipe(recipe), recipe, ["--tiny", "--report_to", "none"], tiny_defaults=tiny.tiny_layer)
