@@ -565,9 +565,11 @@ def test_distill_step_peak_matches_live_memory(monkeypatch, request, tmp_path):
     from toolkit.planner import step_memory
     from toolkit.planner.activations import measured_activations
 
+    # the plan's tiles are TRL's (two fp32 ones, a model's each: 1 GiB for Qwen3-0.6B's 4,096 x 32,768 on a GPU)
+    assert step_memory.DIVERGENCE_TILE == (trl_divergence.TOKEN_CHUNK_SIZE, trl_divergence.VOCAB_CHUNK_SIZE)
     monkeypatch.setattr(trl_divergence, "TOKEN_CHUNK_SIZE", 64)  # as the GRPO test: TRL's CPU tiles small
     monkeypatch.setattr(trl_divergence, "VOCAB_CHUNK_SIZE", 1024)
-    monkeypatch.setattr(step_memory, "FUSED_HEAD_TILE", (64, 1024))
+    monkeypatch.setattr(step_memory, "DIVERGENCE_TILE", (64, 1024))
     tokenizer = tiny.tiny_tokenizer(LLAMA, "sft")
     prompts = Dataset.from_list([{"prompt": "Name the planets in order from the sun."}] * 64)
     prompt_tokens = len(tokenizer(prompts[0]["prompt"])["input_ids"])

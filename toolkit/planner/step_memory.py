@@ -87,6 +87,9 @@ def logits_bytes(shape: Shape, work: Workload) -> int:
 # TRL's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py) projects TOKEN_CHUNK_SIZE tokens by
 # _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary entries at a time (trl/trainer/utils.py); tests compare with TRL's values.
 FUSED_HEAD_TILE = (4096, 32768)
+# distill's loss, TRL's ChunkedDivergenceFunction (trl/kernels/chunked_divergence.py): TOKEN_CHUNK_SIZE tokens by
+# VOCAB_CHUNK_SIZE entries of both models' logits at a time, each tile fp32 whatever the weights' dtype.
+DIVERGENCE_TILE = (4096, 32768)
 
 
 def fused_head_bytes(shape: Shape, work: Workload) -> int:
@@ -94,10 +97,15 @@ def fused_head_bytes(shape: Shape, work: Workload) -> int:
     head is frozen, as under LoRA) is made at the start of backward and stays: a full copy even where gradients
     are sharded or 16-bit, so counted here beside `gradients`. With it, the larger of: the head's own working
     set (its input's fp32 gradient, t x hidden, and one logits tile in the compute dtype: Triton's kernels work
-    in it in place on a GPU; TRL's CPU fallback makes a few fp32 copies), or, without full logits to dwarf it,
-    the last layer's MLP backward (two t x intermediate gradients), where a CPU step was measured to peak."""
+    in it in place on a GPU; TRL's CPU fallback makes a few fp32 copies; distill's divergence holds two fp32 tiles,
+    one a model), or, without full logits to dwarf it, the last layer's MLP backward (two t x intermediate
+    gradients), where a CPU step was measured to peak."""
     t, e = work.seq_length * work.micro_batch, work.activation_dtype_bytes
     tile = min(t, FUSED_HEAD_TILE[0]) * min(shape.vocab_size, FUSED_HEAD_TILE[1]) * e
+    if work.teacher is not None:  # distill: two fp32 tiles (the student's and the teacher's logits), and the
+        # teacher's last hidden states, kept for the backward
+        rows, columns = min(t, DIVERGENCE_TILE[0]), min(shape.vocab_size, DIVERGENCE_TILE[1])
+        tile = 2 * 4 * rows * columns + e * t * shape.hidden_size
     weight = 4 * shape.vocab_size * shape.hidden_size if shape.head_trainable else 0
     return weight + max(4 * t * shape.hidden_size + tile, 2 * e * t * shape.intermediate_size)
 
