@@ -20,14 +20,7 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
     """The rewards of the model's greedy completions to the held-out prompts, averaged (a run with tools: with the
     tools, held_out_tools.py, and the share of answers that called one); `rewards` in place of the run's (a
     distill run has none: held_out_teacher.py scores its answers by accuracy)."""
-    policy = record.arguments(PolicyArguments)
-    if rewards:
-        policy.reward_funcs, policy.reward_weights = rewards, None
-    else:
-        policy.resolve(record.task)
-    functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
-                 if isinstance(f, Checked)]  # fmt: skip
-    columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
+    policy = scoring_policy(record, rewards)
     scores: dict[str, Any] = {}
     if policy.tools:
         answers = answers_with_tools(model, tokenizer, rows["prompt"], policy, batch_size)
@@ -36,8 +29,35 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
         scores["tool_calls"] = sum(a.calls > 0 for a in answers) / len(answers)  # the share that called a tool
     else:
         texts, ids_out, finished = plain_answers(model, tokenizer, rows["prompt"], policy, batch_size)
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for t, p in zip(texts, rows["prompt"], strict=True)]  # fmt: skip
+        completions = as_completions(texts, rows["prompt"])
+    scores.update(scored(policy, rows, completions, ids_out))
+    scores["finished"] = sum(finished) / len(finished)
+    return scores
+
+
+def scoring_policy(record: RunRecord, rewards: str | None = None) -> PolicyArguments:
+    """The run's online settings, its rewards resolved, or `rewards` in their place."""
+    policy = record.arguments(PolicyArguments)
+    if rewards:
+        policy.reward_funcs, policy.reward_weights = rewards, None
+    else:
+        policy.resolve(record.task)
+    return policy
+
+
+def as_completions(texts: list[str], prompts: list) -> list:
+    """Answers as TRL passes them to rewards: the assistant's message where the prompt is a conversation."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for t, p in zip(texts, prompts, strict=True)]  # fmt: skip
+
+
+def scored(policy: PolicyArguments, rows, completions: list, ids_out: list) -> dict[str, float]:
+    """Each of the policy's rewards (each checked, as in training) averaged over the completions, and their
+    weighted sum (`reward`); a reward model among them is left out."""
+    functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
+                 if isinstance(f, Checked)]  # fmt: skip
+    columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
+    scores: dict[str, float] = {}
     total = [0.0] * len(completions)
     for function, weight in functions:
         values = function(rows["prompt"], completions, ids_out, **columns)
@@ -45,7 +65,6 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
         scores[function.__name__] = sum(kept) / len(kept) if kept else float("nan")
         total = [t + weight * (v or 0.0) for t, v in zip(total, values, strict=True)]
     scores["reward"] = sum(total) / len(total)
-    scores["finished"] = sum(finished) / len(finished)
     return scores
 
 

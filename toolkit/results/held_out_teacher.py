@@ -35,15 +35,14 @@ def teacher_and_answers(record: RunRecord, tokenizer, rows) -> tuple:
         teacher = load_model(ModelArguments(model_name_or_path=name, trust_remote_code=settings.trust_remote_code,
                                             dtype=settings.dtype if computes_bf16() else "float32"),
                              "distill", tokenizer, None).eval()  # fmt: skip
-        answers = []
+        answers, ends = [], end_ids(teacher, tokenizer)  # where the students' answers end too
         with torch.no_grad():
             for prompt in rows["prompt"]:
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False)  # fmt: skip
                 out = teacher.generate(torch.tensor([ids], device=teacher.device), do_sample=False,
                                        max_new_tokens=record.settings["max_completion_length"],
-                                       pad_token_id=tokenizer.pad_token_id,
-                                       eos_token_id=end_ids(teacher, tokenizer))  # fmt: skip  # as the students stop
+                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=ends)  # fmt: skip
                 answers.append((out[0].tolist(), len(ids)))
         TEACHERS[key] = teacher, answers
     return TEACHERS[key]
@@ -82,11 +81,7 @@ def held_out_teacher(record: RunRecord, model, tokenizer, rows, last: bool = Fal
 
 def teacher_accuracy(record: RunRecord, tokenizer, rows, answers: list[list[int]]) -> float:
     """The accuracy reward of the teacher's greedy answers (ids, ending on its end of sequence where it ended)."""
-    from ..settings.policy import PolicyArguments
-    from ..training.rewards import accuracy_reward
+    from .held_out_rewards import as_completions, scored, scoring_policy
 
-    policy = record.arguments(PolicyArguments)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
-    columns = {key: rows[key] for key in GOLD if key in rows.column_names}
-    values = accuracy_reward(policy.answer_pattern)(rows["prompt"], texts, answers, **columns)
-    return sum(values) / len(values)
+    return scored(scoring_policy(record, "accuracy"), rows, as_completions(texts, rows["prompt"]), answers)["accuracy"]
