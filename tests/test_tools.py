@@ -296,29 +296,19 @@ def test_rows_offering_different_tools_keep_their_own_schemas(tmp_path, monkeypa
     call `expression: None`); each row is still trained on exactly its own schema and call."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from datasets import load_from_disk
     from transformers.utils import get_json_schema
-
-    from toolkit.runner import prepare_main
 
     calc = get_json_schema(calculator)
     rows = []
     for tool, arguments, result in ((calc, {"expression": "2 + 2"}, "4"), (LOOKUP, {"city": "Oslo"}, "709000")):
-        name = tool["function"]["name"]
-        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-        messages = [{"role": "user", "content": f"Ask {name}."},
-                    {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "name": name, "content": result},
-                    {"role": "assistant", "content": result}]  # fmt: skip
-        rows.append({"messages": messages, "tools": [tool]})
+        rows.append({"messages": tool_exchange(tool["function"]["name"], arguments, result), "tools": [tool]})
     data = tmp_path / "rows.parquet"  # as the Hub keeps data sets: Arrow's table, its structs merged
     pq.write_table(pa.Table.from_pylist([rows[k % 2] for k in range(8)]), data)
     monkeypatch.chdir(Path(__file__).parents[1])
-    prepare_main(["smollm2_tools_sft", "--dataset_name", str(data), "--eval_fraction", "0"])
-    folder = re.search(r"(/\S+/prepared/sft-\w+)", capsys.readouterr().out).group(1)
+    prepared = prepared_rows(capsys, ["--dataset_name", str(data)])
     tokenizer = smollm2_tokenizer()
     expected = {tokenizer.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False) for r in rows}
-    got = {tokenizer.decode(row["input_ids"]) for row in load_from_disk(f"{folder}/data")["train"]}
+    got = {tokenizer.decode(row["input_ids"]) for row in prepared}
     assert got == expected and "null" not in "".join(got)
 
 
