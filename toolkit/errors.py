@@ -29,6 +29,9 @@ PREEMPTED = 75  # EX_TEMPFAIL, "try again": stopped with a checkpoint on one of 
 # A spot instance's notice, `kill`, a launcher shutting down (SIGTERM); SLURM's warning before the time limit
 # (`#SBATCH --signal=USR1@...`).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Where a launcher's processes each say they wrote their preemption checkpoint (a file rank-<RANK>): the launcher
+# exits 75 only where all of them did (distributed/launcher.py).
+PREEMPTED_DIR = "TOOLKIT_PREEMPTED_DIR"
 PEER_GRACE_S = 15.0  # how long a rank > 0 leaves rank 0 to report the mistake they share
 
 
@@ -50,6 +53,14 @@ def first_line(error: BaseException) -> str:
     """An exception's first line (at most 200 characters), for a message of ours that quotes it."""
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def say_preempted() -> None:
+    """This process stopped on a preemption signal with its checkpoint written: told to its launcher."""
+    folder = os.environ.get(PREEMPTED_DIR)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}"), "w"):
+            pass
 
 
 def is_main_process() -> bool:

@@ -41,7 +41,7 @@ from .distributed.launch import (
 from .distributed.strategy import (
     resolve_config_paths,
 )
-from .errors import ConfigError, ToolkitError, command, report
+from .errors import PREEMPTED, ConfigError, ToolkitError, command, report, say_preempted
 from .metrics.samples import side_by_side
 from .metrics.wandb_run import finish_run, redact_argv
 from .models.attention import pad_multiple
@@ -319,6 +319,8 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
         code = report(error)
     except Stopped as stop:
         code = report(stop, stop.label) if stop.label else stop.exit_code
+        if code == PREEMPTED:
+            say_preempted()
     else:
         if dist.is_available() and dist.is_initialized():
             # Rank 0 may still be saving: a rank that tears the group down early can abort its process

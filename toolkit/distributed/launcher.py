@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import PREEMPTED, PREEMPTION_SIGNALS, ConfigError, command, debugging, description
+from ..errors import PREEMPTED, PREEMPTED_DIR, PREEMPTION_SIGNALS, ConfigError, command, debugging, description
 from ..project import is_recipe, recipe_names
 
 TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's --signals_to_handle default
@@ -106,11 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = checked_args(sys.argv[1:] if argv is None else argv)
+    prepare_network(args)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    saved = Path(tempfile.mkdtemp(prefix="toolkit-preempted-"))
+    os.environ[PREEMPTED_DIR] = str(saved)
     try:
-        with forwarding(PREEMPTION_SIGNALS):
-            launch_command(args)
+        try:
+            with forwarding(PREEMPTION_SIGNALS):
+                launch_command(args)
+        finally:
+            settled()
     except subprocess.CalledProcessError as failed:  # one process: the script's own exit code
         if debugging():
             raise
@@ -120,9 +128,53 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return exit_code(failed.get_first_failure()[1].exitcode) or 1
     except SignalException as signalled:  # the launcher itself was signalled; the ranks got it too
-        signum = int(signalled.sigval)
-        return PREEMPTED if signum in PREEMPTION_SIGNALS else 128 + signum
+        return signalled_exit(int(signalled.sigval), saved, local_processes(args))
+    finally:
+        shutil.rmtree(saved, ignore_errors=True)
     return 0
+
+
+def settled() -> None:
+    """The processes have ended: a stop signal now changes nothing, and must not kill the launcher before it exits
+    with their code. SLURM stops a failed job's other nodes with SIGTERM: with the default handler back (or torch's,
+    which raises wherever the code is being reported), they ended with 143, not the crash's code."""
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def signalled_exit(signum: int, saved: Path, processes: int) -> int:
+    """The exit code of a launcher stopped by a signal, once torch's launcher has stopped its processes: 75
+    (preempted, resume) only where each of them wrote its checkpoint and said so in `saved`. Otherwise the run did
+    not stop as a preemption does: on SLURM, a job step whose other node crashed is ended by SIGTERM, and 75 here
+    would have the batch script requeue the crash to fail again; 1 then, so that the job ends with the crash's own
+    code (srun's is its tasks' highest), or 128 + N for a signal that is no preemption."""
+    if signum not in PREEMPTION_SIGNALS:
+        return 128 + signum
+    written = len(list(saved.glob("rank-*")))
+    if written >= processes:
+        return PREEMPTED
+    print(f"error: stopped by {signal.Signals(signum).name} before the checkpoint was written ({written} of "
+          f"{processes} processes here wrote theirs): a peer failed, or the save did not finish in "
+          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT; not a preemption to resume from", file=sys.stderr, flush=True)  # fmt: skip
+    return 1
+
+
+def local_processes(args) -> int:
+    """How many training processes this node's launcher started (accelerate filled args from the config)."""
+    return max(1, int(args.num_processes or 1) // max(1, int(args.num_machines or 1)))
+
+
+def prepare_network(args) -> None:
+    """A node of a multi-node launch: the head resolved and answering, gloo and NCCL on the interface toward it
+    (network.py). The command line's values over the config's, as accelerate takes them."""
+    from .launch_check import read_yaml
+    from .network import prepare
+
+    config = read_yaml(Path(args.config_file)) if args.config_file else {}
+    nodes = int(args.num_machines or config.get("num_machines") or 1)
+    prepare(args.main_process_ip or config.get("main_process_ip"),
+            int(args.main_process_port or config.get("main_process_port") or 29500), nodes,
+            int(args.machine_rank if args.machine_rank is not None else config.get("machine_rank") or 0))  # fmt: skip
 
 
 def check_this_machine(args) -> None:

@@ -1,0 +1,75 @@
+"""What a node of a multi-node launch checks of the network before its processes start (toolkit/distributed/
+network.py), and the launcher's exit code when it is stopped. The real thing, across network namespaces with their
+own hostnames: tests/test_cluster_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import BIN, ROOT, free_port, run_cmd
+
+from toolkit.distributed import network
+from toolkit.distributed.launcher import signalled_exit
+from toolkit.errors import PREEMPTED, ConfigError
+
+
+def test_a_head_that_does_not_resolve_is_one_line_in_seconds(tmp_path):
+    """Before, c10d printed a warning a second and nothing ended it."""
+    start = time.monotonic()
+    result = run_cmd([str(BIN / "python"), "-m", "toolkit", "launch", "--config_file", "accelerate_configs/ddp.yaml",
+                      "--num_machines", "2", "--num_processes", "2", "--machine_rank", "1", "--main_process_ip",
+                      "no-such-node.invalid", str(ROOT / "recipes" / "llama3_fft.py"), "--tiny"], cwd=ROOT,
+                     timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: the head node 'no-such-node.invalid' does not resolve on {os.uname().nodename} "
+        f"({result.stderr.split('(', 1)[1].split(')', 1)[0]}): pass --main_process_ip as an address, or a name every "
+        "node resolves (SLURM's node names need DNS or /etc/hosts on each node)."
+    ]
+    assert time.monotonic() - start < 60
+
+
+def test_a_head_that_is_loopback_to_another_node_is_refused(monkeypatch):
+    """A node other than the head that resolves the head's name to loopback (a copied /etc/hosts) cannot reach it;
+    on the head itself that is Debian's own line for its name, and the interface is found otherwise."""
+    for variable in network.SOCKET_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ConfigError, match=r"resolves to 127\.0\.0\.1, a loopback address, on .* \(node 1\)"):
+        network.prepare("localhost", 29500, nodes=2, machine_rank=1)
+    network.prepare("localhost", 29500, nodes=1, machine_rank=0)  # one node: nothing to check, nothing set
+    assert not any(os.environ.get(v) for v in network.SOCKET_VARIABLES)
+
+
+def test_the_interface_is_the_one_toward_the_head(monkeypatch, capsys):
+    """Toward an address of this host's own, the interface holding it, named for gloo and NCCL unless set."""
+    import psutil
+
+    interface, address = next((name, a.address) for name, found in psutil.net_if_addrs().items() for a in found
+                              if a.family == 2 and not a.address.startswith("127."))  # fmt: skip
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's own choice stays
+    network.prepare(address, 29500, nodes=2, machine_rank=0)
+    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == (interface, "ib0")
+    assert f"{address} toward the head {address}:29500; GLOO_SOCKET_IFNAME={interface}" in capsys.readouterr().err
+
+
+def test_a_head_that_does_not_answer_is_one_line_after_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"did not answer within 2 s .*TOOLKIT_HEAD_TIMEOUT_S"):
+        network.wait_for_head("127.0.0.1", free_port(), 2)
+    assert 2 <= time.monotonic() - start < 10
+
+
+def test_a_stopped_launcher_says_preempted_only_where_every_process_saved(tmp_path, capsys):
+    """75 (requeue, resume) only where each of this node's processes wrote its checkpoint; a launcher stopped
+    because a peer failed (srun's SIGTERM to the other nodes) ends with 1, below any crash's code."""
+    assert signalled_exit(signal.SIGTERM, tmp_path, 2) == 1
+    assert "before the checkpoint was written (0 of 2 processes here wrote theirs)" in capsys.readouterr().err
+    (tmp_path / "rank-0").touch()
+    assert signalled_exit(signal.SIGUSR1, tmp_path, 2) == 1
+    (tmp_path / "rank-1").touch()
+    assert signalled_exit(signal.SIGUSR1, tmp_path, 2) == PREEMPTED
+    assert signalled_exit(signal.SIGINT, tmp_path, 2) == 128 + signal.SIGINT
