@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
 install: $(BIN)/activate
 	$(PIP) install --upgrade pip
@@ -27,6 +27,15 @@ install: $(BIN)/activate
 	$(PYTHON) -m venv $(VENV)-skypilot && $(VENV)-skypilot/bin/python -m pip install "skypilot>=0.14,<0.15"
 	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
+	$(MAKE) --no-print-directory cluster-tools
+
+# The multi-node tests' engines (tests/cluster.py: a SLURM cluster in network namespaces): Debian's slurm-wlm and
+# munge, where this is root with apt-get. Elsewhere those tests skip, saying why (and fail under CI).
+cluster-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  command -v slurmd >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || { \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2; }; \
+	else echo "cluster-tools: not root with apt-get: the multi-node tests (tests/test_cluster_*.py) will skip"; fi
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
