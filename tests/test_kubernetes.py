@@ -59,12 +59,42 @@ def written(tmp_path, *words: str, recipe: str = "llama3_fft") -> list[dict]:
     return list(yaml.safe_load_all(out.read_text()))
 
 
+# What JobSet's admission webhook refuses (kubernetes-sigs/jobset, pkg/webhooks/jobset_webhook.go), which the CRD
+# schemas do not say: written from its code, not from the toolkit's constants.
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                       "PodFailurePolicy"}  # fmt: skip
+
+
+def jobset_webhook_errors(runtime: dict, trainjob: dict) -> list[str]:
+    """The webhook's checks of the JobSet that Trainer makes from these: its name is the TrainJob's."""
+    import re
+
+    found, spec = [], runtime["spec"]["template"]["spec"]
+    names = [rule["name"] for rule in spec["failurePolicy"]["rules"]]
+    for rule in spec["failurePolicy"]["rules"]:
+        if not (
+            1 <= len(rule["name"]) <= 128 and re.fullmatch(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", rule["name"])
+        ):
+            found.append(f"invalid failure policy rule name '{rule['name']}'")
+        found += [f"invalid job failure reason '{r}'" for r in rule.get("onJobFailureReasons", []) if r not in
+                  JOB_FAILURE_REASONS]  # fmt: skip
+    if len(set(names)) < len(names):
+        found.append("rule names are not unique")
+    nodes = trainjob["spec"]["trainer"]["numNodes"]
+    for job in spec["replicatedJobs"]:  # Trainer runs the nodes as one Job's indexed pods
+        pod = f"{trainjob['metadata']['name']}-{job['name']}-0-{nodes - 1}-abcde"
+        if len(pod) > 63 or not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", pod):
+            found.append(f"pod name {pod} is not an RFC 1035 label of at most 63")
+    return found
+
+
 @pytest.mark.parametrize("config", [p.name for p in strategy_files()])
 def test_every_config_validates_against_the_crds(config, tmp_path):
     settings = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text())
     recipe = "qwen3_moe_fft" if config == "fsdp2_ep.yaml" else "llama3_fft"  # expert parallelism needs experts
     runtime, job = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / config), recipe=recipe)
     assert errors(runtime) == [] and errors(job) == []
+    assert jobset_webhook_errors(runtime, job) == []  # before: the rule "final-exit-codes", refused
     assert job["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"], "apiGroup": "trainer.kubeflow.org",
                                          "kind": "TrainingRuntime"}  # fmt: skip
     nodes, per_node = job["spec"]["trainer"]["numNodes"], job["spec"]["trainer"]["numProcPerNode"]
@@ -115,6 +145,9 @@ def test_a_nodes_command_trains(tmp_path):
         (["--gpus_per_node", "4"], "needs 8 GPUs a node and a node has 4 (--gpus_per_node): pass --num_machines 2"),
         (["--num_processes", "6", "--num_machines", "4"], "6 processes do not split over 4 nodes"),
         (["--job_name", "___"], "--job_name '___': use lower-case letters"),
+        (["--job_name", "7b-run"], "--job_name '7b-run': use lower-case letters, digits and '-', a letter first"),
+        (["--job_name", "a" * 49], "and at most 48 characters (JobSet names its pods <name>-node-0-0-xxxxx"),
+        (["--namespace", "Team_A"], "--namespace 'Team_A': use lower-case letters, digits and '-', at most 63."),
         (["--submit"], "--submit: no cluster to submit to"),
         (["--max_failures", "2"], "--max_failures is not an option of --on kubernetes (it is --on ray's)"),
     ],
@@ -127,6 +160,20 @@ def test_bad_kubernetes_launches_are_one_line(words, message, tmp_path, capsys, 
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("nodes", [1, 16])
+def test_a_long_recipe_name_makes_a_name_jobset_accepts(nodes):
+    """The name made from a long recipe file's name (a digit first) is cut to what JobSet's pod names leave (48 for
+    up to 10 nodes, 47 from 11); a name given with --job_name is never cut, but refused (above)."""
+    from toolkit.clusters.kubernetes import CONTAINER, job_name
+
+    name = job_name(None, "7b-" + "x" * 70 + "-fsdp2", nodes)
+    runtime = {
+        "spec": {"template": {"spec": {"failurePolicy": {"rules": []}, "replicatedJobs": [{"name": CONTAINER}]}}}
+    }
+    assert name.startswith("b-xxx") and len(name) == (48 if nodes <= 10 else 47)
+    assert jobset_webhook_errors(runtime, {"metadata": {"name": name}, "spec": {"trainer": {"numNodes": nodes}}}) == []
 
 
 def test_no_image_is_one_line(tmp_path, capsys):

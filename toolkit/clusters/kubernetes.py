@@ -53,9 +53,42 @@ def accelerate_words(options, words: list[str]) -> list[str]:
     return words
 
 
-def dns_name(text: str) -> str:
-    """A Kubernetes object name (RFC 1123 label: lower-case letters, digits and '-', at most 63)."""
-    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:63].strip("-")
+# JobSet's admission webhook (pkg/webhooks/jobset_webhook.go), which the CRD schemas do not show: the JobSet (the
+# TrainJob's name) makes pods named <name>-<replicated job>-<job index>-<pod index>-<5 random>, each an RFC 1035
+# label (a letter first, at most 63); a failure-policy rule's name matches RULE_NAME.
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # a namespace
+RULE_NAME = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
+FINAL_RULE = "FinalExitCodes"
+
+
+def longest_pod(name: str, nodes: int) -> str:
+    """The longest pod name JobSet makes for a TrainJob `name` of `nodes` nodes (one replicated job, CONTAINER)."""
+    return f"{name}-{CONTAINER}-0-{nodes - 1}-abcde"
+
+
+def dns_name(text: str, nodes: int = 1) -> str:
+    """A default TrainJob name from `text`: lower-case letters, digits and '-', a letter first, short enough for
+    JobSet's pod names."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-").lstrip("0123456789-")
+    return name[: max(1, 63 - len(longest_pod("", nodes)))].rstrip("-")
+
+
+def job_name(given: str | None, stem: str, nodes: int) -> str:
+    """--job_name as given, refused in one line where JobSet would refuse it; else one made from `stem`."""
+    if given is None:
+        return dns_name(stem, nodes)
+    most = 63 - len(longest_pod("", nodes))
+    if not DNS_1035.fullmatch(given) or len(given) > most:
+        raise ConfigError(f"--job_name {given!r}: use lower-case letters, digits and '-', a letter first and at most "
+                          f"{most} characters (JobSet names its pods {longest_pod('<name>', nodes)[:-5]}xxxxx, which "
+                          "must fit 63).")  # fmt: skip
+    return given
+
+
+def check_namespace(namespace: str) -> None:
+    if not DNS_1123.fullmatch(namespace) or len(namespace) > 63:
+        raise ConfigError(f"--namespace {namespace!r}: use lower-case letters, digits and '-', at most 63.")
 
 
 def node_shape(args, options) -> tuple[int, int]:
@@ -98,9 +131,8 @@ def manifests(args, options) -> list[dict]:
                           "working directory (`make install`).")  # fmt: skip
     nodes, per_node = node_shape(args, options)
     stem = Path(args.training_script).stem + (f"-{Path(args.config_file).stem}" if args.config_file else "")
-    name = dns_name(options.job_name or stem)
-    if not name:
-        raise ConfigError(f"--job_name {options.job_name!r}: use lower-case letters, digits and '-'.")
+    name = job_name(options.job_name, stem, nodes)
+    check_namespace(options.namespace)
     metadata = {"name": name, "namespace": options.namespace}
     pod = {
         "restartPolicy": "Never",  # the Job's pod failure policy needs it; the JobSet restarts the whole job
@@ -125,7 +157,7 @@ def manifests(args, options) -> list[dict]:
             "mlPolicy": {"numNodes": nodes, "torch": {}},
             "template": {"spec": {
                 "failurePolicy": {"maxRestarts": options.max_restarts, "rules": [
-                    {"name": "final-exit-codes", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                    {"name": FINAL_RULE, "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
                 "replicatedJobs": [{"name": CONTAINER, "template": {
                     "metadata": {"labels": {f"{GROUP}/trainjob-ancestor-step": "trainer"}}, "spec": job}}],
             }},
