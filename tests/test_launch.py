@@ -61,3 +61,17 @@ def test_make_finetune_offline_fails_fast_then_trains_tiny(tmp_path):
     )
     assert "saved to" in result.stdout
     assert (out / "model.safetensors").exists()
+
+
+def test_launch_help_names_the_engines_and_each_engine_lists_its_own_options(capsys):
+    """Before, `launch --help` was accelerate's alone (no engine named) and `launch --on kubernetes --help` too."""
+    from toolkit.clusters.launch import ENGINES, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--num_processes" in out and all(f"  --on {name} " in out for name in ENGINES)
+    for name, own in (("kubernetes", "--job_name"), ("ray", "--num_workers"), ("skypilot", "--bucket")):
+        assert main(["--on", name, "--help", "recipes/llama3_fft.py", "--tiny"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m toolkit launch --on {name} ") and own in out, out
+        assert "--mixed_precision" not in out  # accelerate's

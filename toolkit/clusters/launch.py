@@ -14,10 +14,15 @@ import argparse
 import sys
 
 from ..distributed import launcher
-from ..errors import ConfigError, command
+from ..errors import ConfigError, command, description
 from . import kubernetes, ray_train, skypilot
 
 ENGINES = {"ray": ray_train, "kubernetes": kubernetes, "skypilot": skypilot}
+SUMMARIES = {  # `launch --help`'s line for each
+    "ray": "each rank a Ray Train worker, on a local cluster or a running one (--address)",
+    "kubernetes": "writes a Kubeflow Trainer TrainJob and its TrainingRuntime (--submit applies them)",
+    "skypilot": "writes a SkyPilot task on the plan's cheapest fitting GPUs, checkpoints in a bucket",
+}
 
 
 def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -26,6 +31,24 @@ def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
         if not word.startswith("-") and word.endswith(".py"):
             return argv[:i], argv[i:]
     return argv, []
+
+
+def help_text(engine=None) -> str:
+    """`launch --help`: accelerate's options and the engines; `launch --on ENGINE --help`: that engine's own."""
+    if engine is None:
+        from accelerate.commands.launch import launch_command_parser
+
+        parser = launch_command_parser()
+        parser.prog = "python -m toolkit launch"
+        engines = "\n".join(f"  --on {name:<12}{text}" for name, text in SUMMARIES.items())
+        # after accelerate's own help, whose formatter shows only its own option groups
+        return (f"{parser.format_help()}\nengines beyond this machine (before the script; `python -m toolkit launch "
+                f"--on ENGINE --help` lists its options):\n{engines}\n")  # fmt: skip
+    parser = engine_parser(engine)
+    parser.usage = f"{parser.prog} [its options] [accelerate launch options] SCRIPT [script flags]"
+    parser.description = description(engine.__doc__)
+    parser.epilog = "accelerate launch's options: python -m toolkit launch --help"
+    return parser.format_help()
 
 
 def engine_parser(engine) -> argparse.ArgumentParser:
@@ -42,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     chooser = argparse.ArgumentParser(prog="python -m toolkit launch", add_help=False, allow_abbrev=False)
     chooser.add_argument("--on", choices=sorted(ENGINES))
     picked, words = chooser.parse_known_args(words)
+    if "-h" in words or "--help" in words:  # before the script: the launch's help, not the recipe's
+        print(help_text(picked.on and ENGINES[picked.on]))
+        return 0
     if picked.on is None:
         return launcher.main(argv)
     engine = ENGINES[picked.on]
