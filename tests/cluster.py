@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -87,14 +90,19 @@ class Cluster:
             (self.hosts / name).write_text(f"127.0.0.1 localhost\n127.0.1.1 {name}\n{nodes}")
         return self
 
-    def argv(self, k: int, argv: list[str]) -> list[str]:
+    def argv(self, k: int, argv: list[str], binds: dict[str, Path] | None = None) -> list[str]:
         """argv run on node k: in its network namespace, with its own hostname and /etc/hosts (a mount namespace),
         which maps its own name to 127.0.1.1 as Debian's installer writes it, and the other nodes' to their
-        addresses."""
+        addresses; `binds` (path: this node's own folder for it) are its node-local disks."""
         name = self.names[k - 1]
-        return ["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "--", "sh", "-c",
-                'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"', name, str(self.hosts / name),
-                *argv]  # fmt: skip
+        mounts = {"/etc/hosts": self.hosts / name, **(binds or {})}
+        script = " && ".join([f'hostname "{name}"', *(f"mount --bind {shlex.quote(str(own))} {shlex.quote(path)}"
+                                                       for path, own in mounts.items()), 'exec "$@"'])  # fmt: skip
+        return ["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "--", "sh", "-c", script, name, *argv]
+
+    def enter(self, pid: int, argv: list[str]) -> list[str]:
+        """argv run in the namespaces of process pid (a node's daemon): its network, hostname and disks."""
+        return ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", *argv]
 
     def start(self, argv: list[str], log: Path, **kwargs) -> subprocess.Popen:
         """A daemon (in the foreground), ended by PID at teardown; its output in `log`."""
@@ -142,6 +150,15 @@ def read_only(pid: int, folder: Path) -> None:
         sh("nsenter", "-t", str(pid), "-m", "mount", *flags, str(folder), str(folder))
 
 
+def node_local(pid: int, folder: Path) -> Path:
+    """`folder` replaced, for the processes of pid's mount namespace, by an empty folder of that node's own (a
+    node-local disk where the others have the shared one); the folder it sees, from outside."""
+    own = folder.with_name(f"{folder.name}-node-local")
+    own.mkdir()
+    sh("nsenter", "-t", str(pid), "-m", "mount", "--bind", str(own), str(folder))
+    return own
+
+
 def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
     """predicate()'s first truthy value within `timeout` seconds, or a failed test naming `what`."""
     end = time.monotonic() + timeout
@@ -151,6 +168,11 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
             return value
         time.sleep(every)
     pytest.fail(f"{what}: not within {timeout:.0f} s", pytrace=False)
+
+
+# How long a requeued job waits before it starts again (SLURM's default is 120 s: the job's old credential must
+# expire first; a job started before that is killed, "Job credential revoked").
+CRED_EXPIRE_S = 10
 
 
 class Slurm:
@@ -194,7 +216,7 @@ SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -229,3 +251,42 @@ PartitionName=test Nodes={",".join(c.names)} Default=YES MaxTime=INFINITE State=
         """scontrol's fields of a job (JobState, ExitCode, Restarts, Reason, ...)."""
         out = self.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
         return dict(word.split("=", 1) for word in out.split() if "=" in word)
+
+
+class Ray:
+    """A Ray cluster on a Cluster: `ray start --head` on node 1, `ray start --address` on the others, each node's
+    /tmp/ray a disk of its own (as on separate machines; here it would be one session folder for all), token
+    authentication on as `ray start` has it by default. `env` is what a driver or `ray status` needs."""
+
+    def __init__(self, cluster: Cluster, folder: Path, cpus: int = 2):
+        self.cluster, self.head = cluster, f"{cluster.address(1)}:{free_port()}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+        self.ray, self.folder, self.cpus = str(Path(sys.executable).with_name("ray")), folder, cpus
+        self.nodes: list[subprocess.Popen] = []
+        for k in range(1, cluster.count + 1):
+            self.nodes.append(self.join(k))
+            wait_for(lambda k=k: self.alive() == k, 120, f"{k} Ray node(s) in `ray status`")
+
+    def join(self, k: int) -> subprocess.Popen:
+        """Node k's `ray start` (the head's on node 1), in the foreground, with a /tmp/ray of its own."""
+        own = Path(tempfile.mkdtemp(prefix=f"ray-{self.cluster.names[k - 1]}-", dir=self.folder))
+        where = ["--head", "--port", self.head.split(":")[1]] if k == 1 else ["--address", self.head]
+        command = [self.ray, "start", "--block", *where, "--node-ip-address", self.cluster.address(k), "--num-cpus",
+                   str(self.cpus), "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+        return self.cluster.start(self.cluster.argv(k, command, {"/tmp/ray": own}), own / "ray.out", env=self.env)
+
+    def rejoin(self, k: int) -> None:
+        """Node k back in the cluster after it was lost (a new `ray start --address` there)."""
+        self.nodes[k - 1] = self.join(k)
+        wait_for(lambda: self.alive() == self.cluster.count, 120, f"node {k} back in `ray status`")
+
+    def alive(self) -> int:
+        """The nodes `ray status` counts as active."""
+        out = subprocess.run([str(Path(sys.executable).with_name("ray")), "status", "--address", self.head],
+                             capture_output=True, text=True, env=self.env, timeout=60).stdout  # fmt: skip
+        section = out.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in out else ""
+        return section.count("node_")
+
+    def driver(self, argv: list[str]) -> list[str]:
+        """argv run on the head node, as a user logged in there runs a driver."""
+        return self.cluster.enter(self.nodes[0].pid, argv)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, Slurm, read_only, wait_for
+from cluster import Cluster, Slurm, node_local, read_only, wait_for
 from conftest import BIN, ROOT, rank_reports
 
 pytestmark = pytest.mark.launch
@@ -107,7 +107,6 @@ def test_usr1_to_the_batch_script_checkpoints_requeues_and_resumes_exactly(slurm
     wait_for(lambda: requeued(slurm, job), 120, f"job {job} requeued\n{log(out)[-3000:]}")
     stopped = int(re.search(r"preempted at step (\d+)", log(out)).group(1))
     assert stopped < STEPS
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # not SLURM's 2-minute wait after a requeue
     state = ended(slurm, job)
     assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), (state, log(out)[-3000:])
     assert f"resume auto: continuing from {out / f'checkpoint-{stopped}'}" in log(out)
@@ -153,3 +152,22 @@ def test_a_crash_on_one_node_ends_the_job_with_its_code_not_requeued(slurm, tmp_
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "1:0", "0"), log(out)[-3000:]
     assert f"srun: error: {slurm.cluster.names[1]}: task 1: Exited with exit code 1" in log(out)
     assert "Read-only file system" in log(out) and "requeueing" not in log(out)
+
+
+def test_an_output_folder_not_every_node_shares_is_refused_in_one_line(slurm, tmp_path):
+    """The second node has a disk of its own where the output folder is: refused on every rank before any weights
+    load, exit 2, not requeued. Before, each node kept its own ranks' checkpoint files, and a resume was decided
+    by each rank from its own disk."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    node_local(slurm.slurmd[1].pid, shared)
+    out = shared / "run"
+    job = submit(slurm, "ddp", out)
+    state = ended(slurm, job)
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "2:0"), log(out)[-3000:]
+    errors = [line for line in log(out).splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: the output folder {out} is not shared by every node: {slurm.cluster.names[1]} cannot "
+                      f"see what rank 0 ({slurm.cluster.names[0]}) wrote there, so checkpoints would be split across "
+                      "the nodes' disks and a resume would not hold. Pass an --output_dir on storage every node "
+                      "mounts (NFS, a shared volume)."], log(out)[-3000:]  # fmt: skip
+    assert not (out / "checkpoint-50").exists()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .distributed.launch import Requested, env_flag
+from .distributed.shared_folder import check_agreed, check_shared
 from .distributed.strategy import (
     check_4bit_engine,
     check_fp8,
@@ -183,8 +184,10 @@ LAUNCH: tuple[Check, ...] = (
     qlora_engine,  # distributed/strategy.py
     fp8_engine,  # distributed/strategy.py
     flex_attention_device,  # models/attention.py
-    resume_point,  # training/resume.py
     lambda launch: check_processes(launch.args.training.world_size),  # distributed/strategy.py: the process group
+    lambda launch: check_shared(launch.args.training.output_dir),  # distributed/shared_folder.py: every node's
+    resume_point,  # training/resume.py
+    lambda launch: check_agreed(launch.resume, launch.args.training.output_dir),  # distributed/shared_folder.py
     resumable,  # training/resume.py
     lambda launch: check_batch_finder(launch.args, launch.engine),  # training/batch_finder.py
     hub_push,  # results/push.py

@@ -20,8 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from ..distributed.launch_check import read_yaml
-from ..distributed.launcher import SHUTDOWN_TIMEOUT_S
+from ..distributed.launcher import SHUTDOWN_TIMEOUT_S, launch_shape
 from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
 from .workdir import dump, node_launch, portable, resumable
 
@@ -94,9 +93,8 @@ def check_namespace(namespace: str) -> None:
 def node_shape(args, options) -> tuple[int, int]:
     """(nodes, processes per node) from the config, the command line's counts over it; refused where a node of
     the pool has fewer GPUs."""
-    config = read_yaml(Path(args.config_file)) if args.config_file else {}
-    processes = int(args.num_processes or config.get("num_processes") or 1)
-    nodes = int(args.num_machines or config.get("num_machines") or 1)
+    shape = launch_shape(args)
+    processes, nodes = shape["processes"], shape["nodes"]
     if processes % nodes:
         raise ConfigError(f"{processes} processes do not split over {nodes} nodes: pass --num_processes as a "
                           "multiple of --num_machines.")  # fmt: skip

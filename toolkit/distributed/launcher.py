@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..errors import PREEMPTED, PREEMPTED_DIR, PREEMPTION_SIGNALS, ConfigError, command, debugging, description
 from ..project import is_recipe, recipe_names
+from . import network
 
 TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's --signals_to_handle default
 SHUTDOWN_TIMEOUT_S = 300
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = checked_args(sys.argv[1:] if argv is None else argv)
-    prepare_network(args)
+    shape = launch_shape(args)
+    network.prepare(shape["head"], shape["port"], shape["nodes"], shape["machine_rank"])
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", handled_signals())
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     saved = Path(tempfile.mkdtemp(prefix="toolkit-preempted-"))
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return exit_code(failed.get_first_failure()[1].exitcode) or 1
     except SignalException as signalled:  # the launcher itself was signalled; the ranks got it too
-        return signalled_exit(int(signalled.sigval), saved, local_processes(args))
+        return signalled_exit(int(signalled.sigval), saved, shape["per_node"])
     finally:
         shutil.rmtree(saved, ignore_errors=True)
     return 0
@@ -153,28 +155,28 @@ def signalled_exit(signum: int, saved: Path, processes: int) -> int:
     written = len(list(saved.glob("rank-*")))
     if written >= processes:
         return PREEMPTED
-    print(f"error: stopped by {signal.Signals(signum).name} before the checkpoint was written ({written} of "
-          f"{processes} processes here wrote theirs): a peer failed, or the save did not finish in "
-          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT; not a preemption to resume from", file=sys.stderr, flush=True)  # fmt: skip
+    # a note, not an error: the cause (a peer's crash, its bad input) is reported where it happened
+    print(f"stopped by {signal.Signals(signum).name} before this node's processes wrote a checkpoint ({written} of "
+          f"{processes}): a peer failed, or the save outlasted TORCH_ELASTIC_SHUTDOWN_TIMEOUT; exit 1, not 75",
+          file=sys.stderr, flush=True)  # fmt: skip
     return 1
 
 
-def local_processes(args) -> int:
-    """How many training processes this node's launcher started (accelerate filled args from the config)."""
-    return max(1, int(args.num_processes or 1) // max(1, int(args.num_machines or 1)))
-
-
-def prepare_network(args) -> None:
-    """A node of a multi-node launch: the head resolved and answering, gloo and NCCL on the interface toward it
-    (network.py). The command line's values over the config's, as accelerate takes them."""
+def launch_shape(args) -> dict:
+    """The launch's machines, this one's rank, its processes, the head and its port: the command line's values
+    over the config file's, as accelerate takes them (read before accelerate's launcher rewrites `args`)."""
     from .launch_check import read_yaml
-    from .network import prepare
 
     config = read_yaml(Path(args.config_file)) if args.config_file else {}
-    nodes = int(args.num_machines or config.get("num_machines") or 1)
-    prepare(args.main_process_ip or config.get("main_process_ip"),
-            int(args.main_process_port or config.get("main_process_port") or 29500), nodes,
-            int(args.machine_rank if args.machine_rank is not None else config.get("machine_rank") or 0))  # fmt: skip
+
+    def value(name: str, default):
+        given = getattr(args, name)
+        return given if given is not None else config.get(name, default)
+
+    nodes, processes = max(1, int(value("num_machines", 1) or 1)), int(value("num_processes", 1) or 1)
+    return {"nodes": nodes, "processes": processes, "per_node": max(1, processes // nodes),
+            "machine_rank": int(value("machine_rank", 0) or 0), "head": value("main_process_ip", None),
+            "port": int(value("main_process_port", 29500) or 29500)}  # fmt: skip
 
 
 def check_this_machine(args) -> None:

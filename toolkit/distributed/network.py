@@ -65,9 +65,11 @@ def wait_for_head(address: str, port: int, timeout: float) -> None:
                 return
         except OSError as error:
             if time.monotonic() > end:
+                loopback = " (a loopback address here: does this node's /etc/hosts give the head's name as its own?)"
                 raise ConfigError(
-                    f"the head node {address}:{port} did not answer within {timeout:.0f} s ({error}): is node 0's "
-                    "launch running, and the port open between the nodes? (TOOLKIT_HEAD_TIMEOUT_S waits longer)"
+                    f"the head node {address}:{port} did not answer within {timeout:.0f} s ({error})"
+                    f"{loopback if ipaddress.ip_address(address).is_loopback else ''}: is node 0's launch running, and "
+                    "the port open between the nodes? (TOOLKIT_HEAD_TIMEOUT_S waits longer)"
                 ) from None
         time.sleep(1)
 
@@ -89,6 +91,8 @@ def own_interface() -> tuple[str, str]:
                 return name, addresses[name][0]
     if len(up) == 1:
         return up[0], addresses[up[0]][0]
+    if not up:  # no network: the job's nodes can only be this host's (a test of several nodes on one machine)
+        return "lo", "127.0.0.1"
     raise ConfigError(
         f"this host's name gives loopback, and of its interfaces ({', '.join(up) or 'none up'}) none is the default "
         "route's: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the one the other nodes reach it by."
@@ -104,15 +108,11 @@ def prepare(head: str | None, port: int, nodes: int, machine_rank: int) -> None:
         raise ConfigError(f"a launch on {nodes} machines needs --main_process_ip, the head node's address.")
     address = resolve(head)
     unset = [v for v in SOCKET_VARIABLES if not os.environ.get(v)]
-    if not ipaddress.ip_address(address).is_loopback:
-        interface, source = local_interface(address)
-    elif machine_rank == 0:  # the head's own name, as Debian's /etc/hosts maps it (127.0.1.1)
+    if ipaddress.ip_address(address).is_loopback and machine_rank == 0:
+        # the head's own name, as Debian's /etc/hosts maps it (127.0.1.1): its interface toward the others
         interface, source = own_interface() if unset else (os.environ[SOCKET_VARIABLES[0]], address)
-    else:
-        raise ConfigError(
-            f"the head node {head!r} resolves to {address}, a loopback address, on {socket.gethostname()} (node "
-            f"{machine_rank}): it cannot reach the head there. Pass the head's network address as --main_process_ip."
-        )
+    else:  # on a node that resolves the head to loopback, only nodes of this one host can meet (wait_for_head)
+        interface, source = local_interface(address)
     for variable in unset:
         os.environ[variable] = interface
     said = ", ".join(f"{v}={os.environ[v]}" for v in SOCKET_VARIABLES)
