@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,12 @@ STRATEGIES = PROJECT_ROOT / "accelerate_configs"
 def cache_root() -> Path:
     """Where the toolkit keeps what it builds once and reuses: tiny models, converted packaged assets."""
     return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "finetune-recipes"))
+
+
+def aside(path: Path, suffix: str = "tmp") -> Path:
+    """Where to write `path` before renaming it into place, beside it and this writer's alone: the cache is shared
+    by every node of a job (NFS, a shared volume), where another machine's process can have this one's PID."""
+    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.{suffix}")
 
 
 def recipe_names() -> list[str]:

@@ -23,7 +23,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTra
 
 from ..errors import ConfigError, DataError
 from ..metrics.samples import Prompt, held_out_prompts
-from ..project import cache_root
+from ..project import aside, cache_root
 from ..settings.arguments import Arguments, DataArguments
 from ..settings.mesh import sequence_split
 from ..settings.tasks import task
@@ -247,7 +247,7 @@ def prepared_images(ds: DatasetDict, processor: Any, args: DataArguments) -> Pre
 
 def keep(tokenized: DatasetDict, meta: dict, folder: Path) -> None:
     """Written aside, then renamed: a reader finds the whole preparation or none."""
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    partial = aside(folder, "partial")
     tokenized.save_to_disk(str(partial / "data"))
     (partial / "meta.json").write_text(json.dumps(meta))
     try:

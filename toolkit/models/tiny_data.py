@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-from ..project import cache_root
+from ..project import aside, cache_root
 from ..settings import tasks as task_table
 from . import tiny_vision
 
@@ -128,7 +127,7 @@ def write_tiny_dataset(task: str) -> Path:
     path = cache_dir() / f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.jsonl"
     if not path.exists():  # content-addressed: concurrent ranks write the same bytes
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = aside(path)
         tmp.write_text(text)
         tmp.replace(path)
     return path
@@ -137,7 +136,7 @@ def write_tiny_dataset(task: str) -> Path:
 def write_tiny_images() -> Path:
     """The image-text tiny data (tiny_vision.image_rows): its JSON lines beside their images, in a folder named by
     its content (written aside, then renamed: concurrent ranks write the same files)."""
-    scratch = cache_dir() / f"images.{os.getpid()}.tmp"
+    scratch = aside(cache_dir() / "images")
     shutil.rmtree(scratch, ignore_errors=True)
     text = "".join(json.dumps(r) + "\n" for r in tiny_vision.image_rows(scratch))
     (scratch / "data.jsonl").write_text(text)
@@ -151,7 +150,7 @@ def write_tiny_images() -> Path:
 
 def save_atomically(path: Path, save) -> None:
     """Write into a temporary folder, then rename: concurrent ranks never see half a folder."""
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp = aside(path)
     save(tmp)
     try:
         tmp.replace(path)

@@ -18,14 +18,13 @@ import contextlib
 import copy
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from ..models.meta import outside_zero3_init
-from ..project import cache_root
+from ..project import aside, cache_root
 from ..settings.tasks import GENERATIVE, model_class
 
 LAYERS = (1, 2)
@@ -383,7 +382,7 @@ def cached(key: list, prefix: str, measure) -> dict:
         return json.loads(path.read_text())
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = aside(path)
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result
