@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from .tiny_data import cache_dir, classification_rows, save_atomically, texts_of
 # window shorter than the tiny rows, latent attention.
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY_EXPERTS = 4  # routed experts a layer, top-k at most half of them: a router that chooses
+RANK_ZERO_WAIT_S = 300.0  # how long another rank waits for rank 0's tiny model (made_by_rank_zero)
 TINY_WINDOW = 32  # a sliding window inside the tiny rows (64 tokens), so that it masks something
 
 CPU_PRECISION = {"dtype": "float32", "bf16": False, "fp16": False}
@@ -297,7 +299,22 @@ def tiny_checkpoint(model_name: str, task: str) -> Path:
         return path
     torch.manual_seed(0)
     model = model_class(task).from_config(config)
+    if not model.should_save_on_this_rank(True):
+        return made_by_rank_zero(path)
     save_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return path
+
+
+def made_by_rank_zero(path: Path) -> Path:
+    """`path` once rank 0 has written it. Where a process group exists before the run (a Ray worker's),
+    transformers' save_pretrained writes on rank 0 only: a scratch folder of another rank's held no weights, and
+    renamed into place first it stood for the model (a worker then found no config.json)."""
+    end = time.monotonic() + RANK_ZERO_WAIT_S
+    while not (path / "config.json").is_file():
+        if time.monotonic() > end:
+            raise ConfigError(f"rank 0 did not write the tiny model {path} within {RANK_ZERO_WAIT_S:.0f} s: a run "
+                              "of several nodes needs TOOLKIT_CACHE on storage every node shares.")  # fmt: skip
+        time.sleep(0.5)
     return path
 
 
@@ -323,6 +340,8 @@ def tiny_image_checkpoint(model_name: str, task: str) -> Path:
         return path
     torch.manual_seed(0)
     model, processor = model_class(task).from_config(config), spec.processor(tokenizer)
+    if not model.should_save_on_this_rank(True):
+        return made_by_rank_zero(path)
     save_atomically(path, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
     return path
 

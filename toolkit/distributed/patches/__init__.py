@@ -32,6 +32,8 @@ PRIVATE_TRANSFORMERS = Reliance(
         # the trainer's overrides (training/saving.py, loaders.py), handing over to checkpoints.StagedCheckpoints and
         # order.LengthGroupedOrder
         Target("transformers:Trainer._get_output_dir", ("self", "trial")),
+        # models/tiny.py: whether save_pretrained writes on this rank (rank 0 only, once a process group exists)
+        Target("transformers:PreTrainedModel.should_save_on_this_rank", ("self", "is_main_process")),
         Target("transformers:Trainer._save_checkpoint", ("self", "model", "trial")),
         Target("transformers:Trainer._save", ("self", "output_dir", "state_dict")),
         Target("transformers.trainer_utils:rotate_checkpoints",
