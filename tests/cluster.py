@@ -100,9 +100,9 @@ class Cluster:
                                                        for path, own in mounts.items()), 'exec "$@"'])  # fmt: skip
         return ["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "--", "sh", "-c", script, name, *argv]
 
-    def enter(self, pid: int, argv: list[str]) -> list[str]:
-        """argv run in the namespaces of process pid (a node's daemon): its network, hostname and disks."""
-        return ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", *argv]
+    def enter(self, pid: int, argv: list[str], cwd: Path) -> list[str]:
+        """argv run in `cwd` in the namespaces of process pid (a node's daemon): its network, hostname and disks."""
+        return ["nsenter", "-t", str(pid), "-n", "-m", "-u", f"--wd={cwd}", "--", *argv]
 
     def start(self, argv: list[str], log: Path, **kwargs) -> subprocess.Popen:
         """A daemon (in the foreground), ended by PID at teardown; its output in `log`."""
@@ -270,9 +270,10 @@ class Ray:
     def join(self, k: int) -> subprocess.Popen:
         """Node k's `ray start` (the head's on node 1), in the foreground, with a /tmp/ray of its own."""
         own = Path(tempfile.mkdtemp(prefix=f"ray-{self.cluster.names[k - 1]}-", dir=self.folder))
-        where = ["--head", "--port", self.head.split(":")[1]] if k == 1 else ["--address", self.head]
+        where = ["--head", "--port", self.head.split(":")[1], "--include-dashboard=false"] if k == 1 else \
+            ["--address", self.head]  # fmt: skip
         command = [self.ray, "start", "--block", *where, "--node-ip-address", self.cluster.address(k), "--num-cpus",
-                   str(self.cpus), "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+                   str(self.cpus), "--disable-usage-stats"]  # fmt: skip
         return self.cluster.start(self.cluster.argv(k, command, {"/tmp/ray": own}), own / "ray.out", env=self.env)
 
     def rejoin(self, k: int) -> None:
@@ -287,6 +288,6 @@ class Ray:
         section = out.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in out else ""
         return section.count("node_")
 
-    def driver(self, argv: list[str]) -> list[str]:
+    def driver(self, argv: list[str], cwd: Path) -> list[str]:
         """argv run on the head node, as a user logged in there runs a driver."""
-        return self.cluster.enter(self.nodes[0].pid, argv)
+        return self.cluster.enter(self.nodes[0].pid, argv, cwd)

@@ -77,3 +77,55 @@ def test_a_stopped_launcher_says_preempted_only_where_every_process_saved(tmp_pa
     (tmp_path / "rank-1").touch()
     assert signalled_exit(signal.SIGUSR1, tmp_path, 2) == PREEMPTED
     assert signalled_exit(signal.SIGINT, tmp_path, 2) == 128 + signal.SIGINT
+
+
+def test_two_nodes_writing_one_cache_entry_never_share_a_scratch_folder(tmp_path):
+    """The cache (tiny models, prepared data) is shared by every node of a job, and another machine's process can
+    have this one's PID. Before, the scratch folder was named by the PID alone: a second node writing the same
+    entry meanwhile wrote into the first one's folder and renamed it away half-written (a Ray worker then found
+    the tiny model without its config.json)."""
+    from toolkit.models.tiny_data import save_atomically
+
+    path = tmp_path / "model"
+
+    def this_node(scratch):
+        scratch.mkdir()
+        (scratch / "weights").write_text("w")
+        save_atomically(path, other_node)  # the other node, same PID, writes the same entry meanwhile
+        (scratch / "config.json").write_text("{}")
+
+    def other_node(scratch):
+        scratch.mkdir(exist_ok=True)
+        (scratch / "weights").write_text("w")
+        (scratch / "config.json").write_text("{}")
+
+    save_atomically(path, this_node)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "weights"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no scratch folder left behind
+
+
+def tiny_model_on(rank: int, store: str, cache: str, found: dict) -> None:
+    """One of 2 processes of a group that exists before the run (a Ray worker's): rank 1 asks for the tiny model
+    first, rank 0 a moment later."""
+    import torch.distributed as dist
+
+    os.environ["TOOLKIT_CACHE"] = cache
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    from toolkit.models.tiny import tiny_checkpoint
+
+    if rank == 0:
+        time.sleep(3)
+    path = tiny_checkpoint("meta-llama/Meta-Llama-3-8B", "sft")
+    found[rank] = sorted(p.name for p in path.iterdir())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_tiny_model_of_a_hosted_process_group_is_written_whole(tmp_path):
+    """transformers' save_pretrained writes only on rank 0 once a process group exists: before, rank 1's scratch
+    folder held the tokenizer alone, and renamed into place first it stood for the model (config.json missing)."""
+    import torch.multiprocessing as mp
+
+    found = mp.Manager().dict()
+    mp.spawn(tiny_model_on, args=(str(tmp_path / "store"), str(tmp_path / "cache"), found), nprocs=2)
+    assert found[0] == found[1] and {"config.json", "model.safetensors"} <= set(found[1]), dict(found)

@@ -96,6 +96,7 @@ def launch(options, args) -> int:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
         from ray.train.v2.api.exceptions import TrainingFailedError
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     except ImportError:
         raise ConfigError("--on ray needs Ray Train: pip install 'ray[train]' (`make install` has it).") from None
     check_address(options.address)
@@ -109,9 +110,12 @@ def launch(options, args) -> int:
                           "(`ray start`'s default) needs RAY_AUTH_MODE=token here, with its token in RAY_AUTH_TOKEN or "
                           "~/.ray/auth_token; or run on the head node with --address auto.") from None  # fmt: skip
     try:
-        config["board"] = board = ray.remote(ExitCodes).remote()
+        # on the driver's node, which outlives the workers' (placed anywhere, it died with a lost node, and the
+        # driver with it, in a traceback)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        config["board"] = board = ray.remote(ExitCodes).options(num_cpus=0, scheduling_strategy=here).remote()
         use_gpu = not args.cpu and ray.cluster_resources().get("GPU", 0) > 0
-        trainer = TorchTrainer(run_worker, train_loop_config=config,
+        trainer = TorchTrainer(run_worker, train_loop_config=config, torch_config=node_interfaces(),
                                scaling_config=ScalingConfig(num_workers=args.num_processes, use_gpu=use_gpu),
                                run_config=RunConfig(name=f"{Path(args.training_script).stem}-{os.getpid()}",
                                                     failure_config=FailureConfig(max_failures=options.max_failures),
@@ -123,6 +127,37 @@ def launch(options, args) -> int:
         return ray.get(board.outcome.remote())
     finally:
         ray.shutdown()
+
+
+def name_interface() -> None:
+    """On a worker, before its process group: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (unless set) the interface
+    holding its node's Ray address. gloo otherwise takes its address from the hostname, which Debian's /etc/hosts
+    maps to 127.0.1.1: workers on other nodes were told to connect there and the group never formed."""
+    import ray
+
+    from ..distributed.network import SOCKET_VARIABLES, local_interface
+
+    interface, _ = local_interface(ray.util.get_node_ip_address())
+    for variable in SOCKET_VARIABLES:
+        os.environ.setdefault(variable, interface)
+
+
+def node_interfaces():
+    """Ray Train's torch set-up, each worker naming its node's interface first (name_interface)."""
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    class Backend(_TorchBackend):
+        def on_start(self, worker_group, backend_config) -> None:
+            worker_group.execute(name_interface)
+            super().on_start(worker_group, backend_config)
+
+    class Config(TorchConfig):
+        @property
+        def backend_cls(self):
+            return Backend
+
+    return Config()
 
 
 class ExitCodes:
