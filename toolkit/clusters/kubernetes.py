@@ -54,10 +54,9 @@ def accelerate_words(options, words: list[str]) -> list[str]:
 
 # JobSet's admission webhook (pkg/webhooks/jobset_webhook.go), which the CRD schemas do not show: the JobSet (the
 # TrainJob's name) makes pods named <name>-<replicated job>-<job index>-<pod index>-<5 random>, each an RFC 1035
-# label (a letter first, at most 63); a failure-policy rule's name matches RULE_NAME.
+# label (a letter first, at most 63); a failure-policy rule's name is letters, digits and '_,:' (no '-').
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # a namespace
-RULE_NAME = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
 FINAL_RULE = "FinalExitCodes"
 
 
@@ -69,8 +68,8 @@ def longest_pod(name: str, nodes: int) -> str:
 def dns_name(text: str, nodes: int = 1) -> str:
     """A default TrainJob name from `text`: lower-case letters, digits and '-', a letter first, short enough for
     JobSet's pod names."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-").lstrip("0123456789-")
-    return name[: max(1, 63 - len(longest_pod("", nodes)))].rstrip("-")
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-").lstrip("0123456789-") or "finetune"
+    return name[: 63 - len(longest_pod("", nodes))].rstrip("-")
 
 
 def job_name(given: str | None, stem: str, nodes: int) -> str:

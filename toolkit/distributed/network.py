@@ -94,7 +94,7 @@ def own_interface() -> tuple[str, str]:
     if not up:  # no network: the job's nodes can only be this host's (a test of several nodes on one machine)
         return "lo", "127.0.0.1"
     raise ConfigError(
-        f"this host's name gives loopback, and of its interfaces ({', '.join(up) or 'none up'}) none is the default "
+        f"this host's name gives loopback, and of its interfaces ({', '.join(up)}) none is the default "
         "route's: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the one the other nodes reach it by."
     )
 
