@@ -129,3 +129,35 @@ def test_the_tiny_model_of_a_hosted_process_group_is_written_whole(tmp_path):
     found = mp.Manager().dict()
     mp.spawn(tiny_model_on, args=(str(tmp_path / "store"), str(tmp_path / "cache"), found), nprocs=2)
     assert found[0] == found[1] and {"config.json", "model.safetensors"} <= set(found[1]), dict(found)
+
+
+def resume_points_on(rank: int, store: str, points: list, found: dict) -> None:
+    """One process of a 2-node job (one process a node) whose ranks found `points[rank]` to resume from."""
+    import torch.distributed as dist
+
+    from toolkit.distributed.shared_folder import check_agreed
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        check_agreed(points[rank], "/shared/run")
+        found[rank] = "agreed"
+    except ConfigError as error:
+        found[rank] = str(error)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("points", [["/shared/run/checkpoint-8"] * 2, ["/shared/run/checkpoint-8", None]])
+def test_every_rank_resumes_from_the_same_checkpoint_or_none_starts(points, tmp_path):
+    """`--resume auto` is decided by each rank from what it sees: ranks that found different checkpoints (one
+    still being written, one copied in by hand) stop with the same line, never start from different steps."""
+    import torch.multiprocessing as mp
+
+    found = mp.Manager().dict()
+    mp.spawn(resume_points_on, args=(str(tmp_path / "store"), points, found), nprocs=2)
+    if points[0] == points[1]:
+        assert dict(found) == {0: "agreed", 1: "agreed"}
+    else:
+        assert found[0] == found[1] == ("the ranks see different checkpoints in /shared/run (rank 0: "
+                                        "/shared/run/checkpoint-8, rank 1: none): is a checkpoint still being written, "
+                                        "or copied in by hand? Relaunch once it is complete.")  # fmt: skip
