@@ -148,6 +148,7 @@ def test_a_nodes_command_trains(tmp_path):
         (["--job_name", "7b-run"], "--job_name '7b-run': use lower-case letters, digits and '-', a letter first"),
         (["--job_name", "a" * 49], "and at most 48 characters (JobSet names its pods <name>-node-0-0-xxxxx"),
         (["--namespace", "Team_A"], "--namespace 'Team_A': use lower-case letters, digits and '-', at most 63."),
+        (["--gpus_per_node", "0"], "--gpus_per_node 0: pass the GPUs a node of the pool has, 1 or more."),
         (["--submit"], "--submit: no cluster to submit to"),
         (["--max_failures", "2"], "--max_failures is not an option of --on kubernetes (it is --on ray's)"),
     ],
@@ -174,6 +175,20 @@ def test_a_long_recipe_name_makes_a_name_jobset_accepts(nodes):
     }
     assert name.startswith("b-xxx") and len(name) == (48 if nodes <= 10 else 47)
     assert jobset_webhook_errors(runtime, {"metadata": {"name": name}, "spec": {"trainer": {"numNodes": nodes}}}) == []
+
+
+def test_a_manifest_the_writer_did_not_write_is_kept(tmp_path, capsys):
+    """--output over a file of the user's: one line, the file as it was. Before, it was replaced without a word.
+    The writer's own file is replaced when it runs again."""
+    out = tmp_path / "job.yaml"
+    out.write_text("kind: Job  # mine\n")
+    with pytest.raises(SystemExit) as stop:
+        written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"))
+    assert stop.value.code == 2 and out.read_text() == "kind: Job  # mine\n"
+    assert capsys.readouterr().err.startswith(f"error: {out} exists and was not written by `toolkit launch`: pass ")
+    out.unlink()
+    first = written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"))
+    assert written(tmp_path, "--config_file", str(ROOT / "accelerate_configs" / "fsdp2.yaml")) != first
 
 
 def test_no_image_is_one_line(tmp_path, capsys):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..distributed.launcher import SHUTDOWN_TIMEOUT_S, launch_shape
 from ..errors import BUDGET_SPENT, DIVERGED, USER_ERROR, ConfigError, first_line
-from .workdir import dump, node_launch, portable, resumable
+from .workdir import dump, node_launch, portable, resumable, write_job
 
 NAME = "kubernetes"
 RUNS_HERE = False  # a manifest: the cluster loads the model
@@ -98,6 +98,8 @@ def node_shape(args, options) -> tuple[int, int]:
         raise ConfigError(f"{processes} processes do not split over {nodes} nodes: pass --num_processes as a "
                           "multiple of --num_machines.")  # fmt: skip
     per_node = processes // nodes
+    if options.gpus_per_node < 1:
+        raise ConfigError(f"--gpus_per_node {options.gpus_per_node}: pass the GPUs a node of the pool has, 1 or more.")
     if per_node > options.gpus_per_node:
         raise ConfigError(f"{args.config_file or 'the launch'} needs {per_node} GPUs a node and a node has "
                           f"{options.gpus_per_node} (--gpus_per_node): pass --num_machines "
@@ -181,7 +183,7 @@ def launch(options, args) -> int:
     documents = manifests(args, options)
     name = documents[1]["metadata"]["name"]
     path = Path(options.output or f"{name}.yaml")
-    path.write_text(dump(documents))
+    write_job(path, dump(documents))
     print(f"wrote {path}: TrainJob {name}, {documents[0]['spec']['mlPolicy']['numNodes']} node(s) x "
           f"{documents[1]['spec']['trainer']['numProcPerNode']} GPU(s), checkpoints on claim "
           f"{options.checkpoint_claim}")  # fmt: skip

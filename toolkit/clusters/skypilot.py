@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import PREEMPTED, ConfigError
 from ..metrics.cost import device_spec, price_table
 from ..project import is_recipe, recipe_name
-from .workdir import dump, node_launch, portable, resumable
+from .workdir import dump, node_launch, portable, resumable, write_job
 
 NAME = "skypilot"
 RUNS_HERE = False  # a task file: the cloud's machines load the model
@@ -148,7 +148,7 @@ def launch(options, args) -> int:
     header = (f"# {spec['resources']['accelerators']} x {spec['num_nodes']} node(s), "
               f"accelerate_configs/{picked['config']}.yaml ({why}).\n"
               f"# Launch: sky jobs launch {path} --secret HF_TOKEN\n")  # fmt: skip
-    path.write_text(header + dump([spec]))
+    write_job(path, header + dump([spec]))
     print(f"wrote {path}: {spec['resources']['accelerators']} x {spec['num_nodes']} node(s), "
           f"{picked['config']}.yaml, {'on-demand' if options.on_demand else 'spot'} ({why})")  # fmt: skip
     print(f"launch it with: sky jobs launch {path} --secret HF_TOKEN")

@@ -57,3 +57,15 @@ BlockDumper.add_representer(
 
 def dump(documents: list[dict]) -> str:
     return yaml.dump_all(documents, Dumper=BlockDumper, sort_keys=False, width=120)
+
+
+MARK = "# Written by `python -m toolkit launch`: it replaces this file when run again.\n"
+
+
+def write_job(path: Path, text: str, flag: str = "--output") -> None:
+    """The job file, marked as the writer's: a file there that it did not write (a manifest of the user's) is kept,
+    and refused in one line, never replaced without a word."""
+    if path.exists() and not path.read_text(errors="replace").startswith(MARK):
+        raise ConfigError(f"{path} exists and was not written by `toolkit launch`: pass another {flag}, or move it "
+                          "away.")  # fmt: skip
+    path.write_text(MARK + text)
