@@ -100,10 +100,6 @@ class Cluster:
                                                        for path, own in mounts.items()), 'exec "$@"'])  # fmt: skip
         return ["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "--", "sh", "-c", script, name, *argv]
 
-    def enter(self, pid: int, argv: list[str], cwd: Path) -> list[str]:
-        """argv run in `cwd` in the namespaces of process pid (a node's daemon): its network, hostname and disks."""
-        return ["nsenter", "-t", str(pid), "-n", "-m", "-u", f"--wd={cwd}", "--", *argv]
-
     def start(self, argv: list[str], log: Path, **kwargs) -> subprocess.Popen:
         """A daemon (in the foreground), ended by PID at teardown; its output in `log`."""
         with open(log, "ab") as out:
@@ -263,13 +259,14 @@ class Ray:
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
         self.ray, self.folder, self.cpus = str(Path(sys.executable).with_name("ray")), folder, cpus
         self.nodes: list[subprocess.Popen] = []
+        self.own: dict[int, Path] = {}  # each node's /tmp/ray
         for k in range(1, cluster.count + 1):
             self.nodes.append(self.join(k))
             wait_for(lambda k=k: self.alive() == k, 120, f"{k} Ray node(s) in `ray status`")
 
     def join(self, k: int) -> subprocess.Popen:
         """Node k's `ray start` (the head's on node 1), in the foreground, with a /tmp/ray of its own."""
-        own = Path(tempfile.mkdtemp(prefix=f"ray-{self.cluster.names[k - 1]}-", dir=self.folder))
+        own = self.own[k] = Path(tempfile.mkdtemp(prefix=f"ray-{self.cluster.names[k - 1]}-", dir=self.folder))
         where = ["--head", "--port", self.head.split(":")[1], "--include-dashboard=false"] if k == 1 else \
             ["--address", self.head]  # fmt: skip
         command = [self.ray, "start", "--block", *where, "--node-ip-address", self.cluster.address(k), "--num-cpus",
@@ -289,5 +286,6 @@ class Ray:
         return section.count("node_")
 
     def driver(self, argv: list[str], cwd: Path) -> list[str]:
-        """argv run on the head node, as a user logged in there runs a driver."""
-        return self.cluster.enter(self.nodes[0].pid, argv, cwd)
+        """argv run in `cwd` on the head node, as a user logged in there runs a driver: its network, hostname and
+        /tmp/ray (where the driver finds its node's raylet)."""
+        return self.cluster.argv(1, ["sh", "-c", 'cd "$0" && exec "$@"', str(cwd), *argv], {"/tmp/ray": self.own[1]})
