@@ -34,6 +34,13 @@ def unavailable(reason: str):
     pytest.skip(f"the multi-node tests need {reason}")
 
 
+def engine_env() -> dict[str, str]:
+    """This environment as an engine's processes get it: cold. The suite's warm start (warm_start/) hands a
+    `toolkit launch` to a process forked in this machine's own namespaces: a node's launcher or driver would run
+    outside its node (a Ray driver then found no raylet in its /tmp/ray)."""
+    return {k: v for k, v in os.environ.items() if k != "TOOLKIT_TEST_ZYGOTE"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -195,7 +202,7 @@ class Slurm:
         self.conf = folder / "slurm.conf"
         self.conf.write_text(self.config())
         (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # slurmd refuses to start without one
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.env = {**engine_env(), "SLURM_CONF": str(self.conf)}
         cluster.start(["slurmctld", "-D", "-f", str(self.conf)], folder / "slurmctld.out", env=self.env)
         self.slurmd = [cluster.start(cluster.argv(k, ["slurmd", "-D", "-f", str(self.conf), "-N", name]),
                                      folder / f"slurmd_{name}.out", env=self.env)
@@ -256,7 +263,7 @@ class Ray:
 
     def __init__(self, cluster: Cluster, folder: Path, cpus: int = 2):
         self.cluster, self.head = cluster, f"{cluster.address(1)}:{free_port()}"
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+        self.env = {**engine_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
         self.ray, self.folder, self.cpus = str(Path(sys.executable).with_name("ray")), folder, cpus
         self.nodes: list[subprocess.Popen] = []
         self.own: dict[int, Path] = {}  # each node's /tmp/ray
