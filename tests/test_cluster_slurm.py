@@ -115,6 +115,19 @@ def test_usr1_to_the_batch_script_checkpoints_requeues_and_resumes_exactly(slurm
         assert b["losses"] == a["losses"] and b["weights_sha256"] == a["weights_sha256"]
 
 
+def failed_not_requeued(slurm: Slurm, job: str, out: Path, code: int, fault: str) -> None:
+    """The job, after `fault` on the second node, ends within the bound with that node's exit code, the node named
+    by srun, and no requeue."""
+    lost = time.monotonic()
+    ended(slurm, job, timeout=FAULT_BOUND_S)
+    print(f"{fault} to the job's end: {time.monotonic() - lost:.1f} s")
+    time.sleep(2)  # a requeue would show now
+    state = slurm.job(job)
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", f"{code}:0", "0"), log(out)[-3000:]
+    assert f"srun: error: {slurm.cluster.names[1]}: task 1: Exited with exit code {code}" in log(out)  # the node
+    assert "requeueing" not in log(out)
+
+
 def test_a_killed_training_process_ends_the_job_with_its_code_not_requeued(slurm, tmp_path):
     """The second node's training process SIGKILLed mid-run: the job fails with 137, no requeue. Before, the first
     node's launcher, stopped by srun's SIGTERM, exited 75 (preempted) and the batch script requeued the crash."""
@@ -125,14 +138,7 @@ def test_a_killed_training_process_ends_the_job_with_its_code_not_requeued(slurm
     workers = [p for p in slurm.cluster.pids(2) if "recipes/llama3_fft.py" in p[1] and "-m toolkit" not in p[1]]
     assert workers, f"no training process on {node}"
     os.kill(workers[0][0], signal.SIGKILL)
-    lost = time.monotonic()
-    ended(slurm, job, timeout=FAULT_BOUND_S)
-    print(f"killed process to the job's end: {time.monotonic() - lost:.1f} s")
-    time.sleep(2)  # a requeue would show now
-    state = slurm.job(job)
-    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "137:0", "0"), log(out)[-3000:]
-    assert f"srun: error: {node}: task 1: Exited with exit code 137" in log(out)  # the lost node, named
-    assert "requeueing" not in log(out)
+    failed_not_requeued(slurm, job, out, 137, "killed process")
 
 
 def test_a_crash_on_one_node_ends_the_job_with_its_code_not_requeued(slurm, tmp_path):
@@ -144,14 +150,8 @@ def test_a_crash_on_one_node_ends_the_job_with_its_code_not_requeued(slurm, tmp_
     job = submit(slurm, "ddp", out, "--save_steps", "100")
     wait_for(lambda: training(out), 120, "the first step")
     read_only(slurm.slurmd[1].pid, tmp_path)
-    lost = time.monotonic()
-    ended(slurm, job, timeout=FAULT_BOUND_S)
-    print(f"read-only disk to the job's end: {time.monotonic() - lost:.1f} s")
-    time.sleep(2)  # a requeue would show now
-    state = slurm.job(job)
-    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "1:0", "0"), log(out)[-3000:]
-    assert f"srun: error: {slurm.cluster.names[1]}: task 1: Exited with exit code 1" in log(out)
-    assert "Read-only file system" in log(out) and "requeueing" not in log(out)
+    failed_not_requeued(slurm, job, out, 1, "read-only disk")
+    assert "Read-only file system" in log(out)
 
 
 def test_an_output_folder_not_every_node_shares_is_refused_in_one_line(slurm, tmp_path):
