@@ -97,6 +97,19 @@ class Cluster:
             (self.hosts / name).write_text(f"127.0.0.1 localhost\n127.0.1.1 {name}\n{nodes}")
         return self
 
+    def mount_point(self, path: str) -> None:
+        """An empty folder at `path` for the nodes' mounts (a pod's volume, a VM's bucket), removed at teardown
+        where this made it; nothing is mounted on it outside the nodes."""
+        if not Path(path).exists():
+            Path(path).mkdir()
+            self.cleanups.append(lambda: Path(path).rmdir())
+
+    def alias(self, name: str, k: int) -> None:
+        """`name` resolves to node k's address on every node (a Service's DNS name for a pod, say)."""
+        for node in self.names:
+            with open(self.hosts / node, "a") as hosts:  # in place: the nodes' bind mounts see it
+                hosts.write(f"{self.address(k)} {name}\n")
+
     def argv(self, k: int, argv: list[str], binds: dict[str, Path] | None = None) -> list[str]:
         """argv run on node k: in its network namespace, with its own hostname and /etc/hosts (a mount namespace),
         which maps its own name to 127.0.1.1 as Debian's installer writes it, and the other nodes' to their

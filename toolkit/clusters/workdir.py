@@ -30,15 +30,19 @@ def resumable(flags: list[str]) -> list[str]:
     return [*flags, "--resume", "auto"]
 
 
+PYTHON = ".venv/bin/python"  # `make install`'s, in the working directory every engine runs the job in
+
+
 def node_launch(config: str | None, script: str, flags: list[str], nodes: str, per_node: str, rank: str, addr: str,
                 port: str) -> str:  # fmt: skip
     """One node's `toolkit launch` of a multi-node job, in bash: accelerate's machine flags from the scheduler's
     variables (`nodes`, `per_node`: variable names; `rank`, `addr`, `port`: shell words), the mesh sized for the
-    job by `toolkit mesh`, as slurm/launch_node.sh does."""
+    job by `toolkit mesh`, as slurm/launch_node.sh does. Run by the working directory's venv (PYTHON): a container's
+    or a VM's `python` is the image's, which has none of the toolkit's packages."""
     quoted = shlex.quote(config) if config else None
-    mesh = f' $(python -m toolkit mesh {quoted} --nodes "${nodes}" --gpus_per_node "${per_node}")' if config else ""
+    mesh = f' $({PYTHON} -m toolkit mesh {quoted} --nodes "${nodes}" --gpus_per_node "${per_node}")' if config else ""
     return " \\\n  ".join([
-        "python -m toolkit launch" + (f" --config_file {quoted}" if config else ""),
+        f"{PYTHON} -m toolkit launch" + (f" --config_file {quoted}" if config else ""),
         f'--num_machines "${nodes}" --num_processes "$(({nodes} * {per_node}))" --machine_rank {rank}',
         f"--main_process_ip {addr} --main_process_port {port}{mesh}",
         " ".join(shlex.quote(w) for w in [script, *flags]),
