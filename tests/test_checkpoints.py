@@ -96,8 +96,11 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
         (BERT, [], "already holds checkpoints of this recipe (newest: checkpoint-6)"),  # not resuming
         (BERT, ["--resume", "nowhere"], "Cannot resume from 'nowhere': no such folder"),
         (BERT, ["--resume", "auto", "--resume_from_checkpoint", "x"], "Both resume and resume_from_checkpoint"),
+        # a job file resubmitted with another experiment (the cluster writers all add --resume auto)
+        (BERT, ["--resume", "auto", "--learning_rate", "1e-3", "--seed", "7"],
+         "-> 0.001, seed 42 -> 7): continuing it would mix two experiments"),
     ],
-    ids=["other-recipe", "not-resuming", "bad-path", "both"],
+    ids=["other-recipe", "not-resuming", "bad-path", "both", "other-experiment"],
 )
 def test_an_output_folder_with_checkpoints_is_never_overwritten(tmp_path, capsys, recipe, flags, message):
     out = tmp_path / "run"
@@ -109,6 +112,18 @@ def test_an_output_folder_with_checkpoints_is_never_overwritten(tmp_path, capsys
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert listing(out) == before  # nothing trained, written or rotated
+
+
+def test_a_checkpoint_named_continues_with_new_settings_on_purpose(tmp_path, capsys):
+    """--resume PATH is a choice (a lower learning rate after a spike, say): it continues where `auto` refuses, and
+    the new checkpoints record the new settings, which a later `auto` with them continues."""
+    out = tmp_path / "run"
+    train(BERT, [*EVERY_2, "--max_steps", "2", "--output_dir", str(out)], "bert")
+    lower = [*EVERY_2, "--learning_rate", "1e-6", "--output_dir", str(out)]
+    resumed = train(BERT, [*lower, "--max_steps", "4", "--resume", str(out / "checkpoint-2")], "bert").trainer
+    assert resumed.state.global_step == 4 and resumed.args.learning_rate == 1e-6
+    assert json.loads((out / "checkpoint-4" / OWNER).read_text())["settings"]["learning_rate"] == 1e-6
+    assert train(BERT, [*lower, "--resume", "auto"], "bert").trainer.state.global_step == 6
 
 
 def test_the_best_model_survives_staging_rotation_and_a_resume(tmp_path, capsys):

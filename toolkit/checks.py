@@ -42,6 +42,7 @@ from .models.loading import (
 from .models.parallel import check_expert_parallel, check_sequence_split, check_split_task, check_tensor_parallel
 from .models.pipeline import check_pipeline
 from .outputs import check_run_output
+from .settings import experiment
 from .settings.arguments import Arguments, global_batch_size
 from .settings.mesh import launch_mesh, model_parallel_size, pipeline_schedule
 from .training import checkpoints, resume
@@ -91,6 +92,8 @@ def resume_point(launch: Launch) -> None:
                                                           training.output_dir, launch.engine,
                                                           bool(training.save_only_model))  # fmt: skip
     resume.check_output_dir(training.output_dir, launch.owner, resuming=launch.resume is not None)
+    if launch.resume and launch.args.run.resume == "auto":  # a checkpoint named is continued on purpose
+        resume.check_same_experiment(launch.resume, experiment.settings(launch.args))
     checkpoints.replace_finished_run(training.output_dir, resuming=launch.resume is not None)
 
 

@@ -24,6 +24,7 @@ import torch
 from ..metrics.memory import plain_tensor
 from ..outputs import CHECKPOINT, OWNER, STAGING, SUMMARY
 from ..settings.arguments import global_batch_size
+from ..settings.experiment import settings
 from .checkpoint_damage import TRAINER_STATE
 
 # What a GRPO step is (GRPOConfig's, resolved): completions a prompt, completions sampled at once, micro-batches each
@@ -169,6 +170,7 @@ class StagedCheckpoints:
             "world_size": trainer.accelerator.num_processes,
             "global_batch_size": global_batch_size(trainer.args),
             **step_shape(trainer.args),  # GRPO's (check_step_shape)
+            "settings": settings(trainer.recipe),  # the experiment (resume.check_same_experiment)
         }
 
     def save(self, write: Callable[[], None], files: dict[str, str]) -> None:

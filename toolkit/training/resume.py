@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..outputs import OWNER
+from ..settings.experiment import differences
 from ..settings.mesh import data_parallel_replicas, pipeline_stages
 from .checkpoint_damage import TRAINER_STATE, checkpoint_damage, json_damage, rank_optimizer
 from .checkpoints import GRPO_STEP, complete_checkpoints
@@ -105,6 +106,19 @@ def check_resumable(checkpoint: str | Path, engine: str, world_size: int, global
         f"resuming a {then['world_size']}-process checkpoint on {world_size} process(es), same global batch "
         f"{global_batch}"
     )
+
+
+def check_same_experiment(checkpoint: str | Path, now: dict[str, object]) -> None:
+    """`--resume auto` refused into a checkpoint of another experiment (settings/experiment.py): a job file
+    resubmitted with a new learning rate, data set or LoRA rank would silently continue the old run."""
+    path = Path(checkpoint) / OWNER
+    then = {} if json_damage(path) else json.loads(path.read_text()).get("settings", {})
+    if changed := differences(then, now):
+        raise ConfigError(f"resume auto: {Path(checkpoint).parent} holds a run with other settings "
+                          f"({', '.join(changed)}): continuing it would mix two experiments. Pass another "
+                          "--output_dir (--job_name under `toolkit launch --on kubernetes`) to start this one, the "
+                          "run's settings to continue it, or --resume "
+                          f"{checkpoint} to continue it with these on purpose.")  # fmt: skip
 
 
 def check_step_shape(checkpoint: str | Path, then: dict, shape: dict[str, int]) -> None:
