@@ -30,7 +30,7 @@ from transformers import set_seed
 
 from .checks import DATA, LAUNCH, MODEL, Launch, run_checks
 from .data.preparation import PreparedData, prepare_data
-from .distributed import op_builds, patches
+from .distributed import liveness, op_builds, patches
 from .distributed.launch import (
     Requested,
     is_local_main_process,
@@ -78,6 +78,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     prepare_process()
     args = parse(recipe, name or Path(sys.argv[0]).stem, argv, tiny_defaults=tiny_layer, here=True)
     resume, resume_note = checked_launch(args)
+    liveness.start()  # a node lost in silence ends the run, named (distributed/liveness.py)
     model_plan = checked_blueprint(args)
     resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args), model_plan.processor)
@@ -327,6 +328,7 @@ def run(recipe: dict[str, Any], argv: list[str] | None = None, name: str | None 
             # ("terminate called without an active exception"), failing a run that had succeeded.
             dist.barrier()
     finally:
+        liveness.stop()
         if dist.is_available() and dist.is_initialized() and not hosted:
             distributed = True
             dist.destroy_process_group()  # every rank leaves the group cleanly, whatever happened

@@ -169,7 +169,7 @@ def check_output_dir(output_dir: str | Path, owner: dict, resuming: bool) -> Non
         recorded = json.loads((newest / OWNER).read_text())
     mismatch = {k: v for k, v in recorded.items() if k in owner and owner[k] != v}
     if mismatch:
-        held = ", ".join(f"{k} {v}" for k, v in recorded.items())
+        held = ", ".join(f"{k} {recorded.get(k)}" for k in owner)
         raise ConfigError(f"{output_dir} holds checkpoints of another run ({held}); this is "
                           f"{', '.join(f'{k} {v}' for k, v in owner.items())}. Pass another --output_dir, or move "
                           "those checkpoints away.")  # fmt: skip
