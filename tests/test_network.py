@@ -161,3 +161,31 @@ def test_every_rank_resumes_from_the_same_checkpoint_or_none_starts(points, tmp_
         assert found[0] == found[1] == ("the ranks see different checkpoints in /shared/run (rank 0: "
                                         "/shared/run/checkpoint-8, rank 1: none): is a checkpoint still being written, "
                                         "or copied in by hand? Relaunch once it is complete.")  # fmt: skip
+
+
+def test_rank_zero_names_the_first_rank_gone_silent_and_never_one_that_is_done(monkeypatch):
+    """liveness.Watch over a real TCPStore: a rank whose beats stop is lost once TOOLKIT_NODE_TIMEOUT_S passes (not
+    before); one that said it is done never is. The cut link itself: tests/test_cluster_nodes.py."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from toolkit.distributed import liveness
+
+    monkeypatch.setenv("TOOLKIT_NODE_TIMEOUT_S", "0.5")
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    hosts = ["n1", "n2", "n3"]
+    zero, one, two = (liveness.Watch(rank, 3, hosts, ("127.0.0.1", port)) for rank in range(3))
+    assert all(w.beat() for w in (zero, one, two))
+    assert zero.silent() is None
+    time.sleep(0.3)
+    assert zero.beat() and one.beat() and zero.silent() is None  # rank 2 silent for 0.3 s: not yet
+    time.sleep(0.3)
+    assert zero.beat() and one.beat() and zero.silent() == 2
+    two.stop()
+    assert zero.silent() is None  # done, not lost
+    time.sleep(0.6)
+    assert zero.silent() == 1  # the one still expected, silent past the bound
+    assert not liveness.Watch(1, 3, hosts, ("127.0.0.1", free_port())).beat()  # no head: no answer
+    del server
