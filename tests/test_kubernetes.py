@@ -9,6 +9,7 @@ import json
 import os
 import re
 from functools import cache
+from pathlib import Path
 
 import pytest
 import yaml
@@ -462,3 +463,22 @@ def test_submit_creates_both_objects_through_the_client(tmp_path, capsys, monkey
     assert [path for path, _ in received] == [f"{prefix}/trainingruntimes", f"{prefix}/trainjobs"]
     assert [body for _, body in received] == documents
     assert "submitted TrainJob llama3-fft-fsdp2 to namespace ml" in capsys.readouterr().out
+
+
+def test_the_dockerfile_gives_the_node_command_its_venv():
+    """No image is built here (no Docker): what the node command relies on is read from the Dockerfile. Its working
+    directory holds the repository and the .venv `make install-node` builds (the command calls .venv/bin/python,
+    relative to it), and PATH has that venv first. The command itself runs in a container's environment in
+    tests/test_cluster_nodes.py."""
+    from toolkit.clusters.workdir import PYTHON
+
+    lines = [line.split(maxsplit=1) for line in (ROOT / "Dockerfile").read_text().splitlines()
+             if line and not line.startswith(("#", " "))]  # fmt: skip
+    steps = [(word.upper(), rest.strip()) for word, rest in lines]
+    workdir = next(rest for word, rest in steps if word == "WORKDIR")
+    assert steps.index(("COPY", ". .")) > steps.index(("WORKDIR", workdir))
+    assert any(word == "RUN" and rest.startswith("make install-node") for word, rest in steps)
+    assert ("ENV", f"PATH={workdir}/{Path(PYTHON).parent}:$PATH") in steps
+    assert "install-node:" in (ROOT / "Makefile").read_text()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git"} <= set(ignored)  # the image builds its own venv, for its own Python
