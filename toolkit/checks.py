@@ -92,8 +92,6 @@ def resume_point(launch: Launch) -> None:
                                                           training.output_dir, launch.engine,
                                                           bool(training.save_only_model))  # fmt: skip
     resume.check_output_dir(training.output_dir, launch.owner, resuming=launch.resume is not None)
-    if launch.resume and launch.args.run.resume == "auto":  # a checkpoint named is continued on purpose
-        resume.check_same_experiment(launch.resume, experiment.settings(launch.args))
     checkpoints.replace_finished_run(training.output_dir, resuming=launch.resume is not None)
 
 
@@ -106,6 +104,8 @@ def resumable(launch: Launch) -> None:
                                           global_batch_size(training), training.gradient_accumulation_steps,
                                           launch.owner, checkpoints.step_shape(training))  # fmt: skip
     launch.note = f"{launch.note} ({changed})" if changed else launch.note
+    if launch.args.run.resume == "auto":  # after the checks that name one setting's fix; a checkpoint named is
+        resume.check_same_experiment(launch.resume, experiment.settings(launch.args))  # continued on purpose
 
 
 def steps_left(launch: Launch) -> None:
