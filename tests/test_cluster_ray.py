@@ -30,9 +30,11 @@ def ray(tmp_path_factory):
 
 
 def start(ray: Ray, out: Path, *flags: str) -> subprocess.Popen:
-    """The documented launch against the running cluster, its output in OUT.log."""
+    """The documented launch against the running cluster, its output in OUT.log; `--cpu`: a cluster of CPU nodes
+    (without it, workers are given GPUs, which the launch refuses in one line here)."""
     argv = [str(BIN / "python"), "-m", "toolkit", "launch", "--on", "ray", "--address", ray.head, "--num_workers", "2",
-            "--max_failures", "3", "--config_file", "accelerate_configs/ddp.yaml", "recipes/llama3_fft.py", *FLAGS,
+            "--max_failures", "3", "--cpu", "--config_file", "accelerate_configs/ddp.yaml", "recipes/llama3_fft.py",
+            *FLAGS,
             "--output_dir", str(out), *flags]  # fmt: skip
     with open(f"{out}.log", "w") as log:
         return subprocess.Popen(ray.driver(argv, ROOT), cwd=ROOT, env=ray.env, stdout=log, stderr=subprocess.STDOUT)
