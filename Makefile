@@ -42,11 +42,13 @@ $(VENV)/.node-installed: pyproject.toml constraints.txt | $(BIN)/activate
 	touch $@
 
 # The multi-node tests' engines (tests/cluster.py: a SLURM cluster in network namespaces): Debian's slurm-wlm and
-# munge, where this is root with apt-get. Elsewhere those tests skip, saying why (and fail under CI).
+# munge, and rclone and fuse3 (a bucket mounted as SkyPilot's MOUNT_CACHED does, tests/object_store.py), where this
+# is root with apt-get. Elsewhere those tests skip, saying why (and fail under CI).
 cluster-tools:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  command -v slurmd >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || { \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2; }; \
+	  command -v slurmd >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null && \
+	  command -v rclone >/dev/null && command -v fusermount3 >/dev/null || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2 rclone fuse3; }; \
 	else echo "cluster-tools: not root with apt-get: the multi-node tests (tests/test_cluster_*.py) will skip"; fi
 
 $(BIN)/activate:

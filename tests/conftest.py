@@ -45,7 +45,7 @@ def llama_tokenizer():
 # (--no-loadscope-reorder: not by their number of tests), so that both end together rather than one waiting on a long
 # module picked up last.
 SLOWEST_FIRST = ["test_strategies", "test_demo", "test_families", "test_pipeline", "test_cluster_slurm", "test_planner",
-                 "test_cluster_ray", "test_cluster_nodes", "test_mfu_bench",
+                 "test_cluster_ray", "test_cluster_nodes", "test_object_store", "test_mfu_bench",
                  "test_tensor_parallel", "test_bad_input", "test_preference", "test_rl", "test_launch",
                  "test_gpu_check", "test_fp8", "test_sequence_parallel", "test_trainer", "test_sft_eval",
                  "test_length_grouping"]  # fmt: skip

@@ -97,8 +97,11 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
         (BERT, ["--resume", "nowhere"], "Cannot resume from 'nowhere': no such folder"),
         (BERT, ["--resume", "auto", "--resume_from_checkpoint", "x"], "Both resume and resume_from_checkpoint"),
         # a job file resubmitted with another experiment (the cluster writers all add --resume auto)
-        (BERT, ["--resume", "auto", "--learning_rate", "1e-3", "--seed", "7"],
-         "-> 0.001, seed 42 -> 7): continuing it would mix two experiments"),
+        (
+            BERT,
+            ["--resume", "auto", "--learning_rate", "1e-3", "--seed", "7"],
+            "-> 0.001, seed 42 -> 7): continuing it would mix two experiments",
+        ),
     ],
     ids=["other-recipe", "not-resuming", "bad-path", "both", "other-experiment"],
 )
@@ -368,6 +371,102 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused(saved_run, tmp_path)
     with pytest.raises(SystemExit) as stopped:  # the run's own entry: exit 2, nothing touched
         run(LLAMA, [*EVERY_2, "--output_dir", str(out), "--resume", "auto"], "llama3_fft")
     assert stopped.value.code == 2 and listing(out) == before
+
+
+def test_a_checkpoint_is_published_with_its_marker_listing_every_file_last(saved_run):
+    """The marker (toolkit_run.json), written after the rename, lists every other file of the checkpoint and its
+    size: a fresh view of a bucket (a relaunch's mount) can tell a checkpoint whose uploads all landed."""
+    from toolkit.training.checkpoint_damage import MANIFEST
+
+    checkpoint = saved_run[0] / "checkpoint-6"
+    files = json.loads((checkpoint / OWNER).read_text())[MANIFEST]
+    on_disk = {str(p.relative_to(checkpoint)): p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()}
+    assert files == {name: size for name, size in on_disk.items() if name != OWNER}
+    assert {"rng_state.pth", "trainer_state.json", "toolkit_cost.json", "model.safetensors"} <= set(files)
+
+
+def drop_rank_file(checkpoint) -> None:
+    """A 2-rank checkpoint whose rank-1 RNG state the marker lists and the bucket never got (its node was lost)."""
+    from toolkit.training.checkpoint_damage import MANIFEST
+
+    owner = json.loads((checkpoint / OWNER).read_text())
+    owner[MANIFEST]["rng_state_1.pth"] = 14_645
+    (checkpoint / OWNER).write_text(json.dumps(owner))
+
+
+def cut_rng_state(checkpoint) -> None:
+    path = checkpoint / "rng_state.pth"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+NOT_UPLOADED = ": its upload did not finish"
+UPLOADS = {  # a bucket's newest checkpoint as a relaunch's fresh mount sees it, and the reason a resume gives
+    "another rank's file missing": (drop_rank_file, "rank 1's RNG state rng_state_1.pth is missing" + NOT_UPLOADED),
+    "a file missing": (lambda c: (c / "rng_state.pth").unlink(), "rng_state.pth is missing" + NOT_UPLOADED),
+    "a file short": (cut_rng_state, "rng_state.pth is 100 bytes of "),
+    "no marker": (lambda c: (c / OWNER).unlink(), f"{OWNER} is missing (written last, once every file is): its save"),
+}
+
+
+@pytest.mark.parametrize("kind", UPLOADS)
+def test_a_checkpoint_is_trusted_only_with_its_marker_and_every_file_it_lists(kind, saved_run, tmp_path):
+    """On a bucket mount (SkyPilot's MOUNT_CACHED) the marker can land before a file of the node that wrote it, or
+    never: a checkpoint missing a listed file, holding one short, or without its marker, is skipped by --resume auto,
+    named with why; the checks before read no RNG state, and a checkpoint without an owner record was trusted."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.resume import resume_point
+
+    out = tmp_path / "run"
+    shutil.copytree(saved_run[0], out)
+    damage, reason = UPLOADS[kind]
+    damage(out / "checkpoint-6")
+    folder, note = resume_point("auto", out)
+    assert folder == str(out / "checkpoint-4")
+    assert f"(skipped checkpoint-6: {reason}" in note, note
+    with pytest.raises(ConfigError, match=f"Cannot resume from '.*checkpoint-6': {re.escape(reason)}"):
+        resume_point(str(out / "checkpoint-6"), out)
+
+
+def test_a_checkpoint_the_trainer_alone_wrote_needs_no_marker(saved_run, tmp_path):
+    """A Trainer checkpoint copied from elsewhere (no toolkit run around it, no owner record) still resumes by path."""
+    from toolkit.metrics.tracking import SPENT_FILE
+    from toolkit.training.resume import resume_point
+
+    checkpoint = tmp_path / "elsewhere" / "checkpoint-6"
+    shutil.copytree(saved_run[0] / "checkpoint-6", checkpoint)
+    (checkpoint / OWNER).unlink()
+    (checkpoint / SPENT_FILE).unlink()
+    assert resume_point(str(checkpoint), checkpoint.parent)[0] == str(checkpoint)
+
+
+def test_rank_0_publishes_once_it_sees_every_ranks_files_or_names_the_missing_one(tmp_path, monkeypatch):
+    """Rank 0 waits until every file the nodes reported is in its own view of the staging folder at its size (on a
+    bucket mount another node's file shows once uploaded and the directory cache expired), then goes on; one that
+    never shows is one error line naming it, whose it is, and the fix."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from toolkit.errors import ConfigError
+    from toolkit.training import checkpoints
+
+    monkeypatch.setattr(checkpoints, "POLL_S", 0.05)
+    staged = tmp_path / ".staging" / "checkpoint-4"
+    staged.mkdir(parents=True)
+    (staged / "model.safetensors").write_bytes(b"m" * 10)  # rank 0's own
+    part = SimpleNamespace(trainer=SimpleNamespace(is_world_process_zero=lambda: True))
+    saver = checkpoints.StagedCheckpoints(part.trainer)
+    arrives = threading.Timer(0.5, lambda: (staged / "rng_state_1.pth").write_bytes(b"r" * 20))  # the upload
+    arrives.start()
+    started = time.monotonic()
+    saver.await_files(staged, {"model.safetensors": 10, "rng_state_1.pth": 20})
+    assert 0.4 < time.monotonic() - started < 5
+    (staged / "rng_state_1.pth").write_bytes(b"r" * 5)  # shown short: not yet
+    monkeypatch.setattr(checkpoints, "VISIBLE_WITHIN_S", 0.3)
+    said = "checkpoint-4 cannot be published: for 0 s rank 0 has not seen rank 1's RNG state rng_state_1.pth (20 bytes)"
+    with pytest.raises(ConfigError, match=re.escape(said)) as error:
+        saver.await_files(staged, {"model.safetensors": 10, "rng_state_1.pth": 20})
+    assert "Relaunch with --resume auto" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):

@@ -4,9 +4,8 @@ Checkpoints hold each rank's part (its shards, its RNG state) and `--resume auto
 both hold only where every node sees the same folder. On node-local disks (Ray's default, a pod's own volume)
 each node kept its own ranks' files, and after a restart each rank decided from its own disk, so rank 0 could
 start fresh while the others resumed. Checked once the process group exists, before any weights load: rank 0
-writes a mark in the folder, and every rank must see it within seconds (NFS shows another client's new file after
-its attribute cache, up to a few seconds). The resume point each rank found is compared too: one line where they
-differ, never a run whose ranks started from different steps.
+writes a mark in the folder, and every rank must see it within SEEN_WITHIN_S. The resume point each rank found
+is compared too: one line where they differ, never a run whose ranks started from different steps.
 """
 
 from __future__ import annotations
@@ -21,7 +20,9 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 
-SEEN_WITHIN_S = 10.0
+# NFS shows another client's new file after its attribute cache (seconds); a bucket mounted with a write-back
+# cache (SkyPilot's MOUNT_CACHED: upload after 5 s, the other node's listing cached 10 s) after about 15 s.
+SEEN_WITHIN_S = 30.0
 
 
 def multi_node() -> bool:

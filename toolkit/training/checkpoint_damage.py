@@ -1,15 +1,63 @@
-"""Whether a checkpoint folder can be resumed from: its files read back (JSON, torch, safetensors, DCP) and
-the weights and optimizer states its engine writes all there, or what is damaged, in words (checkpoints.py writes
-the folders; resume.py refuses a damaged one)."""
+"""Whether a checkpoint folder can be resumed from: its marker there (the owner record, written last) with every
+file it lists at its size, its files read back (JSON, torch, safetensors, DCP) and the weights and optimizer states
+its engine writes all there, or what is damaged, in words (checkpoints.py writes the folders; resume.py refuses a
+damaged one)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from ..outputs import OWNER
+from ..outputs import OWNER, STAGING, SUMMARY
 
 TRAINER_STATE = "trainer_state.json"  # the Trainer's, in every checkpoint
+MANIFEST = "files"  # in the owner record: every file of the checkpoint (relative path) and its size in bytes
+
+# Whose a checkpoint's file is, for a line that names one: a rank's (or stage's) part, by the names the Trainer,
+# torch.distributed.checkpoint, DeepSpeed and the toolkit give them.
+PARTS = (
+    (re.compile(r"(?:^|/)rng_state_(\d+)\.pth$"), "rank {}'s RNG state"),
+    (re.compile(r"(?:^|/)optimizer-rank(\d+)\.pt$"), "rank {}'s optimizer shard"),
+    (re.compile(r"(?:^|/)optimizer-stage(\d+)\.pt$"), "pipeline stage {}'s optimizer state"),
+    (re.compile(r"(?:^|/)optimizer_\d+/__(\d+)_\d+\.distcp$"), "rank {}'s optimizer shard"),
+    (re.compile(r"/__(\d+)_\d+\.distcp$"), "rank {}'s weight shard"),
+    (re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$"), "rank {}'s optimizer partition"),
+    (re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$"), "rank {}'s model states"),
+)
+
+
+def whose(name: str) -> str:
+    """A checkpoint's file in words: "rank 1's RNG state rng_state_1.pth", or its name."""
+    for pattern, part in PARTS:
+        if found := pattern.search(name):
+            return f"{part.format(found.group(1))} {name}"
+    return name
+
+
+def manifest_damage(folder: Path, files: dict[str, int]) -> str | None:
+    """The first file the marker lists that is missing or of another size: on a bucket mount, a node's upload that
+    had not finished when it was lost (its marker and the other nodes' files made it)."""
+    for name, size in files.items():
+        path = folder / name
+        found = path.stat().st_size if path.is_file() else None
+        if found != size:
+            state = "missing" if found is None else f"{found:,} bytes of {size:,}"
+            return f"{whose(name)} is {state}: its upload did not finish"
+    return None
+
+
+def toolkit_written(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint of a toolkit run, so that its marker is due: the toolkit's cost file in it, or
+    in its output folder the staging folder, the run's log or summary, or another checkpoint's marker. A checkpoint
+    the Trainer alone wrote has none of them (check_resumable reads its config.json)."""
+    from ..metrics.samples import RUN_LOG
+    from ..metrics.tracking import SPENT_FILE
+
+    run = folder.parent
+    if (folder / SPENT_FILE).is_file() or (run / STAGING).is_dir() or (run / RUN_LOG).is_file():
+        return True
+    return (run / SUMMARY).is_file() or any((other / OWNER).is_file() for other in run.glob("checkpoint-*"))
 
 
 def json_damage(path: Path) -> str | None:
@@ -125,12 +173,15 @@ def optimizer_damage(folder: Path, engine: str, stages: int = 1, ranks: int = 1)
 
 
 def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | None:
-    """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. The
-    Trainer's state, the toolkit's own files (where the toolkit wrote it), the weights, and unless checkpoints are
-    of the weights only (`weights_only`: --save_only_model) the optimizer and scheduler. Cheap: headers, zip
+    """Why `folder` cannot be resumed from, or None: a checkpoint is used only when complete and readable. Its marker
+    and the toolkit's own files (where the toolkit wrote it), the Trainer's state, the weights, and unless checkpoints
+    are of the weights only (`weights_only`: --save_only_model) the optimizer and scheduler; then every file the
+    marker lists, at its size (the RNG states and rank files the checks before do not read). Cheap: headers, zip
     directories and file sizes, never the tensors."""
     from ..metrics.tracking import SPENT_FILE
 
+    if not (folder / OWNER).exists() and toolkit_written(folder):
+        return f"{OWNER} is missing (written last, once every file is): its save or upload never finished"
     if damage := json_damage(folder / TRAINER_STATE):
         return damage
     toolkit_files = [folder / name for name in (OWNER, SPENT_FILE)]
@@ -142,4 +193,5 @@ def checkpoint_damage(folder: Path, engine: str, weights_only: bool) -> str | No
     engine = recorded.get("engine", engine)
     stages = recorded.get("pipeline_stages", 1)
     ranks = recorded.get("world_size", 1)
-    return weights_damage(folder, engine) or (None if weights_only else optimizer_damage(folder, engine, stages, ranks))
+    optimizer = None if weights_only else optimizer_damage(folder, engine, stages, ranks)
+    return weights_damage(folder, engine) or optimizer or manifest_damage(folder, recorded.get(MANIFEST) or {})

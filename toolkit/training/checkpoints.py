@@ -2,11 +2,17 @@
 
 The Trainer writes `checkpoint-N` in place: a process killed mid-save (a spot preemption, `kill -9`, a full
 disk) leaves a folder that looks like the newest checkpoint and cannot be resumed from. Here every rank writes
-into `OUTPUT/.staging/checkpoint-N`; once all ranks are done, rank 0 flushes it to disk and renames it into
-place (one atomic `rename` on the same file system). So any `OUTPUT/checkpoint-N` is complete, `--resume auto`
-can take the newest, and rotation (`save_total_limit`) only ever counts complete ones. `StagedCheckpoints` is
-the trainer part that writes them, and makes the final save one consolidated Hugging Face folder. Which checkpoint
-a run resumes from and what refuses it are resume.py's; whether a folder's files are whole, checkpoint_damage.py's.
+into `OUTPUT/.staging/checkpoint-N`; once all ranks are done, rank 0 waits until it sees every rank's files there
+with their sizes, flushes them, renames the folder into place, and writes the marker last: the owner record
+(`toolkit_run.json`), which lists every file of the checkpoint and its size. A checkpoint is trusted only with its
+marker and every file it lists (checkpoint_damage.py), so `--resume auto` can take the newest trusted one, and
+rotation (`save_total_limit`) only ever counts published ones. On a local disk or NFS the wait costs one listing
+and the rename is atomic; on a bucket mounted with a write-back cache (SkyPilot's MOUNT_CACHED: rclone, each node
+its own cache) neither holds without the wait and the marker: a node sees another node's files only once they are
+uploaded and its directory cache expired, rank 0's rename moves only what its mount sees, and uploads land in any
+order. `StagedCheckpoints` is the trainer part that writes them, and makes the final save one consolidated Hugging
+Face folder. Which checkpoint a run resumes from and what refuses it are resume.py's; whether a folder's files are
+whole, checkpoint_damage.py's.
 """
 
 from __future__ import annotations
@@ -20,12 +26,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..metrics.memory import plain_tensor
 from ..outputs import CHECKPOINT, OWNER, STAGING, SUMMARY
 from ..settings.arguments import global_batch_size
 from ..settings.experiment import settings
-from .checkpoint_damage import TRAINER_STATE
+from .checkpoint_damage import MANIFEST, TRAINER_STATE, whose
+
+# How long rank 0 waits, from the last file it saw appear, for the next of the other nodes' files in its view of the
+# staging folder. On a MOUNT_CACHED bucket a file shows after the writer's write-back delay (5 s), its upload and
+# the reader's directory cache (10 s): about 10-15 s a checkpoint, plus the upload of the largest shard.
+VISIBLE_WITHIN_S = 300.0
+POLL_S = 1.0  # between rank 0's looks; every rank hears each one (a peer lost meanwhile fails it at once)
 
 # What a GRPO step is (GRPOConfig's, resolved): completions a prompt, completions sampled at once, micro-batches each
 # sampling serves. The same global batch can be cut into other groups, whose prompts, advantages and data order a
@@ -67,20 +81,67 @@ def fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under root as this node sees it: relative path -> (size, mtime_ns); {} where root is not there."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):  # removed while listed
+                stat = os.stat(path)
+                found[os.path.relpath(path, root)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The files of `after` that are new or rewritten since `before` (path -> size): what this node's ranks wrote, in
+    its view. Files another node left there earlier (a bucket mount's stale listing) are not among them."""
+    return {name: stat[0] for name, stat in after.items() if before.get(name) != stat}
+
+
+def size_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
 def publish(staged: Path, output_dir: str | Path, owner: dict) -> Path:
-    """Rank 0, after every rank finished writing `staged`: record the owner, flush, rename into OUTPUT."""
-    (staged / OWNER).write_text(json.dumps(owner, indent=2))
+    """Rank 0, once it sees every rank's files in `staged`: flush, rename into OUTPUT, then the marker last, the owner
+    record with every file of the checkpoint and its size (`files`). A checkpoint without it is never trusted: a
+    save killed between the rename and the marker, or a bucket's upload that did not finish, is skipped."""
+    files = {name: size for name, (size, _) in sorted(listing(staged).items()) if name != OWNER}
     fsync_tree(staged)
     target = Path(output_dir) / staged.name
     if target.exists():  # the same step saved again (a run resumed from before it): the new one wins
         shutil.rmtree(target)
     os.replace(staged, target)
-    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)  # the rename itself
-    finally:
-        os.close(fd)
+    fsync_dir(target.parent)  # the rename itself
+    with open(target / OWNER, "w") as marker:
+        marker.write(json.dumps({**owner, MANIFEST: files}, indent=2))
+        marker.flush()
+        os.fsync(marker.fileno())
+    fsync_dir(target)
     return target
+
+
+def not_visible(staged: Path, missing: dict[str, int], waited: float) -> str:
+    """Rank 0's error where another node's files never showed in its view of the staging folder."""
+    name, size = next(iter(missing.items()))
+    more = f" and {len(missing) - 1} other file(s)" if len(missing) > 1 else ""
+    return (f"{staged.name} cannot be published: for {waited:.0f} s rank 0 has not seen {whose(name)} ({size:,} "
+            f"bytes){more} in {staged.parent}, which another node wrote: that node's uploads stalled or it was lost "
+            "(on a bucket mount, see its log), or --output_dir is not storage every node shares. Relaunch with "
+            "--resume auto (it continues from the newest complete checkpoint), with --output_dir on storage every node "
+            "mounts.")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ damage, before a resume
@@ -151,13 +212,15 @@ def written(path: Path) -> tuple[int, int]:
 
 
 class StagedCheckpoints:
-    """Trainer part: checkpoints staged by every rank and published whole by rank 0, rotated among complete ones,
-    each with its owner and the files the trainer adds (the cost so far); the final save one consolidated folder.
-    The trainer's `_get_output_dir`, `_save_checkpoint` and `save_model` hand over to it."""
+    """Trainer part: checkpoints staged by every rank and published by rank 0 once it sees every rank's files, the
+    marker (its owner, with every file and its size) last; rotated among complete ones, each with the files the
+    trainer adds (the cost so far); the final save one consolidated folder. The trainer's `_get_output_dir`,
+    `_save_checkpoint` and `save_model` hand over to it."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.active = False  # a checkpoint is being written: the Trainer's output folder is the staging one
+        self.group = None  # the gloo group the saves' file lists travel on (host_group)
 
     def owner(self) -> dict:
         """What a checkpoint of this run records about it (check_output_dir and check_resumable compare it)."""
@@ -174,14 +237,18 @@ class StagedCheckpoints:
         }
 
     def save(self, write: Callable[[], None], files: dict[str, str]) -> None:
-        """`write` (the Trainer's own checkpoint) into OUTPUT/.staging by every rank, then `files` (name: text) added
-        and the folder published whole by rank 0."""
+        """`write` (the Trainer's own checkpoint) into OUTPUT/.staging by every rank, then, once rank 0 sees every
+        rank's files there, `files` (name: text) added and the folder published by rank 0, the marker last."""
         from transformers.trainer_utils import rotate_checkpoints
 
         args = self.trainer.args
         staged = staging_dir(args.output_dir) / f"checkpoint-{self.trainer.state.global_step}"
         if args.should_save and staged.exists():
             shutil.rmtree(staged)  # left by a save that was killed half-way
+        # Each node's first rank reports what its node's ranks wrote, as its node sees it (a bucket mount's cache is
+        # the node's): the files new or rewritten in its view since before anyone wrote.
+        reporter = args.local_process_index == 0
+        before = listing(staged) if reporter else {}
         accelerator = self.trainer.accelerator
         accelerator.wait_for_everyone()
         self.active = True
@@ -189,7 +256,12 @@ class StagedCheckpoints:
             write()
         finally:
             self.active = False
-        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        accelerator.wait_for_everyone()  # every rank's files written (on its own node's view at least)
+        expected: dict[str, int] = {}
+        for wrote in self.gathered(changed(before, listing(staged)) if reporter else {}):
+            for name, size in wrote.items():
+                expected[name] = max(size, expected.get(name, 0))  # a stale view of another node's file: smaller
+        self.await_files(staged, expected)
         state = self.trainer.state
         best = self.best(published=[state.global_step])
         if args.should_save:
@@ -205,6 +277,60 @@ class StagedCheckpoints:
                                use_mtime=False)  # fmt: skip
         accelerator.wait_for_everyone()
         state.best_model_checkpoint = self.best() or state.best_model_checkpoint
+
+    def await_files(self, staged: Path, expected: dict[str, int]) -> None:
+        """Rank 0 waits until every file the nodes wrote (`expected`, path -> size) is in its own view of `staged`
+        with that size; every rank hears its word at each look (one broadcast: a rank lost meanwhile fails it at once,
+        rather than rank 0 waiting alone), and all raise the same error where a file never shows within
+        VISIBLE_WITHIN_S of the last one that did. On a local disk or NFS everything is there at the first look.
+
+        Rank 0's own files are in its view as soon as written, before a bucket mount has uploaded them: they pass at
+        once and may reach the bucket after the marker. That is still safe: the marker lists each with its size, and
+        a fresh mount (a relaunch's) that lacks one or holds it short finds the checkpoint damaged
+        (checkpoint_damage.manifest_damage), so --resume auto takes the one before."""
+        main = self.trainer.is_world_process_zero()
+        waiting, since = dict(expected), time.monotonic()
+        while True:
+            word = None
+            if main:
+                seen = [name for name, size in waiting.items() if size_of(staged / name) == size]
+                for name in seen:
+                    del waiting[name]
+                now = time.monotonic()
+                since = now if seen else since
+                word = "wait" if waiting else "done"
+                if waiting and now - since > VISIBLE_WITHIN_S:
+                    word = not_visible(staged, waiting, now - since)
+            word = self.told(word)
+            if word == "done":
+                return
+            if word != "wait":
+                raise ConfigError(word)
+            if main:
+                time.sleep(POLL_S)
+
+    def host_group(self):
+        """A gloo group over every rank (the run's own where it is gloo), made once, at the first save, by every
+        rank: the file lists and rank 0's word are host-side, whatever the run's backend."""
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        return self.group
+
+    def gathered(self, value: object) -> list:
+        """Every rank's `value` (this one's alone without a process group)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [value]
+        values: list = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value, group=self.host_group())
+        return values
+
+    def told(self, value: object) -> object:
+        """Rank 0's `value`, on every rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.host_group())
+        return box[0]
 
     def best(self, published: list[int] = ()) -> str | None:
         """The best checkpoint's folder as published, where the Trainer tracks a best model (it would record the
