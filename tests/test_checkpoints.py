@@ -16,7 +16,7 @@ from conftest import ROOT, preempt_at, run_cmd
 from llama3_fft import RECIPE as LLAMA
 
 from toolkit import run, train
-from toolkit.training.checkpoints import OWNER, STAGING
+from toolkit.outputs import OWNER, STAGING
 from toolkit.training.trainer import RecipeTrainer
 
 EVERY_2 = ["--tiny", "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]

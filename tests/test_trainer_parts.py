@@ -11,8 +11,8 @@ from llama3_fft import RECIPE as LLAMA3_FFT
 
 from toolkit.models.counts import ParameterCounts
 from toolkit.models.tiny import tiny_layer
+from toolkit.outputs import OWNER
 from toolkit.settings.parser import parse
-from toolkit.training.checkpoints import OWNER
 from toolkit.training.trainer import RecipeTrainer, ToolkitTrainerMixin
 
 trl = pytest.importorskip("trl")
