@@ -145,34 +145,139 @@ def test_a_collapsed_router_warns_in_one_line(tmp_path, capsys):
     ) in err
 
 
-def test_the_load_balancing_loss_is_a_setting_said_in_the_header(tmp_path, capsys, monkeypatch):
-    """--router_aux_loss_coef turns on the family's own load-balancing loss (its router logits requested) at that
-    coefficient: the header says so and the first step's loss is the same step's without it plus a positive term;
-    on a dense model the setting is one line before any weight loads."""
+def uneven_conversations(folder) -> str:
+    """A data set whose packed rows (64 tokens) hold one conversation each, of 40 to 60 tokens: in random order
+    nearly every micro-batch pads its shorter rows, which a packed batch hands the model without its mask."""
     import json
 
-    from toolkit import run
+    rows = [{"messages": [{"role": "user", "content": " ".join(f"What is {i} plus {j}?" for j in range(3 + i % 4))},
+                          {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}]} for i in range(64)]  # fmt: skip
+    path = folder / "uneven.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
 
-    folder, data = tiny.tiny_checkpoint(MOES[0], "sft"), tiny.write_tiny_dataset("sft")
-    flags = ["--model_name_or_path", str(folder), "--dataset_name", str(data), "--train_split", "train",
+
+def first_step(folder, data: str, out, coef: str, *more: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """A 1-process fp32 run's first logged loss (one micro-batch of 2 packed rows) and that micro-batch, as the
+    trainer's loss received it (a packed batch's mask beside it, and whether it asked for the fused head)."""
+    import json
+
+    from toolkit.training.load_balance import BalancedLoss
+
+    batches, compute = [], BalancedLoss.compute_loss
+
+    def seen(self, model, inputs, *args, **kwargs):
+        if model.training:
+            batch = {k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}
+            batches.append({**batch, "fused_lm_head": torch.tensor(inputs.get("fused_lm_head", False))})
+        return compute(self, model, inputs, *args, **kwargs)
+
+    flags = ["--model_name_or_path", str(folder), "--dataset_name", data, "--train_split", "train",
              "--eval_split", "none", "--max_steps", "1", "--logging_steps", "1", "--max_seq_length", "64",
              "--report_to", "none", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
-             "--save_strategy", "no"]  # fmt: skip
+             "--train_sampling_strategy", "random", "--save_strategy", "no", "--dtype", "float32", "--bf16",
+             "false", "--router_aux_loss_coef", coef, *more, "--output_dir", str(out)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BalancedLoss, "compute_loss", seen)
+        train(load_recipe("llama3_fft"), flags, "llama3_fft")
+    return json.loads((out / "run_log.jsonl").read_text().splitlines()[0])["loss"], batches[0]
+
+
+def family_losses(folder, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """The batch's cross-entropy, and the family's load-balancing loss (Mixtral's `load_balancing_loss_func`) over
+    its real tokens and over every token: transformers' own, from the checkpoint the run started from."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    real = batch.get("routing_mask", batch.get("attention_mask"))
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    with torch.no_grad():
+        out = model(**inputs, output_router_logits=True)
+    labels = batch["labels"][:, 1:].reshape(-1)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(labels.numel(), -1), labels, ignore_index=-100)
+    experts, top_k = model.config.num_local_experts, model.config.num_experts_per_tok
+    aux = [load_balancing_loss_func(out.router_logits, experts, top_k, mask) for mask in (real, None)]
+    return float(ce), float(aux[0]), float(aux[1])
+
+
+def test_the_load_balancing_loss_is_a_setting_said_in_the_header(tmp_path, capsys, monkeypatch):
+    """--router_aux_loss_coef turns on the family's own load-balancing loss (its router logits requested) at that
+    coefficient: the header says so and the first step's loss is the cross-entropy plus c x the family's loss over
+    the batch's real tokens, both computed by transformers alone from the batch; on a dense model the setting is
+    one line before any weight loads."""
+    from toolkit import run
+
+    folder = tiny.tiny_checkpoint(MOES[0], "sft")
+    data = uneven_conversations(tmp_path)
     losses = {}
     for coef in ("0", "0.5"):
-        out = tmp_path / coef
-        train(load_recipe("llama3_fft"), [*flags, "--router_aux_loss_coef", coef, "--output_dir", str(out)],
-              "llama3_fft")  # fmt: skip
+        losses[coef], batch = first_step(folder, data, tmp_path / coef, coef)
         header = capsys.readouterr().out
         assert ("load-balancing loss x 0.5\n" in header) == (coef == "0.5")
-        losses[coef] = json.loads((out / "run_log.jsonl").read_text().splitlines()[0])["loss"]
-    assert losses["0.5"] > losses["0"] + 0.1  # the balanced Switch loss of 2 of 4 experts is about 2
+    ce, aux, _ = family_losses(folder, batch)
+    assert losses["0"] == pytest.approx(ce, abs=1e-5)
+    assert losses["0.5"] - losses["0"] == pytest.approx(0.5 * aux, abs=1e-5)  # aux: about 2 for 2 of 4 experts
 
     monkeypatch.setattr("toolkit.models.loading.load_model", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(SystemExit):
         run(load_recipe("llama3_fft"), ["--tiny", "--router_aux_loss_coef", "0.01"], "llama3_fft")
     captured = capsys.readouterr()
     assert_one_clear_line(captured.out + captured.err, "llama has no load-balancing loss")
+
+
+@pytest.mark.parametrize("more", [["--label_smoothing_factor", "0.1"], ["--fused_loss", "true"]],
+                         ids=["label_smoothing", "fused_head"])  # fmt: skip
+def test_the_balance_term_holds_under_label_smoothing_and_the_fused_head(more, tmp_path):
+    """The first step's loss at c is the same step's at 0 plus c x the family's load-balancing loss over the real
+    tokens. With label smoothing the Trainer keeps the labels from the model, which then adds no term: the term was
+    absent. TRL's fused head (the default on a GPU) returned no router logits: a packed batch's padding was
+    balanced too."""
+    folder = tiny.tiny_checkpoint(MOES[0], "sft")
+    data = uneven_conversations(tmp_path)
+    losses = {}
+    for coef in ("0", "0.5"):
+        losses[coef], batch = first_step(folder, data, tmp_path / coef, coef, *more)
+    assert bool(batch["fused_lm_head"]) == ("--fused_loss" in more)
+    _, real, every = family_losses(folder, batch)
+    assert abs(real - every) > 1e-3  # the batch pads: balancing its padding too is told apart
+    assert losses["0.5"] - losses["0"] == pytest.approx(0.5 * real, abs=1e-5)
+
+
+def test_an_image_text_moe_takes_the_load_balancing_loss(tmp_path):
+    """An image-text MoE (a toy Qwen3-VL-MoE: 2 of 4 experts) reads the load-balancing settings from its text config,
+    where from_pretrained's keywords set the outer one: --router_aux_loss_coef failed on the keyword as the weights
+    loaded, and a rank building the model on the meta device kept no term. Both now see it, and the forward adds
+    c x the family's loss."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from toolkit.models.balance import balance_settings
+    from toolkit.models.loading import load_model
+    from toolkit.settings.model_arguments import ModelArguments
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    text = dict(vocab_size=400, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                rope_parameters=rope)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
+    Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path
+    )
+    args = ModelArguments(model_name_or_path=str(tmp_path), dtype="float32", router_aux_loss_coef=0.5)
+    tokenizer = SimpleNamespace(pad_token_id=0)  # all load_model reads of it
+    on_meta = load_model(args, "vlm_sft", tokenizer, None, on_meta=True)
+    assert balance_settings(on_meta.config) == (0.5, 4, 2)
+    model = load_model(args, "vlm_sft", tokenizer, None)
+    assert balance_settings(model.config) == (0.5, 4, 2)
+    ids = torch.randint(1, 400, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 400), ids[:, 1:].reshape(-1))
+    aux = load_balancing_loss_func(out.router_logits, 4, 2)
+    torch.testing.assert_close(out.loss, ce + 0.5 * aux)
 
 
 def test_lora_on_fused_experts_trains_them_and_refuses_dropout(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,8 @@ accumulation steps: 2 processes x 2 steps made c act as 4c, and pipeline stages 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,11 @@ FLAGS = ["--tiny", "--report_to", "none", "--max_steps", "4", "--logging_steps",
 # doubled moves the loss by c x aux ~ 2e-3. Real tokens only: pipeline stages pad every row to max_seq_length, and
 # a packed batch reaches the model without its mask; balanced with the padding, the pipeline's run was 1.2e-4 off.
 BOUND = 5e-5
+# Evaluated during the run (its held-out rows, at its last step and its end) and afterwards by `toolkit eval`
+EVALUATED = ["--tiny", "--report_to", "none", "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no",
+             "--eval_fraction", "0.2", "--max_eval_samples", "16", "--eval_strategy", "steps", "--eval_steps",
+             "2"]  # fmt: skip
+HELD_OUT = ("perplexity", "token_accuracy")
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -90,3 +97,42 @@ def test_the_balance_loss_is_the_one_process_runs(config, one_process, tmp_path)
     # schedule's first step, which also runs torch's shape inference, uncounted), as on one process
     for key in ("router_imbalance", "router_load_entropy", "router_busiest_share"):
         assert logged(out, key)[-3:] == pytest.approx(logged(one_process[COEF], key)[-3:], rel=0.02), key
+
+
+def evaluated_afresh(run: Path, copy: Path) -> dict[str, float]:
+    """The exported model's held-out figures as `toolkit eval RUN --tasks held-out` computes them (the run's own
+    evaluations left out of a copy of its log, which the command would otherwise read); the base model's too."""
+    from toolkit.results.evaluation import evaluate_run
+
+    shutil.copytree(run, copy)
+    log = copy / "run_log.jsonl"
+    log.write_text("".join(f"{line}\n" for line in log.read_text().splitlines() if '"eval_loss"' not in line))
+    return {r["metric"]: r["tuned"] for r in evaluate_run(copy, "held-out")["results"]}
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_moe_fft", "qwen3_moe_lora"])
+def test_a_moe_with_its_balance_term_evaluates(recipe, tmp_path):
+    """Its forward returns `aux_loss` before its logits, and the Trainer's prediction_step hands the metrics every
+    output in that order: the recipes' first evaluation (their step 500) took the 0-dim `aux_loss` for the logits
+    and died, as did `toolkit eval` of the export, whose config keeps output_router_logits. Now it evaluates during
+    the run, and `toolkit eval` computes the figures the run logged."""
+    out = reference_run(recipe, EVALUATED, tmp_path / "run")
+    if recipe == "qwen3_moe_fft":
+        assert json.loads((out / "config.json").read_text())["output_router_logits"] is True
+    assert logged(out, "aux_loss")
+    fresh = evaluated_afresh(out, tmp_path / "fresh")
+    for figure in HELD_OUT:
+        assert fresh[figure] == pytest.approx(logged(out, f"eval_{figure}")[-1], rel=1e-5), figure
+
+
+@pytest.mark.launch
+def test_a_moe_with_its_balance_term_evaluates_on_2_processes(tmp_path):
+    """The same on 2 processes (fsdp2.yaml, as the LoRA recipe runs): every rank's predictions gathered, the logits
+    alone; then `toolkit eval` of its export."""
+    out = tmp_path / "run"
+    result = check(toolkit_launch("fsdp2", "qwen3_moe_lora", *EVALUATED, "--output_dir", str(out), cwd=tmp_path,
+                                  processes=2))  # fmt: skip
+    assert "strategy      FSDP, 2 process(es)" in result.stdout and logged(out, "aux_loss")
+    fresh = evaluated_afresh(out, tmp_path / "fresh")
+    for figure in HELD_OUT:
+        assert fresh[figure] == pytest.approx(logged(out, f"eval_{figure}")[-1], rel=1e-5), figure

@@ -91,6 +91,18 @@ def test_the_install_keeps_each_library_inside_its_window(reliance):
     assert pins[reliance.library] == SpecifierSet(f">={low},<{high}")
 
 
+def test_the_package_requires_the_transformers_it_was_tested_with():
+    """The package's own requirement (what `pip install` of it takes, without constraints.txt) is the window the
+    toolkit's private-API uses were tested with: it took any transformers 5, though the load-balancing term's
+    scaling follows the Trainer's own rules (training/load_balance.py) and those uses, as 5.23 and 5.24 have them."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    required = {r.name: r.specifier for r in map(Requirement, project["dependencies"])}
+    low, high = PRIVATE_TRANSFORMERS.versions
+    assert required["transformers"] == SpecifierSet(f">={low},<{high}")
+
+
 ZERO_MUON_PROBE = """
 import sys, torch
 from toolkit.distributed.patches.zero_muon import MUON, install

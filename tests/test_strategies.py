@@ -40,7 +40,6 @@ from safetensors.torch import load_file
 from toolkit import planner
 from toolkit.data.loading import load_raw
 from toolkit.data.preparation import prepare
-from toolkit.metrics import memory
 from toolkit.models import tiny
 from toolkit.settings.arguments import DataArguments
 
@@ -343,12 +342,14 @@ def bf16_checkpoint(tmp_path_factory) -> Path:
 
 def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
     """fsdp2.yaml (RAM-efficient loading) on a bf16 checkpoint trained in bf16 mixed precision, whose fp32 master
-    weights accelerate makes on rank 0: from loading to the first step, the ranks together hold about one fp32
-    copy of anonymous memory. Measured here: rank 0 1.01-1.23, rank 1 0.53-0.72 (what else the rank allocates
-    before the first step varies: some 20 MB, a fifth of this 92 MB copy), both at once about 1.2 when nothing
-    else runs. With accelerate's own loading: 1.72,
-    1.91 and 3.62 (rank 0 kept its full copy to the end, rank 1 upcast its placeholders and received every full
-    tensor before its shard); see fsdp_loading.py and models.allocate_placeholders."""
+    weights accelerate makes on rank 0: rank 0 alone loads the model (one copy, as the loading code records it),
+    the other rank builds it on the meta device and never holds more than its shard. From loading to the first
+    step, each rank's own peak of anonymous memory: rank 0 about one fp32 copy (1.01-1.23 measured), rank 1 about
+    half (0.53-0.72; what else a rank allocates before the first step varies: some 20 MB, a fifth of this 92 MB
+    copy). With accelerate's own loading: 1.72 and 1.91 (rank 0 kept its full copy to the end, rank 1 upcast its
+    placeholders and received every full tensor before its shard); see fsdp_loading.py and
+    models.allocate_placeholders. The ranks' peaks added at the same moment are not asserted: how near the sum
+    they come depends on when each rank peaks, which the machine's load decides (2.02 on 2 busy cores)."""
     out = tmp_path / "out"
     # What is measured ends where training begins: the one step is one row of 32 tokens (101 -> 51 s of CPU).
     check(launch("fsdp2", "llama3_fft", "--tiny", "--model_name_or_path", str(bf16_checkpoint), "--dtype",
@@ -357,15 +358,14 @@ def test_ram_efficient_loading_holds_one_copy(bf16_checkpoint, tmp_path):
                  "--record_rank_reports", "true", "--output_dir", str(out), cwd=tmp_path,
                  env={"TOOLKIT_TEST_ZYGOTE": None}))  # fmt: skip  # cold: forked ranks share pages, which PSS splits
     reports = rank_reports(out)
+    weights = sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
     copy = sum(r["param_bytes"] for r in reports)  # fp32 master weights, the shards summed
-    assert copy == 4 * sum(t.numel() for t in load_file(bf16_checkpoint / "model.safetensors").values())
+    assert copy == 4 * weights
+    # what each rank held once from_pretrained returned: rank 0 the bf16 checkpoint, rank 1 nothing (meta)
+    assert [r["loaded_param_bytes"] for r in reports] == [2 * weights, 0]
     rank0, rank1 = (r["load_host"]["anon"] / copy for r in reports)
-    together = memory.peak_over_ranks([r["load_host"]["series"] for r in reports], 1) / copy
     assert 0.9 <= rank0 <= 1.4, rank0  # its fp32 copy, freed tensor by tensor as the shards go out (not 1.72)
-    assert 0.45 <= rank1 <= 1.0, rank1  # its shard: half a copy, and no fp32 upcast of its placeholders
-    # Less than the one copy per rank loading without it holds at the least (accelerate's own: 3.62). How far
-    # below depends on when the ranks peak: 1.2 alone, 1.86 with another test session on the same 2 cores.
-    assert together < 2.0, together
+    assert 0.45 <= rank1 <= 1.0, rank1  # its shard: half a copy, and no fp32 upcast of its placeholders (not 1.91)
 
 
 def test_packed_run_matches_one_process(tmp_path):

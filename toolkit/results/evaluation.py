@@ -123,12 +123,11 @@ def held_out_metrics(record: RunRecord, model, tokenizer, prepared) -> dict[str,
     from ..data.packing import model_inputs
     from ..settings.parser import computes_bf16
     from ..settings.tasks import task
-    from ..training.evaluation import first_output, metrics_for
+    from ..training.evaluation import LogitsByName, metrics_for
 
-    class HeldOut(Trainer):
+    class HeldOut(LogitsByName, Trainer):  # the metrics read the model's logits, by name
         def prediction_step(self, model, inputs, *args, **kwargs):  # the collator's bookkeeping kept from the model
-            loss, logits, labels = super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
-            return loss, first_output(logits), labels
+            return super().prediction_step(model, model_inputs(inputs), *args, **kwargs)
 
     settings = record.settings
     compute, preprocess = metrics_for(record.task, prepared.packed)

@@ -54,10 +54,30 @@ def sft_metrics(eval_pred, answers: bool = True) -> dict[str, float]:
     return figures
 
 
-def first_output(logits):
-    """The logits among a model's outputs: an image-text model's come with its cache and image features (which
-    hold None: neither gathered across ranks nor kept)."""
-    return logits[0] if isinstance(logits, tuple) else logits
+class LogitsByName:
+    """Trainer part: the predictions an evaluation hands its metrics are the model's `logits`, taken by name.
+
+    transformers' prediction_step keeps every output but the loss, in the order the model returns them, and the
+    metrics read the first: a mixture of experts with its load-balancing loss on returns `aux_loss` before its
+    logits (Qwen3-MoE's MoeCausalLMOutputWithPast), a 0-dim tensor that `next_token_scores` cannot index; an
+    image-text model its cache and image features after them. While prediction_step runs, compute_loss hands it
+    the logits alone."""
+
+    predicting = False
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.predicting = True
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            self.predicting = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not (return_outputs and self.predicting) or not isinstance(result[1], dict):
+            return result
+        loss, outputs = result
+        return loss, {"logits": outputs.get("logits")}
 
 
 def metrics_for(task: str, packed: bool = False) -> tuple[Callable, Callable | None]:

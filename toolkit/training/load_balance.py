@@ -16,7 +16,11 @@ over all of it: the runs differ by the gap between the micro-batches' mean `aux`
 
 Over real tokens only: a packed batch reaches the model without its attention mask (data/packing.py), so the
 family's forward balances its padding too, and each rank pads to its own longest row. Its router logits are
-balanced again here with the batch's mask (`ROUTING_MASK`, beside the model's inputs), as pipeline stages do.
+balanced again here with the batch's mask (`ROUTING_MASK`, beside the model's inputs), as pipeline stages do;
+TRL's fused head hands them on too (fused_loss.py).
+
+Label smoothing (--label_smoothing_factor): the Trainer keeps the labels from the model and smooths its logits
+itself, so the family's forward computes `aux` and adds nothing to a loss: the term is added here alone.
 """
 
 from __future__ import annotations
@@ -76,18 +80,22 @@ class BalancedLoss:
         balance = self.balance
         hidden = inputs.get(ROUTING_MASK)  # a packed batch's mask, which the model did not see
         inputs = {k: v for k, v in inputs.items() if k != ROUTING_MASK}
-        own = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
-        if balance is None or not own:  # no term, or none the model added itself
+        # the model adds its term to the loss it computes from the labels; with label smoothing the Trainer takes
+        # the labels from it and smooths the logits: the model computed its `aux_loss` and added nothing
+        smoothed = self.label_smoother is not None
+        if balance is None or "labels" not in inputs or self.compute_loss_func is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        added = outputs.get("aux_loss") if isinstance(outputs, dict) else None
-        if added is not None:
-            added = added.to(loss.device)
-            # balanced again only where the model balanced padding too; TRL's fused head returns no router logits
+        computed = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+        if computed is not None:
+            computed = computed.to(loss.device)
+            # balanced again only where the model balanced padding too (TRL's fused head: fused_loss.py hands on
+            # the router logits)
             logits = outputs.get("router_logits") if hidden is not None else None
-            aux = balance.loss(logits, hidden).to(loss.device) if logits else added
+            aux = balance.loss(logits, hidden).to(loss.device) if logits else computed
             scale, share = self.term_scaling(num_items_in_batch, model.training)
-            loss = loss + balance.coef * (aux * share - added * scale)  # the family's c x aux x scale, replaced
+            added = 0.0 if smoothed else computed * scale  # the family's c x aux x scale, replaced
+            loss = loss + balance.coef * (aux * share - added)
             if model.training:
                 balance.record(aux)
         return (loss, outputs) if return_outputs else loss

@@ -26,6 +26,8 @@ are grouped by concern, a mixin each, composed here in front of the Trainer:
   GenerationSamples    answers to held-out prompts at each evaluation           generation_samples.py (callback)
   RankReports          rows, weights and bytes per rank (--record_rank_reports) rank_reports.py (callback)
   StepProfiler         a trace and the top operators of some steps (--profile)  profiling.py (callback)
+  LogitsByName         the logits evaluation's metrics read, by name (Recipe-   evaluation.py
+                       Trainer only)
   FusedLoss            SFT's loss on TRL's fused head (RecipeTrainer only)      fused_loss.py
   LoadBalance          a MoE's load-balancing term at its share, aux_loss      load_balance.py (BalancedLoss)
 
@@ -75,7 +77,7 @@ from ..settings.arguments import Arguments, scale_learning_rate
 from ..settings.mesh import launch_mesh, model_parallel_size, pipeline_stages
 from ..settings.tasks import task
 from .checkpoints import StagedCheckpoints, start_afresh
-from .evaluation import first_output
+from .evaluation import LogitsByName
 from .fused_loss import FusedLoss
 from .generation_samples import GenerationSamples
 from .load_balance import BalancedLoss, LoadBalance
@@ -227,9 +229,9 @@ class ToolkitTrainerMixin(Saving, Loaders, OptimizerStep, Reporting):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.pipeline is not None:
             return self.pipeline.eval_step(self._prepare_inputs(self.model_inputs(inputs)), prediction_loss_only)
-        loss, logits, labels = super().prediction_step(model, self.model_inputs(inputs), prediction_loss_only,
-                                                       ignore_keys)  # fmt: skip
-        return loss, first_output(logits), labels  # the metrics read the logits alone
+        # RecipeTrainer's predictions are the model's logits, by name (evaluation.py's LogitsByName); TRL's
+        # trainers read theirs by name too
+        return super().prediction_step(model, self.model_inputs(inputs), prediction_loss_only, ignore_keys)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
@@ -238,6 +240,6 @@ class ToolkitTrainerMixin(Saving, Loaders, OptimizerStep, Reporting):
     # --------------------------------------------------------------------------------------- its end
 
 
-class RecipeTrainer(ToolkitTrainerMixin, FusedLoss, BalancedLoss, Trainer):
-    """The toolkit's parts on `transformers.Trainer`, SFT's fused loss (TRL's DPOTrainer brings its own) and a
-    mixture of experts' load-balancing term at its share."""
+class RecipeTrainer(ToolkitTrainerMixin, LogitsByName, FusedLoss, BalancedLoss, Trainer):
+    """The toolkit's parts on `transformers.Trainer`, the logits its metrics read taken by name, SFT's fused loss
+    (TRL's DPOTrainer brings its own) and a mixture of experts' load-balancing term at its share."""
