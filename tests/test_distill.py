@@ -196,6 +196,42 @@ def test_a_teacher_of_another_vocabulary_is_one_line_before_weights_load(tmp_pat
         train(DISTILL, distill_flags(tmp_path / "run", 1, "--teacher_model_name_or_path", str(teacher)), NAME)
 
 
+def test_a_teacher_of_as_many_rows_but_another_vocabulary_is_one_line(tmp_path):
+    """Mistral-7B and Llama-2 both have 32,000 rows: equal sizes are not one vocabulary. A teacher whose config
+    matches the student's and whose tokenizer gives two of its tokens each other's ids is refused before any weights
+    load (TRL compares their distributions row by row: those rows mean other tokens)."""
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_student(), teacher)
+    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (teacher / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match=r"the teacher .*teacher's vocabulary is not the student's .* 2 of their "
+                                          r"tokens have another id in one of them"):  # fmt: skip
+        train(DISTILL, distill_flags(tmp_path / "run", 1, "--teacher_model_name_or_path", str(teacher),
+                                     "--save_strategy", "no"), NAME)  # fmt: skip
+
+
+def test_a_qlora_students_teacher_is_the_one_eval_loads_and_the_header_says_so(tmp_path, capsys):
+    """--load_in_4bit quantizes the student's base, not its teacher: the teacher loads in the run's dtype, as the
+    plan counts it and as `toolkit eval` loads it to measure the students against (a 4-bit teacher in training
+    and a full one in eval compared the students with a teacher they never learnt from). The header names the
+    teacher's dtype, and says its temperature softens both distributions of the divergence."""
+    pytest.importorskip("bitsandbytes")
+    trainer = train(DISTILL, distill_flags(tmp_path / "run", 1, "--use_lora", "true", "--load_in_4bit", "true",
+                                           "--save_strategy", "no", "--temperature", "0.7"), NAME).trainer  # fmt: skip
+    assert type(trainer.model.base_model.model.model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    teacher = trainer.teacher_model
+    assert not [m for m in teacher.modules() if type(m).__name__ == "Linear4bit"]
+    assert {p.dtype for p in teacher.parameters()} == {torch.float32}  # tiny mode's dtype on a CPU
+    out = capsys.readouterr().out
+    assert "frozen, float32, not quantized with the 4-bit student: as toolkit eval loads it" in out
+    assert "both distributions at temperature 0.7 (TRL divides both models' logits by it)" in out
+
+
 def tiny_student() -> str:
     """The tiny student's folder, as tiny mode makes it."""
     from toolkit.models.tiny import tiny_checkpoint
@@ -208,7 +244,7 @@ def tiny_student() -> str:
     [
         (["--teacher_model_name_or_path", ""], "a distill recipe needs a teacher: set teacher_model_name_or_path"),
         (["--beta", "2"], r"beta must be in \[0, 1\] for distill, got 2"),
-        (["--reward_funcs", "accuracy"], "reward_funcs 'accuracy': distill learns the teacher's distribution"),
+        (["--reward_funcs", "accuracy"], "reward_funcs 'accuracy' is read only by tasks grpo and rloo"),
         (["--sampler", "continuous"], "TRL's distillation trainer samples with generate or vLLM only"),
         (["--task", "grpo", "--reward_funcs", "accuracy"], "teacher_model_name_or_path is distillation's: drop it"),
         (

@@ -299,6 +299,18 @@ def test_the_continuous_sampler_samples_what_generate_does_and_trains(tmp_path):
     assert len(logged(out, "loss")) == 2 and (out / "adapter_model.safetensors").is_file()
 
 
+def test_the_continuous_sampler_under_bf16_keeps_the_adapter_in_fp32(tmp_path):
+    """--sampler continuous --bf16: TRL casts the whole model to bf16 before each sampling, the LoRA adapter (fp32,
+    the masters of its updates) with it; the adapter is fp32 again for every training step and in the export."""
+    out = tmp_path / "run"
+    flags = ["--sampler", "continuous", "--bf16", "true", "--dtype", "bfloat16", "--save_strategy", "no"]
+    trainer = train(GRPO, grpo_flags(out, 2, *flags), NAME).trainer
+    saved = load_file(out / "adapter_model.safetensors")
+    assert saved and {tensor.dtype for tensor in saved.values()} == {torch.float32}
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+
+
 def reward_model_folder(folder: Path, labels: int = 1) -> Path:
     """A toy sequence classifier with its tokenizer, saved as a reward model is (TRL's RewardTrainer: 1 label)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -399,6 +411,25 @@ def test_an_epoch_of_prompts_is_each_prompt_answered_num_generations_times():
     config = GRPOConfig(output_dir="unused", per_device_train_batch_size=8, num_generations=4, use_cpu=True,
                         num_train_epochs=1, report_to=[])  # fmt: skip
     assert planned_steps(config, 10) == 5  # 40 completions, 8 a step
+
+
+def test_prompts_with_a_length_column_keep_each_prompts_group_together(tmp_path):
+    """Prompt data with a `length` column (the toolkit's length-grouped order reads it): the run still samples with
+    TRL's RepeatSampler, each prompt num_generations times in a row, so a group holds one prompt's completions (the
+    length-grouped sampler fed each prompt once, and TRL's groups of 4 were 4 prompts)."""
+    from toolkit.models.tiny_data import prompt_rows
+
+    rows = [dict(row, length=len(row["prompt"][0]["content"])) for row in prompt_rows(64)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trainer = train(GRPO, grpo_flags(tmp_path / "run", 1, "--dataset_name", str(data), "--save_strategy", "no",
+                                     "--record_rank_reports", "false"), NAME).trainer  # fmt: skip
+    assert "length" in trainer.train_dataset.column_names
+    indices = list(trainer._get_train_sampler(trainer.train_dataset))
+    groups = [indices[k : k + 4] for k in range(0, len(indices), 4)]  # num_generations 4 (tiny mode)
+    assert len(groups) >= 16 and all(len(set(group)) == 1 for group in groups), groups[:4]
+    assert len({group[0] for group in groups[:2]}) == 2  # a step's 2 prompts: 2 of them, 4 completions each
+    assert trainer.order.sampler is None  # the length-grouped order was never made
 
 
 def test_reasoning_gym_problems_are_generated_once_with_their_checker(tmp_path):

@@ -87,7 +87,7 @@ def test_preempted_rloo_run_resumes_bit_identically(one_process, tmp_path, monke
 @pytest.mark.parametrize(
     "flags, key",
     [
-        (["--loss_type", "dapo"], "loss_type 'dapo': rloo has one objective"),
+        (["--loss_type", "dapo"], "loss_type 'dapo' is read only by tasks dpo, kto and grpo, and this run's"),
         (["--num_generations", "1"], "num_generations must be at least 2, got 1: the RLOO advantage"),
         (["--reward_funcs", ""], "a rloo recipe needs rewards"),
         (["--per_device_train_batch_size", "6"], r"rloo: generation_batch_size \(6\) must be divisible by"),

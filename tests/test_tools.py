@@ -121,6 +121,103 @@ def test_a_tool_that_hangs_or_returns_nonsense_is_an_error_result_in_time(tool, 
     assert logged(out, "rewards/accuracy/mean") == [0.0, 0.0]
 
 
+ANSWERING_TOOLS = '''
+import asyncio
+
+
+def summed(expression: str) -> list:
+    """The sum, in a list.
+
+    Args:
+        expression: Two whole numbers added, "a + b".
+    """
+    a, b = expression.split("+")
+    return [int(a) + int(b)]
+
+
+def described(expression: str) -> dict:
+    """The expression and its sum.
+
+    Args:
+        expression: Two whole numbers added, "a + b".
+    """
+    a, b = expression.split("+")
+    return {"expression": expression, "sum": int(a) + int(b)}
+
+
+async def awaited(expression: str) -> str:
+    """The sum, from a coroutine.
+
+    Args:
+        expression: Two whole numbers added, "a + b".
+    """
+    await asyncio.sleep(0)
+    a, b = expression.split("+")
+    return str(int(a) + int(b))
+'''
+
+
+@pytest.mark.parametrize(("tool", "result"), [("summed", list), ("described", dict), ("awaited", int)])
+def test_a_list_dict_or_async_tool_answers_the_model_in_json(tool, result, tmp_path, monkeypatch):
+    """TRL runs async tools, and hands a list on as content blocks (Qwen3's template renders them as nothing) and
+    a dict as Python's repr: each tool here answers every call, its result in the tool turn as JSON, and each
+    completion answers from it (accuracy 1, no call failed)."""
+    from toolkit.training.rl import RecipeGRPOTrainer
+
+    (tmp_path / "tools.py").write_text(ANSWERING_TOOLS)
+    seen, sample = [], scripted(tool)
+
+    def recording(self, prompt_ids, *args, **kwargs):
+        for ids in prompt_ids:
+            text = self.processing_class.decode(ids)
+            if "<tool_response>" in text:
+                seen.append(text.rpartition("<tool_response>\n")[2].partition("\n</tool_response>")[0])
+        return sample(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(RecipeGRPOTrainer, "_generate_single_turn", recording)
+    out = tmp_path / "run"
+    train(TOOLS, tool_flags(out, "--tools", f"{tmp_path / 'tools.py'}:{tool}"), NAME)
+    assert logged(out, "tools/failure_frequency") == [0.0, 0.0]
+    assert logged(out, "rewards/accuracy/mean") == [1.0, 1.0]
+    assert seen and all(isinstance(json.loads(text), result) for text in seen), seen[:2]
+
+
+def test_a_tool_whose_process_dies_is_reported_at_once(tmp_path):
+    """A call whose process dies (the kernel's OOM killer, a crash in a C extension) is an error naming its exit
+    code or signal as it dies, not a timeout at the end of --tool_timeout."""
+    (tmp_path / "dying.py").write_text(DYING_TOOLS)
+    for name, said in (("exits", "exit code 3"), ("killed", "killed by SIGKILL")):
+        (tool,) = tool_functions([f"{tmp_path / 'dying.py'}:{name}"], 60.0)
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError, match=f"the tool's process died \\({said}\\) before it answered"):
+            tool(expression="1")
+        assert time.perf_counter() - start < 10
+
+
+DYING_TOOLS = '''
+import os
+import signal
+
+
+def exits(expression: str) -> str:
+    """Ends its process.
+
+    Args:
+        expression: Anything.
+    """
+    os._exit(3)
+
+
+def killed(expression: str) -> str:
+    """Its process killed, as the OOM killer kills.
+
+    Args:
+        expression: Anything.
+    """
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
 def test_the_calculator_computes_arithmetic_and_nothing_else():
     assert calculator("(12 + 7) * 3") == "57" and calculator("7 / 2") == "3.5" and calculator("-2 ** 3") == "-8"
     for bad in ("__import__('os').system('true')", "2 ** 100000", "x + 1", "[1, 2]"):
@@ -136,13 +233,33 @@ def test_the_calculator_computes_arithmetic_and_nothing_else():
         (["--tools", "{untyped}"], r"tool .*:untyped: its JSON schema cannot be read"),
         (["--tools", "abacus"], "tool 'abacus' is neither built in"),
         (["--chat_template", "llama3"], "--tools: the chat template cannot show a tool call and its result"),
-        (["--task", "rloo"], "tools: TRL's RLOOTrainer runs no tools"),
+        (["--task", "rloo"], "tools .* is read only by task grpo, and this run's task is rloo"),
         (["--tool_timeout", "0"], r"tool_timeout \(0\) must be positive"),
+        (
+            ["--tools", "{tools}:slow,{other}:slow"],
+            r"tools .*tools.py:slow and .*other.py:slow are both named slow: "
+            "TRL calls a tool by its name",
+        ),  # fmt: skip
+        (
+            ["--chat_template", "{edited}"],
+            "--tools: TRL cannot read a tool call out of a completion in this chat template",
+        ),  # fmt: skip
     ],
 )
-def test_tools_that_cannot_run_are_one_line(flags, message, tmp_path):
+def test_tools_that_cannot_run_are_one_line(flags, message, tmp_path, monkeypatch):
+    """Each before any weights load (a template TRL cannot parse was GRPOTrainer's ValueError after they loaded;
+    two tools of one name, the later answering every call of both)."""
+    import trl
+
+    from toolkit import runner
+
     (tmp_path / "tools.py").write_text(SLOW_TOOLS)
-    flags = [f.format(untyped=f"{tmp_path / 'tools.py'}:untyped") for f in flags]
+    (tmp_path / "other.py").write_text(SLOW_TOOLS)
+    qwen3 = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    edited = qwen3.replace("# Tools", "# Your tools")  # renders tool calls; none of the templates TRL can parse
+    flags = [f.format(untyped=f"{tmp_path / 'tools.py'}:untyped", tools=tmp_path / "tools.py",
+                      other=tmp_path / "other.py", edited=edited) for f in flags]  # fmt: skip
+    monkeypatch.setattr(runner, "load_for_training", lambda *a, **k: pytest.fail("the weights loaded"))
     with pytest.raises(ConfigError, match=message):
         train(TOOLS, tool_flags(tmp_path / "run", *flags), NAME)
 

@@ -12,9 +12,11 @@ Each entry takes the `Launch` (the settings, and what the entries before it foun
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -57,6 +59,7 @@ class Launch:
     engine: str = field(default_factory=lambda: Requested.from_env().engine)
     config: object = None  # the model's PretrainedConfig, once read (MODEL's entries)
     rows: int = 0  # the training rows, once prepared (DATA's entries)
+    train: object = None  # those rows (a Dataset), for what their columns hold (DATA's entries)
     resume: str | None = None  # the checkpoint to resume from, and the line that says so
     note: str = ""
 
@@ -114,6 +117,28 @@ def steps_left(launch: Launch) -> None:
         from .training.run_plan import planned_steps
 
         resume.check_steps_left(launch.resume, planned_steps(launch.args.training, launch.rows))
+
+
+def profile_window(launch: Launch) -> None:
+    """--profile's steps within the steps this launch trains, known once the data is (training/profiling.py)."""
+    if launch.args.run.profile:
+        from .training.checkpoint_damage import TRAINER_STATE
+        from .training.profiling import check_profile_window
+        from .training.run_plan import planned_steps
+
+        state = json.loads((Path(launch.resume) / TRAINER_STATE).read_text()) if launch.resume else {}
+        check_profile_window(launch.args.run.profile, planned_steps(launch.args.training, launch.rows),
+                             state.get("global_step", 0))  # fmt: skip
+
+
+def label_mix(launch: Launch) -> None:
+    """kto's training rows hold both labels, desirable and undesirable (data/labelled.py)."""
+    from .settings.tasks import task
+
+    if task(launch.args.data.task).labelled and launch.train is not None:
+        from .data.labelled import check_label_mix
+
+        check_label_mix(launch.train["label"])
 
 
 def hub_push(launch: Launch) -> None:
@@ -209,6 +234,8 @@ MODEL: tuple[Check, ...] = (
 
 DATA: tuple[Check, ...] = (
     steps_left,  # training/resume.py
+    profile_window,  # training/profiling.py
+    label_mix,  # data/labelled.py
 )
 
 

@@ -82,7 +82,7 @@ def train(recipe: dict[str, Any], argv: list[str] | None = None, name: str | Non
     model_plan = checked_blueprint(args)
     resolve_compile(args)
     data = prepare_data(args, model_plan.tokenizer, model_plan.packing, padding_multiple(args), model_plan.processor)
-    run_checks(DATA, Launch(args, resume=resume, rows=len(data.train)))  # the steps left, known once the data is
+    run_checks(DATA, Launch(args, resume=resume, rows=len(data.train), train=data.train))  # known once the data is
     rewards = reward_parts(args, data, model_plan.tokenizer)  # checked first: the plan reads a reward model's config
     work = plan_workload(args, model_plan)
     mixed = args.training.bf16 or args.training.fp16

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import DataError
 from .formats import is_text
 from .prompts import prompt_problem
 
@@ -28,3 +29,18 @@ def labelled_problem(prompt: Any, completion: Any, label: Any) -> str | None:
         if not all(is_text(message.get("content")) for message in completion):
             return "its completion's message has no text content"
     return None
+
+
+def check_label_mix(labels) -> None:
+    """KTO sets desirable completions against undesirable ones: training rows all of one label would train on one
+    kind alone, TRL's only notice its advice on desirable_weight and undesirable_weight. One line, before the
+    weights load."""
+    labels = list(labels)
+    desirable = sum(bool(label) for label in labels)
+    if not labels or 0 < desirable < len(labels):
+        return
+    said, fix = (("true (desirable)", "add rows labelled false (undesirable completions), or train on these with "
+                  "--task sft") if desirable else
+                 ("false (undesirable)", "add rows labelled true (desirable completions)"))  # fmt: skip
+    raise DataError(f"task kto: all {len(labels)} training rows are labelled {said}, and KTO learns from desirable "
+                    f"completions set against undesirable ones: {fix}.")  # fmt: skip

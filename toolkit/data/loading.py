@@ -15,6 +15,7 @@ from ..settings.arguments import DataArguments
 from ..settings.tasks import task
 from .conversations import tools_problem, tools_text
 from .formats import FORMATS, PROBLEMS, columns_of, detect, kind_of, to_messages
+from .held_out import split_by_prompt
 from .image_rows import absolute_paths, image_columns, image_problem
 from .labelled import LABELLED_COLUMNS, labelled_problem
 from .preference import PAIR_COLUMNS, kept_columns, pair_problem
@@ -97,10 +98,16 @@ def load_source(name: str, args: DataArguments) -> tuple[DatasetDict, str | None
         ds[split] = checked_rows(ds[split], split, name, args, data_format)
     train = ds[args.train_split]
     evaluation = ds[args.eval_split] if args.eval_split else None
-    if evaluation is None and args.eval_fraction > 0:
-        stratify = args.label_column if isinstance(train.features.get(args.label_column), ClassLabel) else None
-        split = train.train_test_split(test_size=args.eval_fraction, seed=0, stratify_by_column=stratify)
-        train, evaluation = split["train"], split["test"]
+    if evaluation is None and args.eval_fraction > 0:  # by prompt where rows have one (held_out.py), else by row
+        by_prompt = None
+        if args.task != "classification" and not task(args.task).images:
+            by_prompt = split_by_prompt(train, args.eval_fraction, args.messages_column)
+        if by_prompt is not None:
+            train, evaluation = by_prompt
+        else:
+            stratify = args.label_column if isinstance(train.features.get(args.label_column), ClassLabel) else None
+            split = train.train_test_split(test_size=args.eval_fraction, seed=0, stratify_by_column=stratify)
+            train, evaluation = split["train"], split["test"]
     out = DatasetDict({"train": train} if evaluation is None else {"train": train, "eval": evaluation})
     return out, data_format
 

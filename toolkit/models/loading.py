@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..settings import tasks
 from ..settings.arguments import Arguments
 from ..settings.mesh import launch_mesh
 from ..settings.model_arguments import ModelArguments, torch_dtype
-from ..settings.tasks import GENERATIVE, architecture, check_task, model_class
+from ..settings.tasks import GENERATIVE, architecture, check_task, config_has_code, model_class
 from .attention import ATTENTION_SUPPORT, check_installed, choose_attention, support_flag
 from .counts import LoadRecord, ParameterCounts
 from .dropout import dropout_names
@@ -95,8 +95,9 @@ def load_config(args: ModelArguments) -> PretrainedConfig:
 
 
 def check_teacher(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
-    """distill's teacher from its config alone, before any weights load: named, readable, and of the student's
-    vocabulary (TRL compares their whole next-token distributions); a teacher named for another task, refused."""
+    """distill's teacher from its config and tokenizer, before any weights load: named, readable, and of the
+    student's vocabulary (TRL compares their whole next-token distributions, row by row); a teacher named for another
+    task, refused."""
     name = args.teacher_model_name_or_path
     if not tasks.task(task).teacher:
         if name:
@@ -107,12 +108,40 @@ def check_teacher(config: PretrainedConfig, args: ModelArguments, task: str) -> 
         raise ConfigError("a distill recipe needs a teacher: set teacher_model_name_or_path, a Hub id or a model "
                           "folder of the student's family (the same tokenizer).")  # fmt: skip
     teacher = load_config(ModelArguments(model_name_or_path=name, trust_remote_code=args.trust_remote_code))
+    check_language_model(teacher, f"the teacher {name}")
     vocabularies = [c.get_text_config().vocab_size for c in (config, teacher)]
     if vocabularies[0] != vocabularies[1]:
         raise ConfigError(f"the teacher {name} has a vocabulary of {vocabularies[1]:,} and the student "
                           f"{args.model_name_or_path} one of {vocabularies[0]:,}: distillation compares their whole "
                           "next-token distributions, so pick a teacher of the student's family (its "
                           "tokenizer).")  # fmt: skip
+    # As many rows is not one vocabulary (Mistral-7B and Llama-2 have 32,000 each): the tokenizers' own, token by
+    # token (a dict of each token's id, compared in milliseconds for 150k tokens).
+    ours, theirs = (load_tokenizer(replace(args, model_name_or_path=model)).get_vocab()
+                    for model in (args.model_name_or_path, name))  # fmt: skip
+    if ours != theirs:
+        moved = sorted(token for token in ours.keys() | theirs.keys() if ours.get(token) != theirs.get(token))
+        raise ConfigError(f"the teacher {name}'s vocabulary is not the student's ({args.model_name_or_path}), though "
+                          f"both have {vocabularies[0]:,} rows: {len(moved):,} of their tokens have another id in one "
+                          f"of them, or none ({moved[0]!r}, ...), and distillation compares their next-token "
+                          "distributions row by row: pick a teacher of the student's family (its "
+                          "tokenizer).")  # fmt: skip
+
+
+def check_language_model(config: PretrainedConfig, who: str) -> None:
+    """A model loaded as a causal language model (AutoModelForCausalLM) that was saved as another head (a
+    classifier's, a reward model's, or none): transformers drops that head and builds a new next-token head, untrained
+    (or tied to the embeddings, silently), so it is refused by the architectures its config.json names. A config
+    that names none, or a model of its own code, is taken as it is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    saved = getattr(config, "architectures", None) or []
+    if not saved or config_has_code(config) or set(saved) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return
+    wanted = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "a ...ForCausalLM")
+    raise ConfigError(f"{who} was saved as {', '.join(saved)}, not a causal language model: loaded as one, its head "
+                      f"would be dropped and its next-token head new, untrained weights. Pass a model saved as "
+                      f"{wanted} (a chat or base model of the student's family).")  # fmt: skip
 
 
 def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: str) -> None:
@@ -130,6 +159,13 @@ def check_model_settings(config: PretrainedConfig, args: ModelArguments, task: s
     if args.router_aux_loss_coef is not None and not hasattr(text, "router_aux_loss_coef"):
         raise ConfigError(f"{config.model_type} has no load-balancing loss (its config has no router_aux_loss_coef: "
                           "not a mixture of experts, or one without it): drop --router_aux_loss_coef.")  # fmt: skip
+    if args.dropout and not dropout_names(config):  # load_model sets the config's dropouts above 0 (dropout.py)
+        zero = sorted(k for k, v in config.to_dict().items()
+                      if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float))  # fmt: skip
+        has = f"its dropouts are all 0 ({', '.join(zero)})" if zero else "its config has no dropout probability"
+        raise ConfigError(f"--dropout {args.dropout:g} sets the dropouts a model trains with, and {config.model_type} "
+                          f"trains with none ({has}): it would set nothing. Drop --dropout (the model trains without "
+                          "dropout, as it was trained).")  # fmt: skip
     lora = args.lora_settings()
     if cls is None or lora is None:
         return
@@ -263,16 +299,20 @@ def load_model(
     if args.dropout is not None:
         config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
         kwargs.update(dict.fromkeys(dropout_names(config), args.dropout))
-    if args.router_aux_loss_coef is not None:  # the family's load-balancing loss: its router logits requested
-        kwargs.update(output_router_logits=args.router_aux_loss_coef > 0,
-                      router_aux_loss_coef=args.router_aux_loss_coef)  # fmt: skip
+    if args.router_aux_loss_coef is not None:  # the family's load-balancing loss: its router logits requested,
+        # on the text config, which an image-text MoE's forward reads (from_pretrained's keywords set the outer one)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **kwargs)
+        text = config.get_text_config()
+        text.output_router_logits, text.router_aux_loss_coef = args.router_aux_loss_coef > 0, args.router_aux_loss_coef
+        kwargs = {"config": config}
     if on_meta:
         # transformers 5 materialises the whole checkpoint on every rank even under RAM-efficient loading
         # (huggingface/transformers#43749, #45649): N copies in host RAM. Build the architecture with its parameters
         # on the meta device instead (buffers stay real: FSDP does not broadcast non-persistent ones); when FSDP
         # shards the model, accelerate hands each rank its part of rank 0's weights. The runner gives the
         # parameters placeholders (allocate_placeholders) once LoRA, if any, is added.
-        config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **kwargs)
+        if "config" not in kwargs:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **kwargs)
         with init_empty_weights(include_buffers=False):
             model = model_class(task).from_config(config, dtype=checkpoint_dtype(args.dtype, config), **common)
         # Tied embeddings come out untied from there (init_empty_weights re-creates each parameter it sees

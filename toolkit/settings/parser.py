@@ -340,6 +340,13 @@ def parse(
         raise ConfigError("Both resume and resume_from_checkpoint are set: keep one (--resume auto picks the newest).")
     if model.merge_lora and not model.use_lora:
         raise ConfigError("merge_lora merges a LoRA adapter: set use_lora true too, or drop merge_lora.")
+    if training.label_smoothing_factor and task(data.task).fused_head == "gpu":
+        # TRL's fused head scores plain next-token cross-entropy from the labels, which the Trainer takes away to
+        # smooth them: its forward failed in a TypeError. Asked for, one line; on a GPU's default, off.
+        if model.fused_loss:
+            raise ConfigError(f"--fused_loss scores the plain next-token loss and cannot smooth the labels "
+                              f"(label_smoothing_factor {training.label_smoothing_factor:g}): drop one.")  # fmt: skip
+        model.fused_loss = False
     policy.resolve(data.task)
     if task(data.task).samples_online and policy.max_completion_length >= data.max_seq_length:
         raise ConfigError(f"max_completion_length {policy.max_completion_length} leaves no room for the prompt in "

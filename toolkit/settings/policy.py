@@ -4,9 +4,10 @@
 They name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
 defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, kto beta 0.1 and its own loss, grpo beta 0 (no
 reference model) and DAPO's token-level loss, rloo beta 0.05 and its one objective. What online RL adds (rewards,
-completions per prompt, sampling) is grpo's and rloo's alone; KTO's weights of the two labels, kto's. `trl_config`
-turns them and the run's TrainingArguments into TRL's config for the trainer (and a reward model's
-TrainingArguments into TRL's RewardConfig: that task names nothing of these).
+completions per prompt, sampling) is grpo's and rloo's alone; KTO's weights of the two labels, kto's: `READ_BY`
+says which task reads each setting, and any other refuses it given a value. `trl_config` turns them and the run's
+TrainingArguments into TRL's config for the trainer (and a reward model's TrainingArguments into TRL's
+RewardConfig: that task names nothing of these).
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ VLLM_MODES = ("colocate", "server")
 # vLLM.
 SAMPLERS = ("generate", "continuous", "vllm")
 PAGE_TOKENS = 64  # tokens a page of the paged cache holds: a short row wastes at most one page
+ONLINE, SAMPLED = ("grpo", "rloo"), ("grpo", "rloo", "distill")
+# Which tasks read each setting: given any other value than its default under another task (sft, classification and
+# reward read none), it is refused in one line (PolicyArguments.resolve), not accepted and dropped. distill samples
+# and keeps answer_pattern (its held-out accuracy: results/held_out_teacher.py), and takes no rewards or groups;
+# tools are GRPO's here (TRL's DistillationTrainer could run them; the toolkit neither passes them nor evaluates a
+# distilled model with them: docs/rl.md).
+READ_BY: dict[str, tuple[str, ...]] = {
+    "beta": ("dpo", "kto", *SAMPLED), "loss_type": ("dpo", "kto", "grpo"),
+    "reward_funcs": ONLINE, "reward_weights": ONLINE, "num_generations": ONLINE, "format_pattern": ONLINE,
+    "answer_pattern": SAMPLED, "max_completion_length": SAMPLED, "temperature": SAMPLED, "rollout_func": SAMPLED,
+    "use_vllm": SAMPLED, "vllm_mode": SAMPLED, "sampler": SAMPLED,
+    "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+    "tools": ("grpo",), "max_tool_calls": ("grpo",), "tool_timeout": ("grpo",),
+}  # fmt: skip
 
 
 @cache
@@ -146,7 +161,9 @@ class PolicyArguments:
     )
 
     def resolve(self, task: str) -> None:
-        """The task's defaults for what the recipe left unset, and each value checked against TRL's domain."""
+        """The settings the task does not read refused (READ_BY), the task's defaults for what the recipe left
+        unset, and each value checked against TRL's domain."""
+        check_read(self, task)
         for name, value in DEFAULTS.get(task, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -203,6 +220,18 @@ class PolicyArguments:
         return trl_config(self, task, training, max_length, trust_remote_code)
 
 
+def check_read(policy: PolicyArguments, task: str) -> None:
+    """The first setting given a value (other than its default, or empty) that `task` does not read (READ_BY), in
+    one line."""
+    for f in fields(PolicyArguments):
+        value, readers = getattr(policy, f.name), READ_BY[f.name]
+        if task not in readers and value not in (f.default, ""):
+            named = ("tasks " if len(readers) > 1 else "task ") + " and ".join(", ".join(readers).rsplit(", ", 1))
+            other = next((r for r in readers if r in SAMPLED), readers[0]) if task in SAMPLED else readers[0]
+            raise ConfigError(f"{f.name} {value!r} is read only by {named}, and this run's task is {task}: drop it, "
+                              f"or train with --task {other}.")  # fmt: skip
+
+
 def check_online(policy: PolicyArguments, task: str) -> None:
     """grpo's, rloo's and distill's settings (PolicyArguments.resolve's), each against TRL's domain."""
     check_sampler(policy)
@@ -215,17 +244,10 @@ def check_online(policy: PolicyArguments, task: str) -> None:
     if task == "grpo" and policy.loss_type not in grpo_losses():
         raise ConfigError(f"loss_type {policy.loss_type!r} is not among TRL's GRPO losses ("
                           f"{', '.join(grpo_losses())}): pass --loss_type dapo (TRL's default).")  # fmt: skip
-    if task == "rloo" and policy.loss_type is not None:
-        raise ConfigError(f"loss_type {policy.loss_type!r}: rloo has one objective (TRL's RLOO: the leave-one-out "
-                          "baseline, clipped per sequence): drop --loss_type, or train with --task grpo, whose "
-                          "losses it names.")  # fmt: skip
     if policy.num_generations < 2:
         raise ConfigError(f"num_generations must be at least 2, got {policy.num_generations}: the "
                           f"{task.upper()} advantage compares one prompt's completions with each other (8 is "
                           "TRL's default).")  # fmt: skip
-    if policy.tools and task != "grpo":
-        raise ConfigError(f"tools: TRL's {task.upper()}Trainer runs no tools (its GRPOTrainer does): train with "
-                          "--task grpo, or drop --tools.")  # fmt: skip
     if policy.tool_timeout <= 0 or (policy.max_tool_calls is not None and policy.max_tool_calls < 1):
         raise ConfigError(f"tool_timeout ({policy.tool_timeout:g}) must be positive and max_tool_calls "
                           f"({policy.max_tool_calls}) at least 1.")  # fmt: skip
@@ -261,15 +283,10 @@ def check_sampler(policy: PolicyArguments) -> None:
 
 
 def check_distill(policy: PolicyArguments) -> None:
-    """distill: the divergence (TRL's beta) and what an RL recipe names that distillation has no use for."""
+    """distill: the divergence (TRL's beta) and its sampler (what it does not read at all: READ_BY)."""
     if not 0 <= policy.beta <= 1:
         raise ConfigError(f"beta must be in [0, 1] for distill, got {policy.beta:g}: it picks the divergence (0 "
                           "forward KL, 0.5 Jensen-Shannon, 1 reverse KL: TRL's default).")  # fmt: skip
-    named = [f"{name} {value!r}" for name, value in (("loss_type", policy.loss_type),
-             ("reward_funcs", policy.reward_funcs)) if value]  # fmt: skip
-    if named:
-        raise ConfigError(f"{' and '.join(named)}: distill learns the teacher's distribution, with one loss and no "
-                          "rewards: drop them, or train with --task grpo.")  # fmt: skip
     if policy.sampler == "continuous":
         raise ConfigError("--sampler continuous: TRL's distillation trainer samples with generate or vLLM only: "
                           "pass --sampler generate.")  # fmt: skip

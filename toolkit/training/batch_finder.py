@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -69,6 +70,7 @@ def check_batch_finder(args, engine: str) -> None:
     collates rows): else one line with what to pass."""
     if args.batch_rows is None:
         return
+    memory_limit()  # the budget the probe will read, before the weights load
     sharded = engine != "replicated" or model_parallel_size() > 1 or pipeline_stages() > 1
     if sharded or launch_mesh().get("sp", 1) > 1 or launch_mesh().get("cp", 1) > 1:
         raise ConfigError(f"per_device_train_batch_size auto probes the whole model on one device (single device, "
@@ -147,15 +149,27 @@ def find_micro_batch(args, model: torch.nn.Module, train_rows, collator, work: W
 def memory_budget(processes: int) -> tuple[int, str]:
     """Bytes a device may use: TOOLKIT_MEMORY_LIMIT_GIB, or the device's memory less the headroom (a CPU's RAM
     shared by this node's processes)."""
-    if limit := os.environ.get(LIMIT):
-        try:
-            return int(float(limit) * GIB), LIMIT
-        except ValueError:
-            raise ConfigError(f"{LIMIT}={limit!r} is not a number of GiB: unset it, or give one (say 70).") from None
+    if (limit := memory_limit()) is not None:
+        return limit, LIMIT
     if torch.cuda.is_available():
         return int(device_memory() * (1 - HEADROOM)), "the GPU's memory less a tenth"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
     return int(device_memory() * (1 - HEADROOM) / max(local, 1)), "the host's RAM less a tenth, per process"
+
+
+def memory_limit() -> int | None:
+    """TOOLKIT_MEMORY_LIMIT_GIB in bytes, or None where it is unset; a value that is not a positive, finite number
+    of GiB (`inf`, `nan`, `-1`, `70GB`) is one line."""
+    if not (limit := os.environ.get(LIMIT, "").strip()):
+        return None
+    try:
+        gib = float(limit)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ConfigError(f"{LIMIT}={limit!r} is not a positive number of GiB: unset it (the device's own memory), or "
+                          "give one (say 70).")  # fmt: skip
+    return int(gib * GIB)
 
 
 def planner(args, model: torch.nn.Module, work: Workload):

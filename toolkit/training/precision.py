@@ -20,6 +20,8 @@ runs inside its engine only: neither serves a model the Trainer steps itself.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import warn
@@ -95,6 +97,25 @@ def copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     else:
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
+
+
+@contextlib.contextmanager
+def fp32_kept(model: torch.nn.Module, cast: bool):
+    """Around a step of TRL's that casts the whole model to the run's 16-bit dtype (`cast`: its continuous-batching
+    sampler, `unwrapped_model.to(torch.bfloat16)` in GRPOTrainer and RLOOTrainer): the trainable fp32 weights (a LoRA
+    adapter, which peft keeps in fp32: the masters of its updates) get their own fp32 tensors back afterwards,
+    unrounded; the sampling computed with the 16-bit copy. Without it every update after the first sampling was a
+    bf16 one, and the export bf16."""
+    kept = [(p, p.data, None if p.grad is None else p.grad.data) for p in model.parameters()
+            if cast and p.requires_grad and p.dtype == torch.float32]  # fmt: skip
+    try:
+        yield
+    finally:
+        for weight, data, grad in kept:
+            if weight.dtype != data.dtype:
+                weight.data = data
+                if grad is not None and weight.grad is not None:
+                    weight.grad.data = grad
 
 
 def keep_master_weights(trainer, setting: bool | None) -> tuple[MasterWeights | None, str]:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..errors import ConfigError, warn
+
 PROFILE_DIR = "profile"
 TOP_OPERATORS = 15  # kept in the summary: enough to see where the time goes, few enough to read
 # What the process group records of a collective in flight: gloo's work on its own threads (CPU), NCCL's kernels
@@ -38,6 +40,27 @@ def profiled_steps(setting: str) -> tuple[int, int]:
     """`5-8` (or `5`): the first and last optimizer step to record, counted from 1."""
     first, _, last = setting.partition("-")
     return int(first), int(last or first)
+
+
+def check_profile_window(setting: str, steps: int, resumed_at: int = 0) -> None:
+    """A DATA check, once the run's steps are known: a window that opens after the run's last step, or before the
+    step a resume starts from, would record nothing and say nothing (one line); one that closes after the last
+    step records up to it (a warning)."""
+    first, last = profiled_steps(setting)
+    window = f"--profile {setting}"
+    if first > steps or first <= resumed_at:
+        where = (
+            f"this run ends at step {steps}"
+            if first > steps
+            else f"this run resumes after step {resumed_at}, and the window opens only as its first step starts"
+        )
+        start = max(resumed_at + 1, steps - 3)
+        raise ConfigError(f"{window}: {where}, so nothing would be recorded: pass a window within steps "
+                          f"{resumed_at + 1}-{steps} (--profile {start}-{steps}, say), or raise "
+                          "--max_steps.")  # fmt: skip
+    if last > steps:
+        warn(f"{window}: this run ends at step {steps}, so steps {first}-{steps} are recorded; --profile "
+             f"{first}-{steps} says so.")  # fmt: skip
 
 
 class StepProfiler(TrainerCallback):

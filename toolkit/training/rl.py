@@ -21,6 +21,7 @@ from trl import GRPOTrainer, RLOOTrainer
 from ..errors import ConfigError
 from ..settings.arguments import Arguments
 from ..settings.tasks import task
+from .precision import fp32_kept
 from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
 
@@ -43,22 +44,25 @@ def online_parts(args: Arguments, train_rows, tokenizer) -> dict:
     check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
     parts = {"reward_funcs": functions, "rollout_func": rollout}
     if args.policy.tools:
-        from trl.chat_template_utils import supports_tool_calling
-
-        from .tools import tool_functions
+        from .tools import check_tool_template, tool_functions
 
         parts["tools"] = tool_functions([t.strip() for t in args.policy.tools.split(",") if t.strip()],
                                         args.policy.tool_timeout)  # fmt: skip
-        if not supports_tool_calling(tokenizer):
-            raise ConfigError("--tools: the chat template cannot show a tool call and its result (TRL renders "
-                              "user -> assistant with tool_calls -> tool to check): use the model's own template, "
-                              "or --chat_template trl:qwen3 (TRL ships the families' templates).")  # fmt: skip
+        check_tool_template(tokenizer)
     return parts
 
 
 def trainer_class(name: str) -> type:
     """The task's trainer: RecipeGRPOTrainer or RecipeRLOOTrainer (distill's is distill.py's)."""
     return {"grpo": RecipeGRPOTrainer, "rloo": RecipeRLOOTrainer}[name]
+
+
+def trainers_own(trainer, name: str):
+    """The method `name` of the Trainer class under the toolkit's mixins (TRL's), past all of them: `super()` from
+    one of them would start at the next, the toolkit's Loaders among them."""
+    mro = type(trainer).__mro__
+    last = max(k for k, cls in enumerate(mro) if cls in ToolkitTrainerMixin.__mro__ and cls is not object)
+    return getattr(super(mro[last], trainer), name)
 
 
 # TRL's loggers, where each warns of a completion no reward judged
@@ -123,16 +127,18 @@ class OnlineRLMixin(ToolkitTrainerMixin):
 
     def _get_train_sampler(self, dataset=None):
         """TRL's RepeatSampler always: a prompt's group of completions must stay together, which length-grouped
-        order (the toolkit's default for data with lengths) would break."""
-        return super(ToolkitTrainerMixin, self)._get_train_sampler(dataset)
+        order (the toolkit's default for data with lengths: loaders.py) would break, feeding each prompt once."""
+        return trainers_own(self, "_get_train_sampler")(dataset)
 
     def _generate(self, prompts):
         """TRL's sampling (or the recipe's rollout_func), timed apart: the step's sampling share, and tokens/s and
-        MFU of its training part, in every log line (metrics/tracking.py)."""
-        if not self.model.training:  # an evaluation's: inside its own paused clock already
-            return super()._generate(prompts)
-        with self.tracker.sampling():
-            sampled = super()._generate(prompts)
+        MFU of its training part, in every log line (metrics/tracking.py). The continuous sampler's cast of the
+        model to bf16 leaves the fp32 adapter as it was (precision.py's fp32_kept)."""
+        with fp32_kept(self.model, getattr(self.args, "use_transformers_continuous_batching", False)):
+            if not self.model.training:  # an evaluation's: inside its own paused clock already
+                return super()._generate(prompts)
+            with self.tracker.sampling():
+                sampled = super()._generate(prompts)
         self.tracker.count_sampled(sum(len(ids) for ids in sampled[1]))  # (prompt ids, completion ids, ...)
         return sampled
 
