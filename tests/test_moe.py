@@ -310,7 +310,7 @@ def test_batched_mm_at_a_training_batch_is_refused_before_the_weights(monkeypatc
     from transformers import Qwen3MoeConfig
 
     from toolkit import run
-    from toolkit.models.loading import gathered_expert_bytes
+    from toolkit.models.model_checks import gathered_expert_bytes
 
     sys.path.insert(0, str(ROOT / "bench"))
     from mfu import QWEN3_MOE_SMALL

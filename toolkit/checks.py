@@ -34,13 +34,8 @@ from .errors import ConfigError
 from .metrics.cost import check_device_name
 from .metrics.memory import device_memory
 from .models.attention import FLEX_ON_CPU
-from .models.loading import (
-    check_experts_kernel,
-    check_model_settings,
-    check_sequence_length,
-    check_teacher,
-    checkpoint_dtype,
-)
+from .models.loading import checkpoint_dtype
+from .models.model_checks import check_experts_kernel, check_model_settings, check_sequence_length, check_teacher
 from .models.parallel import check_expert_parallel, check_sequence_split, check_split_task, check_tensor_parallel
 from .models.pipeline import check_pipeline
 from .outputs import check_run_output
@@ -107,8 +102,14 @@ def resumable(launch: Launch) -> None:
                                           global_batch_size(training), training.gradient_accumulation_steps,
                                           launch.owner, checkpoints.step_shape(training))  # fmt: skip
     launch.note = f"{launch.note} ({changed})" if changed else launch.note
-    if launch.args.run.resume == "auto":  # after the checks that name one setting's fix; a checkpoint named is
-        resume.check_same_experiment(launch.resume, experiment.settings(launch.args))  # continued on purpose
+
+
+def same_experiment(launch: Launch) -> None:
+    """`--resume auto` continues only the experiment its folder holds (training/resume.py). Once the data is read:
+    a setting that is wrong in itself (bad data, a model setting, one with its own fix) is named first; a
+    checkpoint named (`--resume PATH`) is continued on purpose."""
+    if launch.resume and launch.args.run.resume == "auto":
+        resume.check_same_experiment(launch.resume, experiment.settings(launch.args))
 
 
 def steps_left(launch: Launch) -> None:
@@ -222,10 +223,10 @@ LAUNCH: tuple[Check, ...] = (
     eval_tasks,  # results/eval_checks.py
 )
 MODEL: tuple[Check, ...] = (
-    lambda launch: check_model_settings(launch.config, launch.args.model, launch.args.data.task),  # models/loading
-    lambda launch: check_teacher(launch.config, launch.args.model, launch.args.data.task),  # models/loading.py
-    lambda launch: check_sequence_length(launch.config, launch.args.data.max_seq_length),  # models/loading.py
-    lambda launch: check_experts_kernel(launch.config, launch.args, device_memory()),  # models/loading.py
+    lambda launch: check_model_settings(launch.config, launch.args.model, launch.args.data.task),  # models/model_checks
+    lambda launch: check_teacher(launch.config, launch.args.model, launch.args.data.task),  # models/model_checks
+    lambda launch: check_sequence_length(launch.config, launch.args.data.max_seq_length),  # models/model_checks
+    lambda launch: check_experts_kernel(launch.config, launch.args, device_memory()),  # models/model_checks
     parallel_plans,  # models/parallel.py, models/pipeline.py
     image_parts,  # models/vision.py
     continuous_sampler,  # settings/policy.py's sampler, TRL's cast
@@ -233,6 +234,7 @@ MODEL: tuple[Check, ...] = (
 
 
 DATA: tuple[Check, ...] = (
+    same_experiment,  # training/resume.py: before the steps left, whose fix would continue another experiment
     steps_left,  # training/resume.py
     profile_window,  # training/profiling.py
     label_mix,  # data/labelled.py
