@@ -873,13 +873,14 @@ def test_plan_counts_the_tokens_the_data_has(capsys):
     capsys.readouterr()
     assert entry("plan")(["smollm2_chat", "--gpu", "A100-80GB", "--gpus", "1", "--json"]) == 0
     exact = json.loads(capsys.readouterr().out)
-    assert "a sample of 1,000 of the 1,822 raw rows" in sampled["tokens_source"]
+    assert f"a sample of 1,000 of the {len(raw['train']):,} raw rows" in sampled["tokens_source"]
     assert exact["data"]["tokens_source"] == "the prepared data's own count"
 
     train = raw["train"]["messages"]
     tokens = sum(min(256, len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"]))
                  for m in train)  # fmt: skip
-    assert exact["data"]["samples"] == len(train) == 1822  # 2,025 exchanges, a tenth held out
+    # 2,025 exchanges, a tenth of the prompts held out with all their rows (data/held_out.py)
+    assert exact["data"]["samples"] == len(train) == 1930
     assert exact["data"]["tokens_per_sample"] * len(train) == pytest.approx(tokens, abs=0.5)
     assert sampled["tokens_per_sample"] == pytest.approx(exact["data"]["tokens_per_sample"], rel=0.05)
     assert exact["data"]["tokens_per_sample"] < 256 / 4  # the full rows it used to assume
