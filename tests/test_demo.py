@@ -59,8 +59,10 @@ def test_make_demo(tmp_path):
     assert read_offline_run(evaluated)["summary"]["eval_after/held-out/accuracy"] == pytest.approx(row["tuned"])
 
 
-# The chat demo's held-out loss falls by at least this much (README, "Fine-tune a chat model, then talk to it").
-DEMO_SFT_LOSS_DROP = 1.0
+# The chat demo's held-out loss falls by at least this much (README, "Fine-tune a chat model, then talk to it"), on
+# prompts it never trained on (the held-out split is by prompt): 3.05 -> 2.29 measured (2-core Xeon, 2026-12-06).
+# The split by row held out conversations whose prompts were in training, where it fell by more than 1.
+DEMO_SFT_LOSS_DROP = 0.5
 
 
 @pytest.fixture(scope="module")
