@@ -399,10 +399,13 @@ def test_a_config_error_in_a_worker_is_one_line_and_not_restarted(tmp_path):
     """A worker's ConfigError on a real local cluster: the launch ends with 2 after one attempt of the worker group
     (--max_failures 2 would have run it three times)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from toolkit.errors import ConfigError\nprint('attempt', flush=True)\n"
+    bad.write_text("from toolkit.errors import ConfigError\nprint('the bad script ran', flush=True)\n"
                    "raise ConfigError('--lr 2: pass a rate below 1.')\n")  # fmt: skip
     cmd = on_ray("--num_workers", "1", "--max_failures", "2", str(bad))
     result = run_cmd(cmd, cwd=tmp_path, env=RAY_ENV, timeout=240)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert (result.stdout + result.stderr).count("attempt") == 1
+    # counted by its own words: "attempt" also came from accelerate's warning when another job held port 29500
+    output = result.stdout + result.stderr
+    assert output.count("the bad script ran") == 1
+    assert output.count("Attempting to start training worker group") == 1  # Ray Train's, once a group start
     assert "error: --lr 2: pass a rate below 1." in result.stdout + result.stderr
