@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
 
 # Everything: install-node's .venv with the demo, Ray, Kubernetes and test extras too, the demo's weights, SkyPilot's
 # client and the multi-node tests' engines.
@@ -126,6 +126,11 @@ bench:
 	$(BIN)/python bench/ram_loading.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/data_prep.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/rl.py
+
+# The GRPO demo under each objective (grpo, dapo, dr_grpo, gspo, cispo, sapo, rloo) and one again with another seed:
+# held-out accuracy, KL, wall time and dollars, one table (docs/rl.md#which-objective; ~1.5 h on 2 CPU cores).
+bench-rl-objectives:
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/rl_objectives.py $(ARGS)
 
 # On a GPU: tokens/s, MFU and peak memory against the plan at Llama-3.2-1B size (bench/mfu.py; --toy on a CPU).
 bench-gpu:

@@ -18,7 +18,8 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 SMOLLM2_SFT = ("smollm2_chat", "smollm2_tools_sft")  # SmolLM2-135M: tied embeddings, 9 heads, 3 key/value heads
 # the recipes that sample completions, and their tasks
 ONLINE = {"smollm2_grpo": "grpo", "qwen3_grpo": "grpo", "qwen3_grpo_tools": "grpo", "smollm2_rloo": "rloo",
-          "qwen3_distill": "distill", "smollm2_grpo_tools": "grpo", "smollm2_distill": "distill"}  # fmt: skip
+          "qwen3_distill": "distill", "smollm2_grpo_tools": "grpo", "smollm2_distill": "distill",
+          "smollm2_grpo_env": "grpo"}  # fmt: skip
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)

@@ -196,8 +196,13 @@ def tiny_layer(values: dict[str, Any]) -> dict[str, Any]:
     teacher = values.get("teacher_model_name_or_path")  # distill's: a tiny one of the teacher's family, same tokenizer
     if teacher and task_table.task(values["task"]).teacher and not (looks_like_path(teacher) or Path(teacher).is_dir()):
         layer["teacher_model_name_or_path"] = str(tiny_checkpoint(teacher, values["task"]))
-    if values.get("tools"):  # a template that shows tool calls and results: TRL's Qwen3 one
+    if values.get("tools") or values.get("environment"):  # a template that shows tool calls and results: TRL's Qwen3
         layer["chat_template"] = "trl:qwen3"
+    if values.get("environment"):  # the environment reads its own columns: the recipe's rows and rewards; the
+        # tiny tokenizer's ids are near characters, so a few turns take hundreds
+        layer.update({key: values.get(key) for key in ("dataset_name", "reward_funcs", "reward_weights",
+                                                       "format_pattern")}, max_completion_length=768,
+                     max_seq_length=2048)  # fmt: skip
     return layer
 
 

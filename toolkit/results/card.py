@@ -16,6 +16,7 @@ from typing import Any
 from ..metrics.memory import GIB
 from ..metrics.report import by_step, json_lines
 from ..metrics.samples import RUN_LOG, read_samples
+from ..settings.objectives import RLOO, objective
 from ..settings.tasks import task as task_table
 from .record import RunRecord
 
@@ -196,9 +197,14 @@ def afterwards(record: RunRecord, evaluation: dict | None, curve: Path | None) -
 
 
 def task_rows(record: RunRecord) -> list[tuple[str, Any]]:
-    """What a task adds to the training table: distill's teacher; GRPO's tools, and how often the completions
-    called them and a call failed (TRL's tools/ metrics, over the run's steps)."""
+    """What a task adds to the training table: GRPO's and RLOO's objective (the header's loss line); distill's
+    teacher; GRPO's tools, and how often the completions called them and a call failed (TRL's tools/ metrics, over
+    the run's steps)."""
     settings, out = record.settings, []
+    if record.task == "grpo":  # a record from before the ratio level was a setting trained at TRL's default
+        out.append(("objective", objective(settings["loss_type"], settings.get("importance_sampling_level", "token"))))
+    if record.task == "rloo":
+        out.append(("objective", RLOO))
     if settings.get("teacher_model_name_or_path"):
         out.append(("teacher", settings["teacher_model_name_or_path"]))
     if settings.get("tools"):
@@ -210,7 +216,21 @@ def task_rows(record: RunRecord) -> list[tuple[str, Any]]:
             measured = f": {sum(calls) / len(calls):.3g} calls a completion, {sum(failed) / len(failed):.0%} of " \
                 "calls failed (the run's mean)"  # fmt: skip
         out.append(("tools", f"{settings['tools']}{measured}"))
+    if settings.get("environment"):
+        out.append(("environment", environment_row(record)))
     return out
+
+
+def environment_row(record: RunRecord) -> str:
+    """The environment, its episodes' turns and the reward's first and last step (training/episodes.py's log)."""
+    log = json_lines(record.folder / RUN_LOG) if (record.folder / RUN_LOG).is_file() else []
+    turns = [r["environment/turns"] for r in log if "environment/turns" in r]
+    rewards = ["n/a" if r.get("reward") is None else f"{r['reward']:.3g}" for r in log if "environment/turns" in r]
+    spec = record.settings["environment"]
+    if not turns:
+        return f"{spec}"
+    return (f"{spec}: {sum(turns) / len(turns):.3g} turns an episode (the run's mean), reward {rewards[0]} at the "
+            f"first step, {rewards[-1]} at the last; episodes.jsonl holds one episode a step")  # fmt: skip
 
 
 def body(record: RunRecord, evaluation: dict | None, curve: Path | None, license: str | None,

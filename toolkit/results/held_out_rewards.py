@@ -22,17 +22,32 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
     distill run has none: held_out_teacher.py scores its answers by accuracy)."""
     policy = scoring_policy(record, rewards)
     scores: dict[str, Any] = {}
-    if policy.tools:
-        answers = answers_with_tools(model, tokenizer, rows["prompt"], policy, batch_size)
+    episodes = {}
+    if policy.tools or policy.environment:
+        answers = answers_with_tools(model, tokenizer, rows, policy, batch_size)
         completions, ids_out = [a.messages for a in answers], [a.ids for a in answers]
         finished = [float(a.finished) for a in answers]
         scores["tool_calls"] = sum(a.calls > 0 for a in answers) / len(answers)  # the share that called a tool
+        episodes = episode_rewards(answers)
     else:
         texts, ids_out, finished = plain_answers(model, tokenizer, rows["prompt"], policy, batch_size)
         completions = as_completions(texts, rows["prompt"])
-    scores.update(scored(policy, rows, completions, ids_out))
+    scores.update(scored(policy, rows, completions, ids_out, episodes))
     scores["finished"] = sum(finished) / len(finished)
     return scores
+
+
+def episode_rewards(answers: list) -> dict[str, list]:
+    """Each environment class's get_reward over the answers' episodes (None where another class played it, or it
+    was stopped), as TRL adds it: a reward named after the class, weight 1. The episodes' processes end here."""
+    out: dict[str, list] = {}
+    for k, answer in enumerate(answers):
+        handle = answer.environment
+        if handle is not None and hasattr(handle, "get_reward"):
+            out.setdefault(type(handle).__name__, [None] * len(answers))[k] = handle.get_reward()
+        if handle is not None:
+            handle._close()
+    return out
 
 
 def scoring_policy(record: RunRecord, rewards: str | None = None) -> PolicyArguments:
@@ -51,18 +66,20 @@ def as_completions(texts: list[str], prompts: list) -> list:
             for t, p in zip(texts, prompts, strict=True)]  # fmt: skip
 
 
-def scored(policy: PolicyArguments, rows, completions: list, ids_out: list) -> dict[str, float]:
-    """Each of the policy's rewards (each checked, as in training) averaged over the completions, and their
-    weighted sum (`reward`); a reward model among them is left out."""
+def scored(policy: PolicyArguments, rows, completions: list, ids_out: list, episodes: dict | None = None
+           ) -> dict[str, float]:  # fmt: skip
+    """Each of the policy's rewards (each checked, as in training) and each environment's (`episodes`: its
+    get_reward's values, weight 1) averaged over the completions, and their weighted sum (`reward`); a reward model
+    among them is left out."""
     functions = [(f, w) for f, w in zip(reward_functions(policy), policy.weights(), strict=True)
                  if isinstance(f, Checked)]  # fmt: skip
     columns = {key: rows[key] for key in rows.column_names if key != "prompt"}
+    named = [(f.__name__, f(rows["prompt"], completions, ids_out, **columns), w) for f, w in functions]
     scores: dict[str, float] = {}
     total = [0.0] * len(completions)
-    for function, weight in functions:
-        values = function(rows["prompt"], completions, ids_out, **columns)
+    for name, values, weight in named + [(name, values, 1.0) for name, values in (episodes or {}).items()]:
         kept = [v for v in values if v is not None]
-        scores[function.__name__] = sum(kept) / len(kept) if kept else float("nan")
+        scores[name] = sum(kept) / len(kept) if kept else float("nan")
         total = [t + weight * (v or 0.0) for t, v in zip(total, values, strict=True)]
     scores["reward"] = sum(total) / len(total)
     return scores

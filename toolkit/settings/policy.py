@@ -3,9 +3,10 @@
 
 They name the KL coefficient `beta` and the objective `loss_type`, as TRL does, so one class holds them, their
 defaults the task's own (TRL's): dpo beta 0.1 and the sigmoid loss, kto beta 0.1 and its own loss, grpo beta 0 (no
-reference model) and DAPO's token-level loss, rloo beta 0.05 and its one objective. What online RL adds (rewards,
-completions per prompt, sampling) is grpo's and rloo's alone; KTO's weights of the two labels, kto's: `READ_BY`
-says which task reads each setting, and any other refuses it given a value. `trl_config` turns them and the run's
+reference model) and DAPO's token-level loss (its ratio level, GSPO's sequence one, and both checked against TRL's
+lists: objectives.py), rloo beta 0.05 and its one objective. What online RL adds (rewards, completions per prompt,
+sampling) is grpo's and rloo's alone; KTO's weights of the two labels, kto's: `READ_BY` says which task reads each
+setting, and any other refuses it given a value. `trl_config` turns them and the run's
 TrainingArguments into TRL's config for the trainer (and a reward model's TrainingArguments into TRL's
 RewardConfig: that task names nothing of these).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from transformers import TrainingArguments
 
 from ..errors import ConfigError
+from .objectives import check_objective
 from .tasks import task as task_of
 
 # TRL's DPO losses (DPOConfig.loss_type): several, comma-separated, are summed (with TRL's loss_weights).
@@ -42,12 +44,12 @@ ONLINE, SAMPLED = ("grpo", "rloo"), ("grpo", "rloo", "distill")
 # tools are GRPO's here (TRL's DistillationTrainer could run them; the toolkit neither passes them nor evaluates a
 # distilled model with them: docs/rl.md).
 READ_BY: dict[str, tuple[str, ...]] = {
-    "beta": ("dpo", "kto", *SAMPLED), "loss_type": ("dpo", "kto", "grpo"),
+    "beta": ("dpo", "kto", *SAMPLED), "loss_type": ("dpo", "kto", "grpo"), "importance_sampling_level": ("grpo",),
     "reward_funcs": ONLINE, "reward_weights": ONLINE, "num_generations": ONLINE, "format_pattern": ONLINE,
     "answer_pattern": SAMPLED, "max_completion_length": SAMPLED, "temperature": SAMPLED, "rollout_func": SAMPLED,
     "use_vllm": SAMPLED, "vllm_mode": SAMPLED, "sampler": SAMPLED,
     "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
-    "tools": ("grpo",), "max_tool_calls": ("grpo",), "tool_timeout": ("grpo",),
+    "tools": ("grpo",), "max_tool_calls": ("grpo",), "tool_timeout": ("grpo",), "environment": ("grpo",),
 }  # fmt: skip
 
 
@@ -57,15 +59,6 @@ def kto_losses() -> tuple[str, ...]:
     from trl import KTOConfig
 
     return tuple(next(f for f in fields(KTOConfig) if f.name == "loss_type").metadata["choices"])
-
-
-@cache
-def grpo_losses() -> tuple[str, ...]:
-    """GRPOConfig.loss_type's values, as TRL's own help for the field lists them (it keeps no constant)."""
-    from trl import GRPOConfig
-
-    help_text = next(f for f in fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
-    return tuple(re.findall(r"'(\w+)'", help_text.partition("Supported values are")[2].partition(".")[0]))
 
 
 def paged_cache(rows: int, max_length: int) -> dict:
@@ -94,6 +87,10 @@ class PolicyArguments:
             "help": f"dpo: {', '.join(DPO_LOSSES)} (comma-separated; sigmoid); kto: kto, apo_zero_unpaired; grpo: "
             "TRL's GRPO losses (dapo); rloo has one."
         },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "grpo: token or sequence (GSPO, LUSPO: one importance ratio a completion); TRL's."},
     )
     reward_funcs: str | None = field(
         default=None,
@@ -148,8 +145,14 @@ class PolicyArguments:
         default=None, metadata={"help": "grpo with tools: tool-calling rounds a completion may take (no limit)."}
     )
     tool_timeout: float = field(
-        default=10.0, metadata={"help": "grpo with tools: seconds a call may run before it is stopped (an error)."}
+        default=10.0, metadata={"help": "grpo, tools or an environment: seconds a call may run (then an error)."}
     )
+    environment: str | None = field(
+        default=None,
+        metadata={"help": "grpo: the environment episodes play in, module:Class or path/file.py:Class (its methods "
+                  "the tools, reset, get_reward: TRL's); several as name=module:Class,..., each row's `environment` "
+                  "column naming its own (docs/rl.md)."},
+    )  # fmt: skip
     vllm_mode: str = field(default="colocate", metadata={"help": f"grpo, rloo with vLLM: {', '.join(VLLM_MODES)}."})
     sampler: str = field(
         default="generate",
@@ -241,9 +244,8 @@ def check_online(policy: PolicyArguments, task: str) -> None:
     if policy.beta < 0:
         raise ConfigError(f"beta must be 0 or more, got {policy.beta:g}: 0 trains without a reference model, "
                           "0.04 is DeepSeekMath's GRPO, 0.05 TRL's RLOO.")  # fmt: skip
-    if task == "grpo" and policy.loss_type not in grpo_losses():
-        raise ConfigError(f"loss_type {policy.loss_type!r} is not among TRL's GRPO losses ("
-                          f"{', '.join(grpo_losses())}): pass --loss_type dapo (TRL's default).")  # fmt: skip
+    if task == "grpo":
+        check_objective(policy.loss_type, policy.importance_sampling_level)
     if policy.num_generations < 2:
         raise ConfigError(f"num_generations must be at least 2, got {policy.num_generations}: the "
                           f"{task.upper()} advantage compares one prompt's completions with each other (8 is "
@@ -251,7 +253,7 @@ def check_online(policy: PolicyArguments, task: str) -> None:
     if policy.tool_timeout <= 0 or (policy.max_tool_calls is not None and policy.max_tool_calls < 1):
         raise ConfigError(f"tool_timeout ({policy.tool_timeout:g}) must be positive and max_tool_calls "
                           f"({policy.max_tool_calls}) at least 1.")  # fmt: skip
-    if not policy.rewards():
+    if not policy.rewards() and not policy.environment:  # an environment's get_reward may be the reward
         raise ConfigError(f"a {task} recipe needs rewards: set reward_funcs, e.g. --reward_funcs accuracy,format "
                           "(docs/rl.md lists the built-in ones).")  # fmt: skip
     weights = policy.weights()
@@ -335,7 +337,8 @@ def online_config(policy: PolicyArguments, task: str, values: dict, max_length: 
                                       vllm_mode=policy.vllm_mode, trust_remote_code=trust_remote_code,
                                       log_completions=False, remove_unused_columns=False)  # fmt: skip
     continuous = policy.sampler == "continuous"
-    grpo = {"loss_type": policy.loss_type, "max_tool_calling_iterations": policy.max_tool_calls}
+    grpo = {"loss_type": policy.loss_type, "importance_sampling_level": policy.importance_sampling_level,
+            "max_tool_calling_iterations": policy.max_tool_calls}  # fmt: skip
     config_class, own = (trl.GRPOConfig, grpo) if task == "grpo" else (trl.RLOOConfig, {})
     try:
         config = config_class(

@@ -6,7 +6,8 @@ Each rank writes under OUTPUT/profile/:
                            step's phases as named ranges): it opens in Perfetto (ui.perfetto.dev), chrome://tracing
                            and TensorBoard's profiler plugin
   rank{r}.top.json         the operators by self time, the most first, with their calls
-  rank{r}.split.json       the step's split: data wait, sampling (RL), forward, backward, optimizer, other, and the
+  rank{r}.split.json       the step's split: data wait, sampling (RL), environment (RL in an environment: its
+                           calls, apart from sampling), forward, backward, optimizer, other, and the
                            communication in flight (which overlaps them)
   rank{r}.memory.pickle    on a GPU, the CUDA allocator's history over the steps: it opens in PyTorch's memory viewer
                            (pytorch.org/memory_viz)
@@ -162,10 +163,12 @@ def step_split(seconds: dict[str, float], window: float, in_flight: float, steps
     evaluations in it, callbacks); `communication` the collectives in flight, which overlap the phases."""
     step = seconds.get("micro-batch", 0.0)
     forward, sampling = seconds.get("forward", 0.0), seconds.get("sampling", 0.0)
-    parts = {"data wait": seconds.get("data wait", 0.0), "sampling": sampling, "forward": forward,
+    environment = seconds.get("environment", 0.0)  # an environment's calls, within sampling (training/episodes.py)
+    parts = {"data wait": seconds.get("data wait", 0.0), "sampling": sampling - environment,
+             "environment": environment, "forward": forward,
              "forward and backward" if step and not forward else "backward": max(step - forward - sampling, 0.0),
              "optimizer": seconds.get("optimizer", 0.0)}  # fmt: skip
-    parts = {name: value for name, value in parts.items() if value or name != "sampling"}
+    parts = {name: value for name, value in parts.items() if value or name not in ("sampling", "environment")}
     parts["other"] = max(window - sum(parts.values()), 0.0)
     parts["communication"] = in_flight
     return {name: {"ms": 1e3 * value / steps, "share": value / window if window else 0.0}

@@ -125,6 +125,16 @@ def built_in(name: str, policy: PolicyArguments) -> Callable | None:
 
 def user_function(spec: str, what: str = "reward") -> Callable:
     """`module:function` (importable) or `path/file.py:function`; `what` names it in the errors."""
+    function = user_object(spec, what)
+    if not callable(function):
+        where, _, name = spec.rpartition(":")
+        raise ConfigError(f"{what} {spec}: {where or 'it'} has no function '{name}' (write module:function or "
+                          "path/file.py:function).")  # fmt: skip
+    return function
+
+
+def user_object(spec: str, what: str):
+    """What `module:name` or `path/file.py:name` names (None if the module has no such name)."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
@@ -140,11 +150,7 @@ def user_function(spec: str, what: str = "reward") -> Callable:
         raise
     except Exception as error:  # the user's module: any error in it is theirs to see, in one line
         raise ConfigError(f"{what} {spec}: importing {where} failed: {type(error).__name__}: {error}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ConfigError(f"{what} {spec}: {where or 'it'} has no function '{name}' (write module:function or "
-                          "path/file.py:function).")  # fmt: skip
-    return function
+    return getattr(module, name, None)
 
 
 def reward_functions(policy: PolicyArguments) -> list[Callable | str]:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 
 import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..errors import ConfigError
 from ..settings.arguments import Arguments
+from ..settings.objectives import RLOO, objective
 from ..settings.tasks import task
+from .episodes import EpisodesMixin
 from .precision import fp32_kept
 from .rewards import check_rewards, reward_functions, user_function
 from .trainer import ToolkitTrainerMixin
@@ -43,12 +46,17 @@ def online_parts(args: Arguments, train_rows, tokenizer) -> dict:
     functions = reward_functions(args.policy)
     check_rewards(functions, [train_rows[k] for k in range(min(2, len(train_rows)))])
     parts = {"reward_funcs": functions, "rollout_func": rollout}
-    if args.policy.tools:
+    if args.policy.tools or args.policy.environment:
+        from .environment_checks import environment_factories
         from .tools import check_tool_template, tool_functions
 
-        parts["tools"] = tool_functions([t.strip() for t in args.policy.tools.split(",") if t.strip()],
-                                        args.policy.tool_timeout)  # fmt: skip
-        check_tool_template(tokenizer)
+        tools = [t.strip() for t in (args.policy.tools or "").split(",") if t.strip()]
+        parts["tools"] = tool_functions(tools, args.policy.tool_timeout)
+        check_tool_template(tokenizer, "--tools" if tools else "--environment")
+        offered = [tool.__name__ for tool in parts["tools"]]
+        parts["environment_factory"] = environment_factories(args.policy, train_rows, offered)
+        if parts["environment_factory"] is not None:  # the header says it is TRL's experimental API, in its line
+            os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     return parts
 
 
@@ -151,11 +159,13 @@ class OnlineRLMixin(ToolkitTrainerMixin):
         return (f"generation    {completions // policy.num_generations} prompts x {policy.num_generations} "
                 f"completions = {completions} completions every {steps} micro-batch(es), at most "
                 f"{policy.max_completion_length} tokens each, temperature {policy.temperature:g}, {engine}",
-                "rewards       " + ", ".join(f"{name} x {weight:g}" for name, weight in
-                                             zip(policy.rewards(), policy.weights(), strict=True))
+                "rewards       " + ", ".join([f"{name} x {weight:g}" for name, weight in
+                                              zip(policy.rewards(), policy.weights(), strict=True)]
+                                             + [f"{name}'s get_reward x 1" for name in self.environment_rewards()])
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
                 *([f"tools         {policy.tools}: each call at most {policy.tool_timeout:g} s, "
                    f"{policy.max_tool_calls or 'unlimited'} round(s) a completion"] if policy.tools else []),
+                *self.environment_lines(),
                 f"loss          {self.objective}",
                 f"              (the memory plan below is the larger phase's: sampling "
                 f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "
@@ -173,14 +183,25 @@ class OnlineRLMixin(ToolkitTrainerMixin):
         the end (results/card.py), and a checkpoint never touches the run's files."""
 
 
-class RecipeGRPOTrainer(OnlineRLMixin, GRPOTrainer):
-    """The toolkit's parts on TRL's `GRPOTrainer`."""
+class RecipeGRPOTrainer(EpisodesMixin, OnlineRLMixin, GRPOTrainer):
+    """The toolkit's parts on TRL's `GRPOTrainer`, and what a run in an environment shows of its episodes."""
 
     logger = TRL_LOGGERS["grpo"]
 
+    def __init__(self, *args, **kwargs) -> None:
+        """TRL's warnings of a loss and ratio level its papers do not pair are held back: the settings said it in
+        one line, with the fix (settings/objectives.py)."""
+        said = HeldWarnings("importance_sampling_level")
+        self.logger.addFilter(said)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self.logger.removeFilter(said)
+
     @property
     def objective(self) -> str:
-        return f"{self.recipe.policy.loss_type} (TRL's GRPO)"
+        policy = self.recipe.policy
+        return objective(policy.loss_type, policy.importance_sampling_level)
 
 
 class RolloutReplay:
@@ -214,5 +235,5 @@ class RolloutReplay:
 class RecipeRLOOTrainer(RolloutReplay, OnlineRLMixin, RLOOTrainer):
     """The toolkit's parts on TRL's `RLOOTrainer`, with the recipe's rollout_func (RolloutReplay)."""
 
-    objective = "RLOO's (TRL's): each completion's reward less its siblings' mean, clipped per sequence"
+    objective = RLOO
     logger = TRL_LOGGERS["rloo"]

@@ -160,7 +160,7 @@ def tool_functions(specs: list[str], seconds: float) -> list[Callable]:
     return tools
 
 
-def check_tool_template(tokenizer) -> None:
+def check_tool_template(tokenizer, flag: str = "--tools") -> None:
     """What GRPOTrainer checks of the chat template when it is built (after the weights load), with TRL's own
     functions, before: that it renders a tool call and its result (supports_tool_calling), that TRL can parse a
     call out of a completion (add_response_schema: the templates TRL knows), and that it keeps earlier turns as
@@ -176,21 +176,21 @@ def check_tool_template(tokenizer) -> None:
 
     fix = "use the model's own template, or --chat_template trl:qwen3 (TRL ships the families' templates)"
     if not supports_tool_calling(tokenizer):
-        raise ConfigError("--tools: the chat template cannot show a tool call and its result (TRL renders "
+        raise ConfigError(f"{flag}: the chat template cannot show a tool call and its result (TRL renders "
                           f"user -> assistant with tool_calls -> tool to check): {fix}.")  # fmt: skip
     inner = tokenizer.tokenizer if isinstance(tokenizer, ProcessorMixin) else tokenizer
     if all(getattr(inner, name, None) is None for name in ("response_template", "response_schema")):
         try:
             add_response_schema(tokenizer)
         except ValueError:
-            raise ConfigError("--tools: TRL cannot read a tool call out of a completion in this chat template (its "
+            raise ConfigError(f"{flag}: TRL cannot read a tool call out of a completion in this chat template (its "
                               "parsers know the templates it ships, and this is none of them, nor does the "
                               f"tokenizer bring a response_template): {fix}.") from None  # fmt: skip
     if not is_chat_template_prefix_preserving(tokenizer):
         try:
             get_training_chat_template(tokenizer)
         except ValueError:
-            raise ConfigError("--tools: the chat template rewrites earlier turns as a conversation grows, and TRL has "
+            raise ConfigError(f"{flag}: the chat template rewrites earlier turns as a conversation grows, and TRL has "
                               f"no training copy of it that does not (its tool loop appends results to a completion): "
                               f"{fix}.") from None  # fmt: skip
 
