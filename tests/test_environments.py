@@ -8,6 +8,7 @@ learnt to would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 import time
@@ -412,3 +413,72 @@ def test_rows_pick_their_environment_by_name(bad, tmp_path):
         environment_factories(policy, Dataset.from_list([{**rows[0], "environment": "shop"}]), [])
     with pytest.raises(DataError, match="has none: add it"):
         environment_factories(policy, Dataset.from_list(rows), [])
+
+
+class Sessions:
+    """A server that keeps a count a connection, as OpenEnv's keeps a session a WebSocket: `reset` zeroes the
+    connection's count, `add` raises it, `get` says it."""
+
+    def __init__(self) -> None:
+        import socketserver
+        import threading
+
+        class Session(socketserver.StreamRequestHandler):
+            def handle(self):
+                count = 0
+                with contextlib.suppress(OSError):  # an episode's process killed mid-session resets its link
+                    for line in self.rfile:
+                        word = line.strip().decode()
+                        count = 0 if word == "reset" else count + 1 if word == "add" else count
+                        self.wfile.write(f"{count}\n".encode())
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Session)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_class_that_connects_when_built_gets_a_connection_an_episode(tmp_path):
+    """TRL's OpenEnv examples open their client in __init__: forked from one such instance, every episode would
+    talk over one connection, one session, and two episodes at once would count each other's steps. Built in each
+    episode's process instead, each has its own: two interleaved episodes count their own."""
+    server = Sessions()
+    path = tmp_path / "client_env.py"
+    path.write_text(textwrap.dedent(f'''
+        import socket
+
+
+        class Client:
+            def __init__(self):
+                self.link = socket.create_connection(("127.0.0.1", {server.server.server_address[1]}))
+                self.file = self.link.makefile("rw")
+
+            def say(self, word):
+                self.file.write(word + "\\n")
+                self.file.flush()
+                return self.file.readline().strip()
+
+            def reset(self, **row):
+                self.say("reset")
+
+            def add(self) -> str:
+                """Add one."""
+                return self.say("add")
+
+            def get_reward(self) -> float:
+                return float(self.say("get"))
+        '''))  # fmt: skip
+    from toolkit.training.environment_checks import environment_class
+    from toolkit.training.environments import EnvironmentFactory
+
+    factory = EnvironmentFactory(environment_class(f"{path}:Client"), "client", 5.0)
+    first, second = factory(), factory()
+    try:
+        first.reset()
+        second.reset()
+        assert [first.add(), first.add(), second.add()] == ["1", "2", "1"]
+        assert (first.get_reward(), second.get_reward()) == (2.0, 1.0)
+        assert factory.instance is factory.cls  # built in each episode's process
+    finally:
+        first._close()
+        second._close()
+        server.server.shutdown()

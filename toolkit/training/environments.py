@@ -7,7 +7,9 @@ after the class). A completion that calls a tool gets its result back and goes o
 
 Each episode plays in a process of its own, forked at its `reset` from the class's one instance (built once, in
 the training process: "construct once, reset often", as TRL asks), so nothing an episode does to the instance, a
-class attribute or a module's global is seen by the next, however the environment resets. Every call has a time
+class attribute or a module's global is seen by the next, however the environment resets. A class whose
+constructor opens a socket (TRL's OpenEnv examples connect their client there) is built in each episode's process
+instead: one connection, one session, shared by every fork, would mix the episodes' states. Every call has a time
 limit (--tool_timeout). A tool that raises, hangs, dies or returns what is not text is an error result the model
 reads and TRL counts (tools/failure_frequency), as for --tools (tools.py); a hung or dead episode's later calls
 are error results, and its reward None (unscored: TRL leaves it out of the sum, and the run says how many, never a
@@ -23,6 +25,7 @@ import ctypes
 import inspect
 import math
 import multiprocessing
+import os
 import signal
 import time
 import typing
@@ -71,25 +74,47 @@ OPEN: set = set()  # the training process's ends of the live episodes' pipes
 
 
 def serve(instance, connection, parents) -> None:
-    """The episode's process: each (method, arguments) received is called on its copy of the instance, and its
-    result (shaped: SHAPES, or tool_text for a tool) or error sent back, until the parent's end closes (the
+    """The episode's process: each (method, arguments) received is called on its copy of the instance (or on the
+    one it builds, given the class), and its result (shaped: SHAPES, or tool_text for a tool) or error sent back,
+    until the parent's end closes (the
     training process stopped it, or ended). The training process's ends, inherited by the fork (this pipe's and
     the other episodes'), are closed first: held here, they would keep their pipe from ever seeing that end close."""
     for other in (*OPEN, parents):
         other.close()
     die_with_parent()
+    built = None
+    if isinstance(instance, type):
+        try:
+            instance = instance()
+        except BaseException as error:  # said at each call: the episode cannot be played
+            built = f"{type(error).__name__} in {instance.__name__}(): {error}"
     while True:
         try:
             name, kwargs = connection.recv()
         except (EOFError, OSError):
             return
         try:
+            if built:
+                raise RuntimeError(built)
             value = getattr(instance, name)(**kwargs)
             if inspect.iscoroutine(value):  # an async method, awaited here as TRL's event loop would
                 value = asyncio.run(value)
             connection.send(("ok", SHAPES.get(name, tool_text)(value)))
         except BaseException as error:  # the environment's failure, reported to the parent as its result
             connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def sockets() -> set[str]:
+    """This process's open sockets (Linux; elsewhere none are seen)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    links = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return {link for link in links if link.startswith("socket:")}
 
 
 def die_with_parent() -> None:
@@ -160,13 +185,16 @@ class EnvironmentFactory:
         return self.handle(self)
 
     def built(self):
-        """The class's one instance, built at the first episode (the check built a throwaway one before weights)."""
+        """What each episode forks from: the class's one instance, built at the first episode; or the class itself
+        (each episode's process builds its own) if building it opened a socket."""
         if self.instance is None:
+            before = sockets()
             try:
-                self.instance = self.cls()
+                instance = self.cls()
             except Exception as error:
                 raise EnvironmentFailure(f"environment {self.spec}: {self.cls.__name__}() raised "
                                          f"{type(error).__name__}: {error}") from None  # fmt: skip
+            self.instance = self.cls if sockets() - before else instance
         return self.instance
 
     def timed(self, episode: Episode, name: str, kwargs: dict):
