@@ -74,6 +74,9 @@ def test_a_run_in_an_environment_plays_its_episodes_scores_trains_and_exports(on
     card = (one_process / "README.md").read_text()
     assert "| environment | " + shop_policy.SHOP + ": 4 turns an episode" in card
     assert (one_process / "adapter_model.safetensors").is_file()
+    from toolkit.training.environments import OPEN
+
+    assert not OPEN  # the episodes' processes ended with the training (none left holding this process's files)
 
 
 def test_eval_plays_held_out_episodes_in_the_environment(one_process):

@@ -29,6 +29,7 @@ import os
 import signal
 import time
 import typing
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -70,7 +71,9 @@ def reward(value):
 SHAPES: dict[str, Callable] = {"reset": observation, "get_reward": reward}
 
 
-OPEN: set = set()  # the training process's ends of the live episodes' pipes
+# The training process's ends of the live episodes' pipes (weakly: an episode's handle dropped closes its end, and
+# its process, reading the end of its pipe, exits)
+OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def serve(instance, connection, parents) -> None:

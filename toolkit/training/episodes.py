@@ -24,9 +24,14 @@ class EpisodesMixin:
     episode_rows: list | None = None
 
     def train(self, *args, **kwargs):
+        """TRL's, then the episodes' processes stopped (TRL keeps its pool of environments, each holding its last
+        episode's process, for the next batch: there is none) and the episodes a stop left unscored said."""
         try:
             return super().train(*args, **kwargs)
         finally:
+            for pool in (getattr(self, "_environment_pool", None) or {}).values():
+                for handle in pool:
+                    handle._close()
             report_unscored(getattr(self, "environment_factories", None) or {})
 
     def _generate(self, prompts):
