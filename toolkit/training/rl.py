@@ -161,11 +161,12 @@ class OnlineRLMixin(ToolkitTrainerMixin):
                 f"{policy.max_completion_length} tokens each, temperature {policy.temperature:g}, {engine}",
                 "rewards       " + ", ".join([f"{name} x {weight:g}" for name, weight in
                                               zip(policy.rewards(), policy.weights(), strict=True)]
-                                             + [f"{name}'s get_reward x 1" for name in self.environment_rewards()])
+                                             + [f"{name}'s get_reward x 1"
+                                                for name in getattr(self, "environment_rewards", list)()])
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
                 *([f"tools         {policy.tools}: each call at most {policy.tool_timeout:g} s, "
                    f"{policy.max_tool_calls or 'unlimited'} round(s) a completion"] if policy.tools else []),
-                *self.environment_lines(),
+                *getattr(self, "environment_lines", tuple)(),  # GRPO's (episodes.py); RLOO runs none
                 f"loss          {self.objective}",
                 f"              (the memory plan below is the larger phase's: sampling "
                 f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "
