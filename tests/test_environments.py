@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import textwrap
 import time
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_a_run_in_an_environment_plays_its_episodes_scores_trains_and_exports(on
     card = (one_process / "README.md").read_text()
     assert "| environment | " + shop_policy.SHOP + ": 4 turns an episode" in card
     assert (one_process / "adapter_model.safetensors").is_file()
-    from toolkit.training.environments import OPEN
+    from toolkit.training.episode_processes import OPEN
 
     assert not OPEN  # the episodes' processes ended with the training (none left holding this process's files)
 
@@ -391,7 +392,8 @@ def test_a_tool_that_fails_in_training_is_scored_as_trl_scores_it(bad, tmp_path,
     assert "environment " + f"{path}:Hangs: 8 episode(s) were stopped" in said.err
     assert "\nrewards       Hangs's get_reward x 1; no reference model (beta 0)\n" in said.out
     assert f"\nenvironment   {path}:Hangs, tools hangs, scored by its get_reward (TRL's environment_factory" in said.out
-    assert "an episode: at most 2 turns (768 tokens in all, tool results included), each call at most 1 s" in said.out
+    said_limits = "an episode: at most 2 turns (768 tokens in all, tool results included: ~384 a turn), each call at"
+    assert said_limits + " most 1 s" in said.out
     assert "UserWarning" not in said.err
     # the profile's split: the environment's 8 s of waiting (1 s a call), apart from the sampling
     split = json.loads((out / "profile" / "rank0.split.json").read_text())
@@ -485,3 +487,40 @@ def test_a_class_that_connects_when_built_gets_a_connection_an_episode(tmp_path)
         first._close()
         second._close()
         server.server.shutdown()
+
+
+class Memory:
+    def reset(self, **row) -> None:
+        pass
+
+    def resident(self) -> str:
+        """This process's resident memory in bytes, and its parent's pid."""
+        rss = next(line for line in open("/proc/self/smaps_rollup") if line.startswith("Rss:"))
+        return f"{int(rss.split()[1]) * 1024} {os.getppid()}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="reads Linux's /proc")
+def test_episodes_are_forked_from_a_small_process_not_the_training_one():
+    """A fork shares the parent's pages as they were and keeps them while it lives, and the parent's next write to
+    one copies it: forked from the training process mid-step, the shop demo's 16 episodes a step pinned the
+    sampler's 14 GB and the machine ran out of its 24 GiB. Episodes are forked by a spawner started at the first
+    one: an episode begun after this process grew by 512 MiB holds none of it."""
+    from toolkit.training.environments import EnvironmentFactory
+
+    factory = EnvironmentFactory(Memory, "memory", 5.0)
+    first = factory()
+    first.reset()
+    grown = bytearray(512 * 2**20)
+    grown[:: 2**12] = b"\1" * len(range(0, len(grown), 2**12))  # every page written: resident
+    second = factory()
+    second.reset()
+    try:
+        resident, parent = map(int, second.resident().split())
+        assert parent not in (os.getpid(), 0) and parent == int(first.resident().split()[1])  # the one spawner
+        ours = int(next(line for line in open("/proc/self/smaps_rollup") if line.startswith("Rss:")).split()[1])
+        assert resident < ours * 1024 - len(grown)
+    finally:
+        first._close()
+        second._close()
+        factory.close()
+    assert not factory.spawner and grown

@@ -5,36 +5,30 @@ one, scores the episode at its end from the environment's state (a reward beside
 after the class). A completion that calls a tool gets its result back and goes on, at most --max_tool_calls rounds
 (TRL's tool loop): an episode is its turns.
 
-Each episode plays in a process of its own, forked at its `reset` from the class's one instance (built once, in
-the training process: "construct once, reset often", as TRL asks), so nothing an episode does to the instance, a
-class attribute or a module's global is seen by the next, however the environment resets. A class whose
-constructor opens a socket (TRL's OpenEnv examples connect their client there) is built in each episode's process
-instead: one connection, one session, shared by every fork, would mix the episodes' states. Every call has a time
-limit (--tool_timeout). A tool that raises, hangs, dies or returns what is not text is an error result the model
-reads and TRL counts (tools/failure_frequency), as for --tools (tools.py); a hung or dead episode's later calls
-are error results, and its reward None (unscored: TRL leaves it out of the sum, and the run says how many, never a
-silent zero). `reset` or `get_reward` that fails ends the run in one line: an episode that cannot begin, or cannot
-be scored, is the environment's bug.
+Each episode plays in a process of its own, forked at its `reset` from the class's one instance (built once:
+"construct once, reset often", as TRL asks) by a small process that holds it (episode_processes.py), so nothing an
+episode does to the instance, a class attribute or a module's global is seen by the next, however the environment
+resets. A class whose constructor opens a socket (TRL's OpenEnv examples connect their client there) is built in
+each episode's process instead: one connection, one session, shared by every fork, would mix the episodes'
+states. Every call has a time limit (--tool_timeout). A tool that raises, hangs, dies or returns what is not text
+is an error result the model reads and TRL counts (tools/failure_frequency), as for --tools (tools.py); a hung or
+dead episode's later calls are error results, and its reward None (unscored: TRL leaves it out of the sum, and the
+run says how many, never a silent zero). `reset` or `get_reward` that fails ends the run in one line: an episode
+that cannot begin, or cannot be scored, is the environment's bug.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
 import inspect
 import math
-import multiprocessing
 import os
-import signal
 import time
 import typing
-import weakref
 from collections.abc import Callable
-from multiprocessing.connection import wait
 
 from ..errors import ToolkitError, warn
-from .tools import ended, tool_text
+from .episode_processes import Episode, Spawner
 
 HOOKS = ("reset", "get_reward")  # TRL's names: every other public method is a tool
 
@@ -71,42 +65,6 @@ def reward(value):
 SHAPES: dict[str, Callable] = {"reset": observation, "get_reward": reward}
 
 
-# The training process's ends of the live episodes' pipes (weakly: an episode's handle dropped closes its end, and
-# its process, reading the end of its pipe, exits)
-OPEN: weakref.WeakSet = weakref.WeakSet()
-
-
-def serve(instance, connection, parents) -> None:
-    """The episode's process: each (method, arguments) received is called on its copy of the instance (or on the
-    one it builds, given the class), and its result (shaped: SHAPES, or tool_text for a tool) or error sent back,
-    until the parent's end closes (the
-    training process stopped it, or ended). The training process's ends, inherited by the fork (this pipe's and
-    the other episodes'), are closed first: held here, they would keep their pipe from ever seeing that end close."""
-    for other in (*OPEN, parents):
-        other.close()
-    die_with_parent()
-    built = None
-    if isinstance(instance, type):
-        try:
-            instance = instance()
-        except BaseException as error:  # said at each call: the episode cannot be played
-            built = f"{type(error).__name__} in {instance.__name__}(): {error}"
-    while True:
-        try:
-            name, kwargs = connection.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if built:
-                raise RuntimeError(built)
-            value = getattr(instance, name)(**kwargs)
-            if inspect.iscoroutine(value):  # an async method, awaited here as TRL's event loop would
-                value = asyncio.run(value)
-            connection.send(("ok", SHAPES.get(name, tool_text)(value)))
-        except BaseException as error:  # the environment's failure, reported to the parent as its result
-            connection.send(("error", f"{type(error).__name__}: {error}"))
-
-
 def sockets() -> set[str]:
     """This process's open sockets (Linux; elsewhere none are seen)."""
     try:
@@ -120,58 +78,6 @@ def sockets() -> set[str]:
     return {link for link in links if link.startswith("socket:")}
 
 
-def die_with_parent() -> None:
-    """The signals' own actions (the training process's handlers, inherited, would make a SIGTERM at its exit a
-    flag no one reads); and, on Linux, this process killed when the training process ends, even where a call of
-    the environment's never returns to read its pipe's end (prctl PR_SET_PDEATHSIG)."""
-    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(number, signal.SIG_DFL)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-
-
-class Episode:
-    """One episode's process (a fork of the class's instance) and the pipe to it."""
-
-    def __init__(self, instance) -> None:
-        context = multiprocessing.get_context("fork")
-        self.connection, theirs = context.Pipe()
-        self.process = context.Process(target=serve, args=(instance, theirs, self.connection), daemon=True)
-        self.process.start()
-        theirs.close()
-        OPEN.add(self.connection)
-        self.stopped: str | None = None  # why the episode was stopped early, if it was
-
-    def call(self, name: str, kwargs: dict, seconds: float):
-        """`name(**kwargs)` in the episode's process, within `seconds`: its result, or RuntimeError/TimeoutError
-        (the episode stopped where it hung or died)."""
-        if self.stopped:
-            raise RuntimeError(f"this episode's environment was stopped earlier ({self.stopped})")
-        self.connection.send((name, kwargs))
-        ready = wait([self.connection, self.process.sentinel], timeout=seconds)
-        if not ready:
-            self.stop(f"{name} gave no result within {seconds:g} s")
-            raise TimeoutError(f"no result within {seconds:g} s (--tool_timeout): stopped")
-        try:  # a result, perhaps sent just before the process ended; else the end of a pipe whose process died
-            status, value = self.connection.recv()
-        except EOFError:
-            self.process.join()
-            self.stop(f"its process died ({ended(self.process)}) in {name}")
-            raise RuntimeError(f"the environment's process died ({ended(self.process)}) before {name} answered"
-                               ) from None  # fmt: skip
-        if status == "error":
-            raise RuntimeError(value)
-        return value
-
-    def stop(self, why: str = "ended") -> None:
-        self.stopped = self.stopped or why
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        OPEN.discard(self.connection)
-        self.connection.close()
-
-
 class EnvironmentFactory:
     """TRL's environment_factory for one class: each call a new Environment (a handle TRL pools and resets), every
     episode forked from the one instance of the class; the time its episodes took (`seconds`, the profile's
@@ -179,7 +85,7 @@ class EnvironmentFactory:
 
     def __init__(self, cls: type, spec: str, seconds: float) -> None:
         self.cls, self.spec, self.timeout = cls, spec, seconds
-        self.instance = None
+        self.instance, self.spawner = None, None
         self.seconds, self.unscored = 0.0, 0
         self.phase: Callable[[str], typing.ContextManager] = lambda name: contextlib.nullcontext()
         self.handle = handle_class(cls)
@@ -187,10 +93,11 @@ class EnvironmentFactory:
     def __call__(self):
         return self.handle(self)
 
-    def built(self):
-        """What each episode forks from: the class's one instance, built at the first episode; or the class itself
-        (each episode's process builds its own) if building it opened a socket."""
-        if self.instance is None:
+    def episode(self) -> Episode:
+        """A new episode's process, forked by the spawner from what the class's episodes start from: its one
+        instance, built at the first episode; or the class itself (each episode's process builds its own) if
+        building it opened a socket."""
+        if self.spawner is None:
             before = sockets()
             try:
                 instance = self.cls()
@@ -198,7 +105,14 @@ class EnvironmentFactory:
                 raise EnvironmentFailure(f"environment {self.spec}: {self.cls.__name__}() raised "
                                          f"{type(error).__name__}: {error}") from None  # fmt: skip
             self.instance = self.cls if sockets() - before else instance
-        return self.instance
+            self.spawner = Spawner(self.instance, SHAPES)
+        return Episode(self.spawner)
+
+    def close(self) -> None:
+        """The spawner ended, and with it any episode still playing (a next episode starts another)."""
+        if self.spawner is not None:
+            self.spawner.close()
+            self.spawner = None
 
     def timed(self, episode: Episode, name: str, kwargs: dict):
         start = time.perf_counter()
@@ -219,7 +133,7 @@ class Environment:
     def reset(self, **row):
         if self.episode is not None:
             self.episode.stop()
-        self.episode, self.last_reward = Episode(self.factory.built()), None
+        self.episode, self.last_reward = self.factory.episode(), None
         try:
             return self.factory.timed(self.episode, "reset", row)
         except (RuntimeError, TimeoutError) as error:

@@ -25,14 +25,18 @@ class EpisodesMixin:
 
     def train(self, *args, **kwargs):
         """TRL's, then the episodes' processes stopped (TRL keeps its pool of environments, each holding its last
-        episode's process, for the next batch: there is none) and the episodes a stop left unscored said."""
+        episode's process, for the next batch: there is none), the spawners with them, and the episodes a stop
+        left unscored said."""
         try:
             return super().train(*args, **kwargs)
         finally:
             for pool in (getattr(self, "_environment_pool", None) or {}).values():
                 for handle in pool:
                     handle._close()
-            report_unscored(getattr(self, "environment_factories", None) or {})
+            factories = getattr(self, "environment_factories", None) or {}
+            for factory in factories.values():
+                factory.close()
+            report_unscored(factories)
 
     def _generate(self, prompts):
         factories = list((getattr(self, "environment_factories", None) or {}).values())
@@ -84,13 +88,17 @@ class EpisodesMixin:
         from .environments import tool_names
 
         policy = self.recipe.policy
-        rounds = f"at most {policy.max_tool_calls + 1} turns" if policy.max_tool_calls else "turns without a limit"
+        tokens = policy.max_completion_length
+        rounds = (f"at most {policy.max_tool_calls + 1} turns ({tokens} tokens in all, tool results included: "
+                  f"~{tokens // (policy.max_tool_calls + 1)} a turn)" if policy.max_tool_calls else
+                  f"turns without a limit ({tokens} tokens in all, tool results included)")  # fmt: skip
         named = "; ".join(f"{(name + ': ') if name else ''}{f.spec}, tools {', '.join(tool_names(f.cls)) or 'none'}"
                           f"{', scored by its get_reward' if hasattr(f.handle, 'get_reward') else ''}"
                           for name, f in factories.items())  # fmt: skip
         return (f"environment   {named} (TRL's environment_factory, experimental)",
-                f"              an episode: {rounds} ({policy.max_completion_length} tokens in all, tool results "
-                f"included), each call at most {policy.tool_timeout:g} s, in a process of its own")  # fmt: skip
+                f"              an episode: {rounds}, each call at most {policy.tool_timeout:g} s, in a process of "
+                "its own; each step logs its turns (environment/turns), the environment's time (environment/seconds) "
+                "and the sampling share")  # fmt: skip
 
 
 def transcript(turns: list[dict]) -> str:
