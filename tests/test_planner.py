@@ -782,6 +782,23 @@ def test_a_grpo_plan_splits_each_step_into_sampling_and_training(capsys):
     assert ddp["device_hours"] == pytest.approx(hours)
     assert f"sampling at least {step['sampling']:.3g} s, training {step['training']:.3g} s" in table
     assert "GPU-hours and dollars are floors" in table
+    assert plan["data"]["turns"] is None and "an episode" not in table  # no tools: one turn
+
+
+def test_an_environment_plan_names_an_episodes_turns(capsys):
+    """`toolkit plan`: the shop's episodes (smollm2_grpo_env, --max_tool_calls 3) take up to 4 turns in their 160
+    completion tokens, Qwen3's calculator answers (qwen3_grpo_tools, 4) up to 5 in 512."""
+    import json
+
+    from toolkit.planner.cli import main
+
+    for recipe, turns, tokens in (("smollm2_grpo_env", 4, 160), ("qwen3_grpo_tools", 5, 512)):
+        argv = [recipe, "--gpu", "H100-80GB"]
+        assert main([*argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["data"]["turns"] == turns
+        assert main(argv) == 0
+        said = f"an episode: up to {turns} turns (--max_tool_calls + 1) in its {tokens} tokens"
+        assert said in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "refused"), [

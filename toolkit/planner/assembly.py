@@ -292,15 +292,18 @@ def build_plan(args) -> dict:
 
 def online_data(values: dict, work: Workload, devices: int, prompts: int | None, epochs: float) -> dict:
     """What times an online-RL run: its steps (--max_steps, else its prompts' completions over the global batch),
-    each prompt's room (max_seq_length less the completion's) and the completions' full length."""
+    each prompt's room (max_seq_length less the completion's), the completions' full length and, with tools or an
+    environment, the assistant's turns an episode at most (--max_tool_calls + 1; None: no limit, or no tools)."""
     completion = values.get("max_completion_length", PolicyArguments.max_completion_length)
     generations = values.get("num_generations", PolicyArguments.num_generations)
     rows = work.micro_batch * work.micro_batches * devices
     steps = values.get("max_steps", -1)
     if steps <= 0:
         steps = math.ceil(prompts * generations * epochs / rows) if prompts else 0
+    calls = values.get("max_tool_calls") if values.get("tools") or values.get("environment") else None
     return dict(steps=steps, prompts=prompts, epochs=epochs, generations=generations, rows_per_step=rows,
-                prompt_tokens=work.seq_length - completion, completion_tokens=completion)  # fmt: skip
+                prompt_tokens=work.seq_length - completion, completion_tokens=completion,
+                turns=calls + 1 if calls else None)  # fmt: skip
 
 
 def refusal(layout: Layout, config, task: str, values: dict) -> str | None:

@@ -36,6 +36,12 @@ def online_lines(plan: dict) -> list[str]:
         "datasheet bandwidth; every completion full length): no engine beats it and transformers' generate stays "
         "well above it, so GPU-hours and dollars are floors; the run measures the real split (sampling_share)",
     ]  # fmt: skip
+    if d.get("turns"):
+        lines.append(
+            f"{'':<12}an episode: up to {d['turns']} turns (--max_tool_calls + 1) in its {d['completion_tokens']} "
+            f"tokens, tool results included (~{d['completion_tokens'] // d['turns']} a turn); each turn waits on the "
+            "tools, whose time the run measures (environment/seconds; --profile splits it out of sampling)"
+        )  # fmt: skip
     return lines
 
 
