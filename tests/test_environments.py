@@ -48,6 +48,8 @@ def one_process(tmp_path_factory) -> Path:
     from toolkit.training.rl import RecipeGRPOTrainer
 
     out = tmp_path_factory.mktemp("env") / "one"
+    out.mkdir()  # a run that died here before, at its second step: its episodes are not this run's
+    (out / "episodes.jsonl").write_text(json.dumps({"step": 2, "turns": [], "rewards": {}}) + "\n")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RecipeGRPOTrainer, "_generate_single_turn", shop_policy.generate)
         train(ENV, env_flags(out), NAME)
@@ -66,7 +68,7 @@ def test_a_run_in_an_environment_plays_its_episodes_scores_trains_and_exports(on
     assert any(n > 0 for n in logged(one_process, "grad_norm"))
     assert all(s > 0 for s in logged(one_process, "environment/seconds"))
     episodes = [json.loads(line) for line in (one_process / "episodes.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in episodes] == [1, 2, 3]
+    assert [e["step"] for e in episodes] == [1, 2, 3]  # the earlier run's removed, as its log is
     for episode in episodes:
         calls = [m["tool_calls"][0]["function"]["name"] for m in episode["turns"] if m.get("tool_calls")]
         assert calls == ["stock", "stock", "answer"] and episode["rewards"]["Shop"] in (0.0, 1.0)

@@ -127,6 +127,8 @@ class Spawner:
     build their own); requests from several threads take turns."""
 
     def __init__(self, instance, shapes: dict[str, Callable]) -> None:
+        with contextlib.suppress(Exception):  # glibc: the heap's freed memory given back, not shared with the fork
+            ctypes.CDLL(None).malloc_trim(0)  # (a spawner started after training, for its held-out episodes)
         context = multiprocessing.get_context("fork")
         self.control, theirs = context.Pipe()
         self.process = context.Process(target=spawned, args=(instance, theirs, self.control, shapes), daemon=True)
