@@ -15,7 +15,7 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-distill demo-vlm chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-env demo-distill demo-vlm chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
 
 # Everything: install-node's .venv with the demo, Ray, Kubernetes and test extras too, the demo's weights, SkyPilot's
 # client and the multi-node tests' engines.
@@ -81,6 +81,15 @@ demo-tools:
 		--output_dir runs/smollm2_direct_sft $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_tools.py --model_name_or_path runs/smollm2_direct_sft/merged \
 		--tools "" --output_dir runs/smollm2_grpo_direct $(ARGS)
+
+# Offline: a multi-turn environment (docs/rl.md#the-environment-demo): LoRA SFT on shop episodes played right (the
+# call format), then GRPO in the shop (recipes/environments/shop.py: two lookups, then the answer) on questions it
+# never saw; beside it the same budget with one call an episode (no room for the lookups the answer needs).
+demo-env:
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_shop_sft.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_env.py --model_name_or_path runs/smollm2_shop_sft/merged $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_env.py --model_name_or_path runs/smollm2_shop_sft/merged \
+		--max_tool_calls 1 --output_dir runs/smollm2_grpo_env_one_call $(ARGS)
 
 # Offline: the GRPO demo's model (trained again here, merged) distilled on-policy into SmolLM2 as it ships: the same
 # problems and budget, no rewards (docs/rl.md#the-distillation-demo).

@@ -526,3 +526,25 @@ def test_episodes_are_forked_from_a_small_process_not_the_training_one():
         second._close()
         factory.close()
     assert not factory.spawner and grown
+
+
+def test_the_shop_s_sft_episodes_are_played_right_and_are_its_traces(monkeypatch):
+    """recipes/data/shop_traces.jsonl (the environment demo's SFT stage) is what the shop's traces() writes, and
+    each episode, its calls replayed in the shop with the counts its lookups read, gets back the results it shows
+    and scores 1: the SFT stage teaches episodes the GRPO stage's reward calls right."""
+    monkeypatch.syspath_prepend(str(Path(shop_policy.SHOP.split(":")[0]).parent))
+    import shop
+
+    path = Path(shop.__file__).parents[1] / "data" / "shop_traces.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == json.loads(json.dumps(shop.traces(len(rows))))
+    assert {len([m for m in r["messages"] if m["role"] == "tool"]) for r in rows} == {2, 3}  # one item, two items
+    for row in rows:
+        results = [m["content"] for m in row["messages"] if m["role"] == "tool"]
+        items = [m["tool_calls"][0]["function"]["arguments"]["item"] for m in row["messages"]
+                 if m.get("tool_calls") and m["tool_calls"][0]["function"]["name"] == "stock"]  # fmt: skip
+        env = shop.Shop()
+        env.reset(items=items, counts=[int(r.split()[0]) for r in results[: len(items)]])
+        replayed = [getattr(env, c["function"]["name"])(**c["function"]["arguments"])
+                    for m in row["messages"] for c in m.get("tool_calls") or []]  # fmt: skip
+        assert replayed == results and env.get_reward() == 1.0

@@ -15,7 +15,8 @@ CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 
-SMOLLM2_SFT = ("smollm2_chat", "smollm2_tools_sft")  # SmolLM2-135M: tied embeddings, 9 heads, 3 key/value heads
+# SmolLM2-135M: tied embeddings, 9 heads, 3 key/value heads
+SMOLLM2_SFT = ("smollm2_chat", "smollm2_tools_sft", "smollm2_shop_sft")
 # the recipes that sample completions, and their tasks
 ONLINE = {"smollm2_grpo": "grpo", "qwen3_grpo": "grpo", "qwen3_grpo_tools": "grpo", "smollm2_rloo": "rloo",
           "qwen3_distill": "distill", "smollm2_grpo_tools": "grpo", "smollm2_distill": "distill",

@@ -13,6 +13,8 @@ import json
 import random
 import sys
 
+from transformers.utils import get_json_schema
+
 FRUITS = ("apples", "pears", "plums", "lemons", "limes", "figs", "kiwis", "mangos", "peaches", "cherries")
 
 
@@ -46,19 +48,50 @@ class Shop:
         return float(self.given == [sum(self.counts.values())])
 
 
-def rows(n: int, seed: int = 0) -> list[dict]:
-    """`n` questions on two distinct fruits each, counts 2-39."""
+def rows(n: int, seed: int = 0, items: int = 2) -> list[dict]:
+    """`n` questions on `items` distinct fruits each, counts 2-39."""
     draw = random.Random(seed)
     out = []
     for _ in range(n):
-        items = draw.sample(FRUITS, 2)
-        question = (f"How many {items[0]} and {items[1]} does the shop have in all? Look each one up with the stock "
-                    "tool, then give the total with the answer tool.")  # fmt: skip
-        out.append({"prompt": [{"role": "user", "content": question}], "items": items,
-                    "counts": [draw.randint(2, 39) for _ in items]})  # fmt: skip
+        names = draw.sample(FRUITS, items)
+        asked = " and ".join(names)
+        question = (f"How many {asked} does the shop have in all? Look each one up with the stock tool, then give "
+                    "the total with the answer tool." if items > 1 else
+                    f"How many {asked} does the shop have? Look it up with the stock tool, then give the number with "
+                    "the answer tool.")  # fmt: skip
+        out.append({"prompt": [{"role": "user", "content": question}], "items": names,
+                    "counts": [draw.randint(2, 39) for _ in names]})  # fmt: skip
     return out
 
 
+def traces(n: int, seed: int = 1) -> list[dict]:
+    """`n` episodes played right, as SFT rows (the demo's first stage: the call format, a lookup a turn, the sum
+    written out before the answer): half on one item, half on two; each offers the shop's tools as the GRPO stage
+    does (a `tools` column). Another seed than the GRPO rows', so their counts differ."""
+    tools = json.dumps([get_json_schema(Shop.stock), get_json_schema(Shop.answer)])
+    out = []
+    draw = random.Random(seed)
+    for k in range(n):
+        (row,) = rows(1, draw.randrange(2**32), items=1 + k % 2)
+        messages = list(row["prompt"])
+        for item, count in zip(row["items"], row["counts"], strict=True):
+            messages += [call("stock", item=item), {"role": "tool", "name": "stock", "content": f"{count} {item}"}]
+        total = sum(row["counts"])
+        working = " + ".join(map(str, row["counts"])) + f" = {total}" if len(row["counts"]) > 1 else ""
+        messages += [call("answer", working, total=total),
+                     {"role": "tool", "name": "answer", "content": "Answer recorded."},
+                     {"role": "assistant", "content": f"The shop has {total}."}]  # fmt: skip
+        out.append({"messages": messages, "tools": tools})
+    return out
+
+
+def call(name: str, said: str = "", **arguments) -> dict:
+    """An assistant turn that calls one tool."""
+    return {"role": "assistant", "content": said,
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+
+
 if __name__ == "__main__":
-    for row in rows(int(sys.argv[1]) if len(sys.argv) > 1 else 300):
+    kind, n = (sys.argv[1], int(sys.argv[2])) if len(sys.argv) > 2 else ("rows", 300)
+    for row in {"rows": rows, "traces": traces}[kind](n):
         print(json.dumps(row))
