@@ -1,9 +1,11 @@
 """GRPO in an environment (recipes/environments/shop.py): SmolLM2-135M-Instruct asked the total stock of two
 items a shop keeps hidden; each episode it looks them up with the shop's `stock` tool, a turn each, and gives the
 total with `answer`; the shop's get_reward scores the episode at its end. Each episode plays in its own process,
-forked from the one Shop (docs/rl.md#environments); each call has --tool_timeout.
+forked from the one Shop (docs/rl.md#environments); each call has --tool_timeout. SmolLM2 as it ships never
+calls a tool: `make demo-env` starts this stage from a LoRA SFT on episodes played right (smollm2_shop_sft.py).
 
-    python recipes/smollm2_grpo_env.py
+    make demo-env
+    python recipes/smollm2_grpo_env.py --model_name_or_path runs/smollm2_shop_sft/merged
     make finetune MODEL=smollm2_grpo_env ARGS=--tiny
 """
 
