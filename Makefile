@@ -84,7 +84,8 @@ demo-tools:
 
 # Offline: a multi-turn environment (docs/rl.md#the-environment-demo): LoRA SFT on shop episodes played right (the
 # call format), then GRPO in the shop (recipes/environments/shop.py: two lookups, then the answer) on questions it
-# never saw; beside it the same budget with one call an episode (no room for the lookups the answer needs).
+# never saw; beside it the same budget with one round of calls (no room for the lookups the answer needs). Held-out
+# 0.02 -> 0.56; the GRPO stage 26:34 on 2 cores.
 demo-env:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_shop_sft.py $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/smollm2_grpo_env.py --model_name_or_path runs/smollm2_shop_sft/merged $(ARGS)
