@@ -548,3 +548,19 @@ def test_the_shop_s_sft_episodes_are_played_right_and_are_its_traces(monkeypatch
         replayed = [getattr(env, c["function"]["name"])(**c["function"]["arguments"])
                     for m in row["messages"] for c in m.get("tool_calls") or []]  # fmt: skip
         assert replayed == results and env.get_reward() == 1.0
+
+
+def test_a_spawner_that_died_is_one_line_at_the_next_reset():
+    """The process episodes are forked from, killed (the OOM killer, a user): the next reset is one line naming how
+    it ended, not a traceback from a closed pipe."""
+    from toolkit.training.environments import EnvironmentFactory, EnvironmentFailure
+
+    factory = EnvironmentFactory(Memory, "memory", 5.0)
+    first = factory()
+    first.reset()
+    first._close()
+    factory.spawner.process.kill()
+    with pytest.raises(EnvironmentFailure, match=r"^environment memory: reset failed, so the episode cannot begin: "
+                       r"the process its episodes are forked from ended \(killed by SIGKILL\)$"):  # fmt: skip
+        factory().reset()
+    factory.close()

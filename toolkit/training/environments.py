@@ -133,8 +133,9 @@ class Environment:
     def reset(self, **row):
         if self.episode is not None:
             self.episode.stop()
-        self.episode, self.last_reward = self.factory.episode(), None
+        self.episode, self.last_reward = None, None
         try:
+            self.episode = self.factory.episode()
             return self.factory.timed(self.episode, "reset", row)
         except (RuntimeError, TimeoutError) as error:
             raise EnvironmentFailure(f"environment {self.factory.spec}: reset failed, so the episode cannot begin: "

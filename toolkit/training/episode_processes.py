@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle, send_handle
 
-from .tools import tool_text
+from .tools import ended, tool_text
 
 # The training process's ends of the live episodes' and spawners' pipes (weakly: an episode's handle dropped closes
 # its end, and its process, reading the end of its pipe, exits); a process forked from it closes them all
@@ -140,9 +140,13 @@ class Spawner:
     def episode(self) -> tuple[Connection, int]:
         """A new episode's process: the pipe to it and its pid."""
         with self.lock:
-            self.control.send(("episode", None))
-            pid = self.control.recv()
-            connection = Connection(recv_handle(self.control))
+            try:
+                self.control.send(("episode", None))
+                pid = self.control.recv()
+                connection = Connection(recv_handle(self.control))
+            except (EOFError, OSError):
+                self.process.join(timeout=5)
+                raise RuntimeError(f"the process its episodes are forked from ended ({ended(self.process)})") from None
         OPEN.add(connection)
         return connection, pid
 
