@@ -100,8 +100,7 @@ def start_afresh(output_dir: str | Path) -> None:
     """A run starting from step 0 (not resumed), on rank 0 once every check has passed: an earlier run's log,
     samples and episodes in its folder removed, so that the new run's are its own and not appended to the old
     ones."""
-    from ..metrics.samples import RUN_LOG, SAMPLES_FILE
-    from .episodes import EPISODES_FILE
+    from ..metrics.samples import EPISODES_FILE, RUN_LOG, SAMPLES_FILE
 
     for name in (RUN_LOG, SAMPLES_FILE, EPISODES_FILE):
         (Path(output_dir) / name).unlink(missing_ok=True)

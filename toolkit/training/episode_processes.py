@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle, send_handle
 
-from .tools import ended, tool_text
+from .tools import ended, exit_text, tool_text
 
 # The training process's ends of the live episodes' and spawners' pipes (weakly: an episode's handle dropped closes
 # its end, and its process, reading the end of its pipe, exits); a process forked from it closes them all
@@ -70,14 +70,8 @@ def die_with_parent() -> None:
 
 
 def exit_words(status: int) -> str:
-    """A waited-for process's end, in words (as tools.ended says a tool's)."""
-    code = os.waitstatus_to_exitcode(status)
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
+    """A waited-for process's end, in words (os.waitpid's status)."""
+    return exit_text(os.waitstatus_to_exitcode(status))
 
 
 def spawner(instance, control: Connection, shapes: dict) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..metrics.samples import EPISODES_FILE
 from .environments import report_unscored
-
-EPISODES_FILE = "episodes.jsonl"
 
 
 class EpisodesMixin:

@@ -98,6 +98,12 @@ class OnlineRLMixin(ToolkitTrainerMixin):
     objective = ""  # the header's loss line
     logger = TRL_LOGGERS["grpo"]
 
+    def environment_rewards(self) -> list[str]:  # GRPO's in an environment (episodes.py); RLOO plays none
+        return []
+
+    def environment_lines(self) -> tuple[str, ...]:
+        return ()
+
     def _prepare_inputs(self, generation_batch):
         """TRL's: the generation batch's completions sampled and scored (once per generation), this micro-batch's
         slice returned; the tracker counts the tokens trained on (prompt and completion), known only now. A profile's
@@ -161,12 +167,11 @@ class OnlineRLMixin(ToolkitTrainerMixin):
                 f"{policy.max_completion_length} tokens each, temperature {policy.temperature:g}, {engine}",
                 "rewards       " + ", ".join([f"{name} x {weight:g}" for name, weight in
                                               zip(policy.rewards(), policy.weights(), strict=True)]
-                                             + [f"{name}'s get_reward x 1"
-                                                for name in getattr(self, "environment_rewards", list)()])
+                                             + [f"{name}'s get_reward x 1" for name in self.environment_rewards()])
                 + (f"; KL to the reference, beta {policy.beta:g}" if policy.beta else "; no reference model (beta 0)"),
                 *([f"tools         {policy.tools}: each call at most {policy.tool_timeout:g} s, "
                    f"{policy.max_tool_calls or 'unlimited'} round(s) a completion"] if policy.tools else []),
-                *getattr(self, "environment_lines", tuple)(),  # GRPO's (episodes.py); RLOO runs none
+                *self.environment_lines(),
                 f"loss          {self.objective}",
                 f"              (the memory plan below is the larger phase's: sampling "
                 f"{completions // self.accelerator.num_processes} rows a device at once, their KV cache at "

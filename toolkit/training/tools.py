@@ -84,7 +84,11 @@ def tool_text(result) -> str:
 
 def ended(process) -> str:
     """How a tool's process ended, in words: its exit code, or the signal that killed it."""
-    code = process.exitcode
+    return exit_text(process.exitcode)
+
+
+def exit_text(code: int | None) -> str:
+    """An exit code in words (negative: the signal that killed the process, as multiprocessing writes it)."""
     if code is not None and code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
