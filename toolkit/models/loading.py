@@ -264,6 +264,10 @@ def load_for_training(args: Arguments, blueprint: Blueprint, label_names: list[s
     if args.model.use_lora:
         set_seed(args.training.seed)  # LoRA's A matrices are random: same start for any process count
         model = add_lora(model, args.model, args.data.task, targets)
+    if args.model.qat:  # fake quantizers on the linear layers, before any wrapper or shard sees them
+        from .qat import prepare
+
+        prepare(model, args.model.qat)
     if (stages := launch_mesh().get("pp", 1)) > 1:  # this rank's stage: ranks are (stage, replica), stages outermost;
         # cut once LoRA's adapters are made (each then has the values it has in one process): what the rank keeps
         split_stage(model, int(os.environ.get("RANK", 0)) * stages // args.training.world_size, stages)

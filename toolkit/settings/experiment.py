@@ -16,7 +16,7 @@ DATA = ("task", "dataset_name", "dataset_mixture", "dataset_config", "train_spli
         "label_column", "messages_column", "prompt_column", "chat_template", "max_seq_length", "packing",
         "max_train_samples")  # fmt: skip
 MODEL = ("dtype", "dropout", "router_aux_loss_coef", "use_lora", "lora_r", "lora_alpha", "lora_dropout",
-         "lora_target_modules", "load_in_4bit")  # fmt: skip
+         "lora_target_modules", "load_in_4bit", "qat")  # fmt: skip
 TRAINING = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm",
             "lr_scheduler_type", "warmup_ratio", "warmup_steps", "label_smoothing_factor", "seed", "data_seed",
             "neftune_noise_alpha")  # fmt: skip

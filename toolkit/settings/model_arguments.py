@@ -50,6 +50,9 @@ def check_experts_name(name: str) -> None:
                           "--experts_implementation grouped_mm, for example.")  # fmt: skip
 
 
+QAT_SCHEMES = ("int4",)  # --qat's names; models/qat.py holds torchao's config of each
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(metadata={"help": "Hub id, local folder, or package:<module>/<path>."})
@@ -133,6 +136,16 @@ class ModelArguments:
         },
     )
 
+    qat: str | None = field(
+        default=None,
+        metadata={
+            "help": "Quantization-aware training, a full fine-tune: int4 (torchao) trains every linear layer but the "
+            "head through 4-bit rounding in groups of 32, and saves plain weights that a 4-bit export (toolkit export "
+            "--quant q4_0) then loses less of.",
+            "choices": list(QAT_SCHEMES),
+        },
+    )
+
     def __post_init__(self) -> None:
         optional_fields_unset(self)
         self.dtype = DTYPE_ALIASES.get(self.dtype.lower(), self.dtype.lower())
@@ -160,6 +173,8 @@ class ModelArguments:
             check_local_path(self.teacher_model_name_or_path, "teacher", "--teacher_model_name_or_path", "config.json")
         if self.load_in_4bit:
             check_qlora(self)
+        if self.qat:
+            check_qat(self)
 
     def quantization(self):
         """transformers' BitsAndBytesConfig for QLoRA (the QLoRA paper's NF4 with double quantization), computing
@@ -185,6 +200,19 @@ def lora_targets(modules: str) -> str | list[str]:
     """--lora_target_modules as peft takes it: "all-linear" (every linear layer but the output head, found by peft),
     or the comma-separated names as a list."""
     return modules if modules == "all-linear" else [t.strip() for t in modules.split(",")]
+
+
+def check_qat(model: ModelArguments) -> None:
+    """--qat: a known scheme, on weights that train (not an adapter's frozen base), with torchao installed."""
+    import importlib.util
+
+    if model.qat not in QAT_SCHEMES:
+        raise ConfigError(f"--qat {model.qat}: one of {', '.join(QAT_SCHEMES)}.")
+    if model.use_lora or model.load_in_4bit:
+        raise ConfigError("--qat trains the weights through 4-bit rounding, and under LoRA the base weights do not "
+                          "train: drop --use_lora (a full fine-tune), or drop --qat.")  # fmt: skip
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--qat needs torchao: pip install torchao (make install does).")
 
 
 def check_qlora(model: ModelArguments) -> None:
