@@ -14,8 +14,8 @@ runs/rl_objectives/NAME`, its output beside it in NAME.log), which ends by evalu
 held-out problems (eval_results.json). The table reads each run's folder: held-out accuracy and finished share
 (eval_results.json), the training reward of its last steps and the KL to the reference (run_log.jsonl: TRL logs
 `kl` only where beta > 0, as rloo's default), the run's dollars (run_summary.json, the toolkit's cost of its
-training) and the whole command's wall time (measured here). A full bench is about 8 runs of 11 minutes on 2 CPU
-cores; `--tiny --max_steps 1` smoke-tests it in a minute.
+training) and the whole command's wall time (measured here). A full bench is 8 runs of about 6 minutes on 2 CPU
+cores (49 minutes on a 2-core Xeon, docs/rl.md); `--tiny --max_steps 1` smoke-tests it in a minute.
 """
 
 from __future__ import annotations
