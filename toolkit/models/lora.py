@@ -21,8 +21,8 @@ def add_lora(model: PreTrainedModel, args: ModelArguments, task: str, target_mod
     return get_peft_model(model, config)
 
 
-def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
-    """Merge a saved LoRA adapter into its base weights: a standalone model in ADAPTER_DIR/merged.
+def save_merged(adapter_dir: str | Path, task: str, dtype: str, target: Path | None = None) -> Path:
+    """Merge a saved LoRA adapter into its base weights: a standalone model in `target` (ADAPTER_DIR/merged).
 
     Works from the consolidated adapter on disk, so it is the same for every strategy (the adapter was gathered
     from its shards when saved). Loads one full copy of the base model in host RAM.
@@ -34,7 +34,7 @@ def save_merged(adapter_dir: str | Path, task: str, dtype: str) -> Path:
     unset_hf_deepspeed_config()
     model = adapted_model(adapter_dir, task, dtype=torch_dtype(dtype))  # in the precision the base trained in
     merged = model.merge_and_unload()  # W + (alpha / r) * B @ A, adapters removed
-    target = Path(adapter_dir) / "merged"
+    target = Path(adapter_dir) / "merged" if target is None else target
     merged.save_pretrained(target)
     if tasks.task(task).images:  # an image-text model's processor: image processor, tokenizer, chat template
         from transformers import AutoProcessor

@@ -10,12 +10,13 @@ through `figure()`, which is how a test reads them back and compares them with t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from ..metrics.memory import GIB
 from ..metrics.report import by_step, json_lines
-from ..metrics.samples import RUN_LOG, read_samples
+from ..metrics.samples import EXPORTS_FILE, RUN_LOG, read_samples
 from ..settings.objectives import RLOO, objective
 from ..settings.tasks import task as task_table
 from .record import RunRecord
@@ -173,16 +174,21 @@ def afterwards(record: RunRecord, evaluation: dict | None, curve: Path | None) -
     the answers to held-out prompts at the first and last evaluation."""
     lines: list[str] = []
     if evaluation:
+        files = list(evaluation["results"][0].get("gguf", {})) if evaluation["results"] else []
         lines += ["## Evaluation: before and after", "",
                   f"The base model and this one on the same inputs ({', '.join(evaluation['tasks'])}; "
-                  "`python -m toolkit eval`):", "",
-                  "| task | metric | base | fine-tuned | change |", "|---|---|---|---|---|"]  # fmt: skip
+                  "`python -m toolkit eval`)" + (", and this one's GGUF files run by llama.cpp" if files else "") +
+                  ":", "", "| task | metric | base | fine-tuned | change |" + "".join(f" gguf {q} |" for q in files),
+                  "|---|---|---|---|---|" + "---|" * len(files)]  # fmt: skip
         for row in evaluation["results"]:
-            lines.append(f"| {row['task']} | {row['metric']} | {figure(row['base'])} | {figure(row['tuned'])} | "
-                         f"{figure(row['delta'])} |")  # fmt: skip
+            lines.append(
+                f"| {row['task']} | {row['metric']} | {figure(row['base'])} | {figure(row['tuned'])} | "
+                f"{figure(row['delta'])} |" + "".join(f" {figure(row['gguf'][q])} |" for q in files)
+            )
         lines.append("")
     if curve is not None:
         lines += ["## Loss", "", f"![loss by step]({curve.name})", ""]
+    lines += exports(record)
     samples = read_samples(record.folder)
     if samples:
         first, last = min(s["step"] for s in samples), max(s["step"] for s in samples)
@@ -194,6 +200,22 @@ def afterwards(record: RunRecord, evaluation: dict | None, curve: Path | None) -
                          f"{cell(answers.get((last, s['prompt']), '-'))} |")  # fmt: skip
         lines.append("")
     return lines
+
+
+def exports(record: RunRecord) -> list[str]:
+    """The GGUF files `toolkit export` wrote (gguf/exports.json): each one's size and how its greedy answers agree
+    with the trained model's."""
+    path = record.folder / EXPORTS_FILE
+    if not path.is_file():
+        return []
+    lines = ["## GGUF files", "", "For llama.cpp and Ollama (`python -m toolkit export`; `ollama create NAME -f "
+             "gguf/Modelfile`). Agreement: each file's greedy answers to held-out prompts against the trained "
+             "model's in transformers.", "",
+             "| file | type | size (MiB) | agreement |", "|---|---|---:|---|"]  # fmt: skip
+    for row in json.loads(path.read_text()):
+        lines.append(f"| {row['file']} | {row['quantization']} | {figure(row['bytes'] / 2**20)} | "
+                     f"{row['agreement_line']} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def task_rows(record: RunRecord) -> list[tuple[str, Any]]:
@@ -316,3 +338,13 @@ def write_card(folder: str | Path, into: str | Path | None = None, merged: bool 
     path = into / CARD
     card.save(path)
     return path
+
+
+def as_written(folder: str | Path) -> bool:
+    """Whether the run's README.md is the card the toolkit would write now (not edited by hand): a command that
+    adds to the run's files (`toolkit export`) writes the card again only then."""
+    import tempfile
+
+    card = Path(folder) / CARD
+    with tempfile.TemporaryDirectory() as scratch:
+        return card.is_file() and card.read_text() == write_card(folder, into=scratch).read_text()

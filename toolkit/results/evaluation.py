@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, command, description
 from ..metrics.samples import EVAL_FILE, RUN_LOG
+from ..models import gguf_model
 from ..settings import tasks as task_table
 from .eval_checks import EVAL_FOLDER, HELD_OUT, REPLY_CHOICE, check_run_folder, checked_tasks, task_manager
 from .record import RunRecord
@@ -243,8 +244,9 @@ def harness(model, tokenizer, tasks: list[str], manager, limit: int | None,
 
 
 def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | None = None,
-                 batch_size: int = 8) -> dict[str, Any]:  # fmt: skip
-    """Both models on every task, compared; written to RUN/eval_results.json and returned."""
+                 batch_size: int = 8, gguf: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Both models on every task, compared, and on the held-out split each of the run's GGUF files named in `gguf`
+    (run by llama.cpp); written to RUN/eval_results.json and returned."""
     import gc
 
     from ..models.loading import load_config
@@ -252,6 +254,7 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
 
     record = RunRecord.read(folder)
     tasks = tasks_for(record, requested)
+    files = gguf_model.exported_files(record.folder, gguf or [], HELD_OUT in tasks)  # before a model loads
     tokenizer = check_run_folder(record, tasks)  # the one the run trained with, its chat template
     harness_tasks = [t for t in tasks if t != HELD_OUT]
     prepared, include, manager = None, None, None
@@ -287,12 +290,11 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
             inputs[which].update(prints)
         del model
         gc.collect()
-    rows = []
-    for task in tasks:
-        for metric, before in scores["base"][task].items():
-            after = scores["tuned"][task].get(metric)
-            rows.append({"task": task, "metric": metric, "base": before, "tuned": after,
-                         "delta": None if after is None else after - before})  # fmt: skip
+    for quant, path in files.items():  # each file run by llama.cpp, through the same rows and code
+        with gguf_model.opened(path, record.folder, tokenizer, record.settings) as model:
+            scores[quant] = {HELD_OUT: task_held_out(record, "tuned", model, tokenizer, prepared.eval, batch_size)
+                             or held_out_metrics(record, model, tokenizer, prepared)}  # fmt: skip
+    rows = compared(tasks, scores, list(files))
     result = {
         "run": str(record.folder),
         "base_model": record.base_model,
@@ -300,9 +302,9 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
         "settings": {
             "limit": limit,
             "batch_size": batch_size,
-            "eval_batch_size": record.settings["per_device_eval_batch_size"],
             "seed": 0,
-        },  # fmt: skip
+            "eval_batch_size": record.settings["per_device_eval_batch_size"],
+        },
         "inputs": inputs,  # fingerprints of what each model was scored on: equal for both
         "held_out_logged_at": {which: step for which, (step, _) in logged.items()},  # the run's own, reused
         "results": rows,
@@ -312,13 +314,30 @@ def evaluate_run(folder: str | Path, requested: str | None = None, limit: int | 
     return result
 
 
+def compared(tasks: list[str], scores: dict[str, dict], files: list[str]) -> list[dict[str, Any]]:
+    """A row a task and metric: the base's figure, the tuned model's, the change, and each GGUF file's."""
+    rows = []
+    for task in tasks:
+        for metric, before in scores["base"][task].items():
+            after = scores["tuned"][task].get(metric)
+            row = {"task": task, "metric": metric, "base": before, "tuned": after,
+                   "delta": None if after is None else after - before}  # fmt: skip
+            if files:
+                row["gguf"] = {q: scores[q].get(task, {}).get(metric) for q in files}
+            rows.append(row)
+    return rows
+
+
 def table(result: dict[str, Any]) -> str:
-    """The before/after table, as the run and `toolkit eval` print it."""
-    lines = [f"{'task':<14}{'metric':<16}{'base':>12}{'fine-tuned':>12}{'change':>10}"]
+    """The before/after table, as the run and `toolkit eval` print it (a column for each GGUF file scored)."""
+    files = list(result["results"][0].get("gguf", {})) if result["results"] else []
+    lines = [f"{'task':<14}{'metric':<16}{'base':>12}{'fine-tuned':>12}{'change':>10}" +
+             "".join(f"{'gguf ' + q:>14}" for q in files)]  # fmt: skip
     for row in result["results"]:
         after = row["tuned"]
         change = "" if after is None else f"{after - row['base']:+.4g}"
-        lines.append(f"{row['task']:<14}{row['metric']:<16}{fmt(row['base']):>12}{fmt(after):>12}{change:>10}")
+        lines.append(f"{row['task']:<14}{row['metric']:<16}{fmt(row['base']):>12}{fmt(after):>12}{change:>10}" +
+                     "".join(f"{fmt(row['gguf'][q]):>14}" for q in files))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -358,8 +377,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", help=f"comma-separated: {HELD_OUT}, {REPLY_CHOICE}, or lm-evaluation-harness tasks")
     parser.add_argument("--limit", type=int, help="at most this many examples of each harness task")
     parser.add_argument("--batch_size", type=int, default=8, help="the harness's batch size")
+    parser.add_argument("--gguf", help="comma-separated: the run's GGUF files (toolkit export) to score on held-out")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: at least 1 example per task, or leave it out for all.")
-    print(table(evaluate_run(args.run, args.tasks, args.limit, args.batch_size)))
+    gguf = [q.strip() for q in args.gguf.split(",") if q.strip()] if args.gguf else None
+    print(table(evaluate_run(args.run, args.tasks, args.limit, args.batch_size, gguf)))
     return 0

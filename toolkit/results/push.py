@@ -1,7 +1,9 @@
 """`python -m toolkit push RUN --repo_id ORG/NAME`: the run's export to the Hugging Face Hub, with its card.
 
 What goes: the weights (safetensors, sharded or whole; for LoRA the adapter, or with --merged the merged model), the
-config, the tokenizer and its chat template, the card with its loss curve, and the evaluation (eval_results.json).
+config, the tokenizer and its chat template, the card with its loss curve, the evaluation (eval_results.json), and
+the GGUF files `toolkit export` wrote with their Modelfile (at the repository's top, where llama.cpp's `-hf` and
+Ollama's `hf.co/` look).
 The card is the run's README.md as it is (edited by hand or not); a run without one, and the merged model (a full
 model, not the adapter the run's card describes), get one made in a temporary folder. Not the checkpoints, the
 run's logs, rank reports or staging folders. By `huggingface_hub`'s commit API: the repository made if need be
@@ -16,12 +18,13 @@ same from rank 0 (the Trainer's own pushes during training are left off: one pus
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, command, description, first_line
-from ..metrics.samples import EVAL_FILE
+from ..metrics.samples import EVAL_FILE, EXPORTS_FILE
 from .card import CARD, CURVE, write_card
 from .record import check_export
 
@@ -75,6 +78,10 @@ def files_to_push(folder: Path, merged: bool, scratch: Path) -> dict[str, Path]:
     files.update({name: card_folder / name for name in (CARD, CURVE) if (card_folder / name).is_file()})
     if (folder / EVAL_FILE).is_file():
         files[EVAL_FILE] = folder / EVAL_FILE
+    exports = folder / EXPORTS_FILE
+    if exports.is_file():  # toolkit export's GGUF files, at the top: where llama.cpp's -hf and Ollama's hf.co look
+        names = [row["file"] for row in json.loads(exports.read_text())] + ["Modelfile"]
+        files.update({name: exports.parent / name for name in names if (exports.parent / name).is_file()})
     return files
 
 

@@ -1,0 +1,1 @@
+"""Shipping what a run trained: GGUF export for llama.cpp and Ollama, a server."""
