@@ -56,12 +56,12 @@ cluster-tools:
 # wheel it builds (minutes on 2 cores, once) and reuses it on the next CPU. Its converter, convert_hf_to_gguf.py,
 # and the gguf-py it is written against come from the same version's source archive (`toolkit export` runs it).
 LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF
-$(VENV)/share/llama.cpp/convert_hf_to_gguf.py:
+$(VENV)/share/llama.cpp/convert_hf_to_gguf.py: pyproject.toml  # again when the pin there moves
 	@version=$$($(BIN)/python -c "import llama_cpp; print(llama_cpp.__version__)") && \
 	  tmp=$$(mktemp -d) && $(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$$version" -d $$tmp && \
-	  mkdir -p $(@D) && tar xzf $$tmp/llama_cpp_python-$$version.tar.gz -C $(@D) --strip-components=3 \
+	  rm -rf $(@D) && mkdir -p $(@D) && tar xzf $$tmp/llama_cpp_python-$$version.tar.gz -C $(@D) --strip-components=3 \
 	    $$(printf "llama_cpp_python-$$version/vendor/llama.cpp/%s " convert_hf_to_gguf.py conversion gguf-py) && \
-	  rm -rf $$tmp
+	  rm -rf $$tmp && touch $@  # the archive's date is older than pyproject.toml
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -127,8 +127,8 @@ demo-export:
 	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit eval $$run --gguf f16,q8_0,q4_k_m || exit 1; done
 
 # Quantization-aware training on the chat demo's model and data: one full fine-tune with --qat int4, one without,
-# each exported to 4 bits (q4_0: llama.cpp's blocks of 32, the grid QAT trains under) and to f16, and scored on the
-# held-out split (docs/after-training.md, "Quantization-aware training").
+# each exported to 4 bits (q4_0: llama.cpp's blocks of 32) and to f16 and scored on the held-out split, then each
+# quantized by torchao's int4, the grid QAT trains under (docs/after-training.md, "Quantization-aware training").
 QAT_RUN := recipes/smollm2_chat.py --use_lora false --learning_rate 1e-4 --max_steps 40 --eval_tasks held-out
 demo-qat:
 	HF_HUB_OFFLINE=1 $(BIN)/python $(QAT_RUN) --output_dir runs/smollm2_chat_full $(ARGS)
@@ -136,6 +136,7 @@ demo-qat:
 	for run in runs/smollm2_chat_full runs/smollm2_chat_qat; do \
 	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit export $$run --to gguf --quant f16,q4_0 && \
 	  HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit eval $$run --tasks held-out --gguf f16,q4_0 || exit 1; done
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/qat_ptq.py runs/smollm2_chat_full runs/smollm2_chat_qat
 
 # Talk to a trained chat model (its output folder, merged/ folder or checkpoint): make chat RUN=runs/smollm2_chat
 chat:

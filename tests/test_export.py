@@ -215,3 +215,27 @@ def test_eval_scores_each_gguf_file_beside_the_trained_model(runs, capsys):
                       rows["perplexity"]["gguf"]["q4_k_m"])  # fmt: skip
     assert abs(f16 - tuned) < 0.01 * tuned and abs(q4 - tuned) > abs(f16 - tuned), (tuned, f16, q4)
     assert abs(rows["token_accuracy"]["gguf"]["f16"] - rows["token_accuracy"]["tuned"]) < 0.02
+
+
+def test_what_cannot_be_served_is_one_line(runs, tmp_path, capsys):
+    """Before a model loads: a folder with no model, a GGUF never exported (naming the export that writes it), a
+    port another process holds, a classifier."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        (tmp_path / "classifier").mkdir()
+        (tmp_path / "classifier" / "config.json").write_text('{"architectures": ["BertForSequenceClassification"]}')
+        (tmp_path / "classifier" / "model.safetensors").write_bytes(b"")
+        cases = [([str(tmp_path)], "holds no exported model"),
+                 ([str(runs["qwen"]), "--gguf", "q2_k"], "--quant q2_k` writes it"),
+                 ([str(runs["qwen"]), "--port", port], "pass another --port"),
+                 ([str(tmp_path / "classifier")], "it labels text")]  # fmt: skip
+        for argv, said in cases:
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as stopped:
+                entry("serve")(argv)
+            err = capsys.readouterr().err
+            assert stopped.value.code == 2 and said in err and "Traceback" not in err, err

@@ -66,3 +66,17 @@ def test_qat_refuses_weights_that_do_not_train(tmp_path, flags):
     with pytest.raises(ConfigError, match="drop --use_lora"):
         train(LLAMA3_FFT, [*SHORT, "--qat", "int4", *flags, "--output_dir", str(tmp_path / "x")], "llama3_fft")
     assert not (tmp_path / "x").exists()
+
+
+def test_toolkit_eval_of_a_qat_run_scores_the_saved_weights_not_the_runs_fake_quantized_evaluations(tmp_path):
+    """A QAT run evaluates through its fake quantizers (--eval_on_start: the base rounded to int4), so `toolkit eval`
+    must not reuse those figures as it does a plain run's: the base it reports is the plain run's base, to the digit."""
+    from toolkit.results.evaluation import evaluate_run
+
+    flags = [*SHORT, "--eval_on_start", "true", "--eval_fraction", "0.2"]
+    train(LLAMA3_FFT, [*flags, "--output_dir", str(tmp_path / "plain")], "llama3_fft")
+    train(LLAMA3_FFT, [*flags, "--qat", "int4", "--output_dir", str(tmp_path / "qat")], "llama3_fft")
+    plain, qat = (evaluate_run(tmp_path / name, "held-out") for name in ("plain", "qat"))
+    assert plain["held_out_logged_at"] and not qat["held_out_logged_at"]  # the plain run's own figures are reused
+    base = {r["metric"]: r["base"] for r in plain["results"]}
+    assert {r["metric"]: r["base"] for r in qat["results"]} == pytest.approx(base, rel=1e-6)

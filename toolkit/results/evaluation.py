@@ -193,11 +193,12 @@ def logged_held_out(record: RunRecord) -> dict[str, tuple[int, dict[str, float]]
     """The run's own held-out evaluations, where it made them: of the model it started from at step 0
     (--eval_on_start) as "base", of the one it saved at its last step as "tuned", each with its step. The same rows,
     collator, metrics and precision as held_out_metrics (the chat demo's: equal to 8 digits), so not computed
-    twice. None from a 4-bit run: the base that trained was quantized, the one compared here is not."""
+    twice. None from a 4-bit run (the base that trained was quantized, the one compared here is not) nor from a
+    QAT run (it evaluated through its fake quantizers; the saved weights are plain)."""
     from ..metrics.report import json_lines
 
     log = record.folder / RUN_LOG
-    if record.settings.get("load_in_4bit") or not log.is_file():
+    if record.settings.get("load_in_4bit") or record.settings.get("qat") or not log.is_file():
         return {}
     found = {}
     for line in json_lines(log):
