@@ -103,12 +103,25 @@ def test_a_qwen3_full_run_exports_to_f16_and_q8_0(runs):
 
 
 def test_what_cannot_be_exported_is_one_line_and_leaves_nothing(tmp_path, capsys):
-    """A tokenizer llama.cpp does not implement (--tiny's, trained here), a classifier, a type llama.cpp has no name
-    for: one error line, exit 2, no gguf/ folder."""
+    """A family llama.cpp's converter does not know (OPT, which transformers implements), a tokenizer llama.cpp does
+    not implement (--tiny's, trained here), a classifier, a type llama.cpp has no name for: one error line, exit 2,
+    no gguf/ folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.data.sources import resolve
+    from toolkit.models.tiny import tiny_config
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(SMOLLM2_CHAT["model_name_or_path"]))
+    opt = AutoModelForCausalLM.from_config(tiny_config("facebook/opt-125m", tokenizer))
+    opt.save_pretrained(tmp_path / "opt-toy")
+    tokenizer.save_pretrained(tmp_path / "opt-toy")
+    train(SMOLLM2_CHAT, [*QUICK, "--model_name_or_path", str(tmp_path / "opt-toy"), "--use_lora", "false",
+                         "--max_steps", "1", "--output_dir", str(tmp_path / "opt")], "smollm2_chat")  # fmt: skip
     train(LLAMA3_FFT, ["--tiny", "--max_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "tiny")],
           "llama3_fft")  # fmt: skip
     train(BERT, ["--tiny", "--max_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "bert")], "bert")
-    cases = [(tmp_path / "tiny", "f16", "pre-tokenizer"), (tmp_path / "bert", "f16", "GGUF is for models that write"),
+    cases = [(tmp_path / "opt", "f16", "no converter for the OPTForCausalLM architecture"),
+             (tmp_path / "tiny", "f16", "pre-tokenizer"), (tmp_path / "bert", "f16", "GGUF is for models that write"),
              (tmp_path / "tiny", "q4_k_x", "not a type llama.cpp writes; one of f16, bf16, f32")]  # fmt: skip
     for run, quant, said in cases:
         capsys.readouterr()

@@ -65,15 +65,17 @@ def convert(model: Path, out: Path, outtype: str, log: Path) -> None:
     with open(log, "ab") as sink:
         sink.write(f"$ {' '.join(command)}\n".encode())
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.PIPE)
-        tail = b""
+        tail, shown = b"", False
         for chunk in iter(lambda: process.stderr.read(256), b""):
             sink.write(chunk)
             tail = (tail + chunk)[-4096:]
             if b"Writing:" in chunk:  # tqdm's bar, redrawn with \r: the one line worth showing
                 sys.stderr.write(chunk.decode(errors="replace").split("\n")[-1])
                 sys.stderr.flush()
+                shown = True
         code = process.wait()
-    sys.stderr.write("\n")
+    if shown:
+        sys.stderr.write("\n")
     if code != 0:
         text = tail.decode(errors="replace")
         for pattern, meaning in REFUSALS:
