@@ -7,8 +7,9 @@ any 4-bit quantizer takes them, `toolkit export --quant q4_0` (llama.cpp's block
 resumed run puts the fake quantizers back on at load.
 
 int4 is torchao's IntxWeightOnlyConfig: symmetric 4-bit integers in groups of 32 weights along a row, a scale each
-group: the grid of llama.cpp's Q4_0 (32-weight blocks, one scale each), the CPU-friendly scheme torchao's QAT
-supports on any device. The output head stays as it is (GGUF's 4-bit types keep it at 6 bits or more).
+group (the absolute maximum over 7.5), the CPU-friendly scheme torchao's QAT supports on any device. llama.cpp's
+Q4_0 has the same blocks but another scale (the signed maximum over -8): measured, QAT helps the first and not the
+second (docs/after-training.md). The output head stays as it is (GGUF's 4-bit types keep it at 6 bits or more).
 """
 
 from __future__ import annotations

@@ -140,8 +140,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Quantization-aware training, a full fine-tune: int4 (torchao) trains every linear layer but the "
-            "head through 4-bit rounding in groups of 32, and saves plain weights that a 4-bit export (toolkit export "
-            "--quant q4_0) then loses less of.",
+            "head through torchao's 4-bit rounding in groups of 32, and saves plain weights that torchao's int4 then "
+            "loses less of (llama.cpp's Q4_0 rounds by another rule: docs/after-training.md).",
             "choices": list(QAT_SCHEMES),
         },
     )
