@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,11 +23,8 @@ class GGUFModel(torch.nn.Module):
     main_input_name = "input_ids"
 
     def __init__(self, path: Path, config, generation_config, n_ctx: int):
-        from .gguf_convert import bindings
-
         super().__init__()
-        self.llama = bindings().Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=True,
-                                      n_threads=os.cpu_count(), verbose=False, seed=0)  # fmt: skip
+        self.llama = opened_llama(path, n_ctx)
         self.config, self.generation_config, self.name = config, generation_config, path.name
         self.register_buffer("anchor", torch.zeros(1), persistent=False)
 
@@ -57,19 +55,36 @@ class GGUFModel(torch.nn.Module):
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         rows = []
         for ids, keep in zip(input_ids, mask, strict=True):
-            self.llama.reset()
-            self.llama.eval(ids[keep].tolist())
-            answer: list[int] = []
-            while len(answer) < max_new_tokens:
-                answer.append(int(self.llama.scores[self.llama.n_tokens - 1].argmax()))
-                if answer[-1] in stops:
-                    break
-                self.llama.eval(answer[-1:])
+            answer, _ = greedy(self.llama, ids[keep].tolist(), max_new_tokens, stops)
             rows.append(answer + [pad_token_id if pad_token_id is not None else 0] * (max_new_tokens - len(answer)))
         return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
 
     def close(self) -> None:
         self.llama.close()
+
+
+def opened_llama(path: Path, n_ctx: int):
+    """llama.cpp's model of the file, every position's logits kept (llama-cpp-python keeps none without
+    logits_all), on every core."""
+    from .gguf_convert import bindings
+
+    return bindings().Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=True,
+                            n_threads=os.cpu_count(), verbose=False, seed=0)  # fmt: skip
+
+
+def greedy(llama, ids: list[int], max_new_tokens: int, stops) -> tuple[list[int], float]:
+    """llama.cpp's greedy continuation of `ids`, ending at a stop id or `max_new_tokens`, and the seconds its
+    decoding took (after the prompt, whose pass gives the first token)."""
+    llama.reset()
+    llama.eval(ids)
+    answer: list[int] = []
+    start = time.perf_counter()
+    while len(answer) < max_new_tokens:
+        answer.append(int(llama.scores[llama.n_tokens - 1].argmax()))
+        if answer[-1] in stops:
+            break
+        llama.eval(answer[-1:])
+    return answer, time.perf_counter() - start
 
 
 def exported_files(run: Path, quants: list[str], held_out: bool = True) -> dict[str, Path]:

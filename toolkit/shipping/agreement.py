@@ -10,9 +10,7 @@ real difference. Each answer stops at the run's stop tokens (stop_token_ids) or 
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,27 +70,15 @@ def references(model, tokenizer, prompts: list, max_new_tokens: int) -> list[Ref
 
 def compare(gguf: Path, refs: list[Reference], stops: list[int], n_ctx: int) -> Agreement:
     """The GGUF's greedy answers, by llama.cpp, to the references' prompt ids, against theirs."""
-    import numpy as np
+    from ..models.gguf_model import greedy, opened_llama
 
-    from ..models.gguf_convert import bindings
-
-    llama = bindings().Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False, seed=0,
-                             logits_all=True)  # scores kept (llama-cpp-python keeps none without it)  # fmt: skip
+    llama = opened_llama(gguf, n_ctx)
     result, decoding, decoded = Agreement(prompts=len(refs)), 0.0, 0
     try:
         for k, ref in enumerate(refs):
             result.tokenized_alike += llama.tokenize(ref.prompt.encode(), add_bos=False, special=True) == ref.ids
-            llama.reset()
-            llama.eval(ref.ids)
-            answer: list[int] = []
-            start = time.perf_counter()
-            while len(answer) < max(len(ref.answer), 1):
-                token = int(np.argmax(llama.scores[llama.n_tokens - 1]))
-                answer.append(token)
-                if token in stops:
-                    break
-                llama.eval([token])
-            decoding += time.perf_counter() - start
+            answer, seconds = greedy(llama, ref.ids, max(len(ref.answer), 1), stops)
+            decoding += seconds
             decoded += len(answer) - 1  # the first came with the prompt
             same = next((i for i, (a, b) in enumerate(zip(answer, ref.answer, strict=False)) if a != b),
                         min(len(answer), len(ref.answer)))  # fmt: skip
