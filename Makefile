@@ -18,7 +18,7 @@ REPORT ?= reports/latest # report: where the charts and pages go
 .PHONY: install install-node cluster-tools demo demo-sft demo-grpo demo-rloo demo-tools demo-env demo-distill demo-vlm demo-export demo-qat chat prepare finetune plan report bench bench-rl-objectives bench-gpu gpu-check test test-fast lint format clean
 
 # Everything: install-node's .venv with the demo, Ray, Kubernetes and test extras too, the demo's weights, SkyPilot's
-# client and the multi-node tests' engines.
+# client, OpenEnv's server and the multi-node tests' engines.
 install: install-node
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install -c constraints.txt -e ".[$(NODE_EXTRAS),demo,ray,kubernetes,ship,dev]"
 	$(MAKE) --no-print-directory $(VENV)/share/llama.cpp/convert_hf_to_gguf.py
@@ -26,6 +26,9 @@ install: install-node
 	# SkyPilot's client (`sky`, and the tests' parse of `toolkit launch --on skypilot`'s task) in its own venv: it
 	# pins click below what huggingface_hub's `hf download` needs.
 	$(PYTHON) -m venv $(VENV)-skypilot && $(VENV)-skypilot/bin/python -m pip install "skypilot>=0.14,<0.15"
+	# OpenEnv's server (openenv-core brings FastAPI, Gradio and an MCP server) in its own venv, as an environment is
+	# served apart from training: recipes/environments/shop_openenv.py and the tests' served environments run in it.
+	$(PYTHON) -m venv $(VENV)-openenv && $(VENV)-openenv/bin/python -m pip install "openenv-core==0.3.0" "fastmcp>=4.2,<5"
 	HF_HUB_OFFLINE=1 $(BIN)/python -m toolkit prepare smollm2_chat  # the demo's weights (a GGUF) converted once
 	$(MAKE) --no-print-directory cluster-tools
 

@@ -162,6 +162,35 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
+OPENENV = BIN.parent.with_name(".venv-openenv") / "bin" / "python"  # openenv-core's server, beside the toolkit's venv
+
+
+@contextlib.contextmanager
+def openenv_server(script: Path):
+    """`script` (an OpenEnv app, run with its port) served by openenv-core from .venv-openenv on a free port: its
+    URL, once /health answers."""
+    import urllib.request
+
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: one no one reads would stop the server once full
+    server = subprocess.Popen([str(OPENENV), str(script), "--port", str(port)], cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            assert server.poll() is None, f"{script.name} ended: {log.seek(0) or log.read()[-3000:]}"
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{url}/health", timeout=1).close()
+                break
+            time.sleep(0.1)
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+        log.seek(0)
+        print(log.read()[-5000:])  # shown with a failing test's output
+        log.close()
+
+
 def warm_log() -> Path:
     """What this worker's warm process did: a line per launcher or rank, `warm SCRIPT` or `cold SCRIPT VARIABLE`."""
     return Path(os.environ["TOOLKIT_TEST_ZYGOTE"]).with_name("log")

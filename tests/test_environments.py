@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import shop_policy
 import torch
-from conftest import BIN, check, free_port, logged, preempt_at, rank_reports, run_cmd
+from conftest import BIN, ROOT, check, free_port, logged, openenv_server, preempt_at, rank_reports, run_cmd
 from safetensors.torch import load_file
 from smollm2_grpo_env import RECIPE as ENV
 
@@ -141,6 +141,34 @@ def test_preempted_run_in_an_environment_resumes_bit_identically(one_process, tm
     full, resumed = rank_reports(one_process)[0], rank_reports(out)[0]
     assert resumed["losses"] == full["losses"] and resumed["weights_sha256"] == full["weights_sha256"]
     assert logged(out, "reward")[-1:] == logged(one_process, "reward")[-1:]
+
+
+def test_the_shop_served_by_openenv_trains_as_the_shop_in_process(one_process, tmp_path, scripted):
+    """The shop behind openenv-core's own server (recipes/environments/shop_openenv.py), each episode a WebSocket
+    session of its own: the same episodes, rewards, losses and adapter as the shop in the training's process; its
+    held-out episodes, played by a model that answers right, score 1 each, as in-process."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from toolkit.results.held_out_rewards import held_out_rewards
+
+    out = tmp_path / "served"
+    flags = env_flags(out)
+    with openenv_server(ROOT / "recipes" / "environments" / "shop_openenv.py") as url:
+        flags[flags.index("--environment") + 1] = url
+        train(ENV, flags, NAME)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        rows = Dataset.from_list([json.loads(line) for line in Path(shop_policy.ROWS).read_text().splitlines()[:4]])
+        scores = held_out_rewards(RunRecord.read(out), ScriptedModel(tokenizer), tokenizer, rows, batch_size=2)
+    assert scores["ShopEnvironment"] == scores["reward"] == scores["finished"] == 1.0
+    keys = ("loss", "reward", "reward_std", "grad_norm", "entropy", "num_tokens", "environment/turns",
+            "tools/call_frequency", "tools/failure_frequency", "completions/mean_length")  # fmt: skip
+    assert {key: logged(out, key) for key in keys} == {key: logged(one_process, key) for key in keys}
+    assert logged(out, "rewards/ShopEnvironment/mean") == logged(one_process, "rewards/Shop/mean")  # the class's name
+    assert rank_reports(out)[0]["weights_sha256"] == rank_reports(one_process)[0]["weights_sha256"]
+    turns = [[json.loads(line)["turns"] for line in (run / "episodes.jsonl").read_text().splitlines()]
+             for run in (out, one_process)]  # fmt: skip
+    assert turns[0] == turns[1]
 
 
 @pytest.mark.launch
@@ -477,7 +505,7 @@ def test_a_class_that_connects_when_built_gets_a_connection_an_episode(tmp_path)
     from toolkit.training.environment_checks import environment_class
     from toolkit.training.environments import EnvironmentFactory
 
-    factory = EnvironmentFactory(environment_class(f"{path}:Client"), "client", 5.0)
+    factory = EnvironmentFactory(environment_class(f"{path}:Client", 5.0), "client", 5.0)
     first, second = factory(), factory()
     try:
         first.reset()

@@ -13,8 +13,6 @@ import json
 import random
 import sys
 
-from transformers.utils import get_json_schema
-
 FRUITS = ("apples", "pears", "plums", "lemons", "limes", "figs", "kiwis", "mangos", "peaches", "cherries")
 
 
@@ -68,6 +66,8 @@ def traces(n: int, seed: int = 1) -> list[dict]:
     """`n` episodes played right, as SFT rows (the demo's first stage: the call format, a lookup a turn, the sum
     written out before the answer): half on one item, half on two; each offers the shop's tools as the GRPO stage
     does (a `tools` column). Another seed than the GRPO rows', so their counts differ."""
+    from transformers.utils import get_json_schema  # here: the shop itself is served where transformers is not
+
     tools = json.dumps([get_json_schema(Shop.stock), get_json_schema(Shop.answer)])
     out = []
     draw = random.Random(seed)

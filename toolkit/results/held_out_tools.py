@@ -63,9 +63,10 @@ class Loop:
         from ..training.environments import EnvironmentFactory
         from ..training.tools import tool_functions
 
-        tools = tool_functions([t.strip() for t in (policy.tools or "").split(",") if t.strip()], policy.tool_timeout)
+        timeout = policy.tool_timeout
+        tools = tool_functions([t.strip() for t in (policy.tools or "").split(",") if t.strip()], timeout)
         named = named_environments(policy.environment)
-        environments = {name: EnvironmentFactory(environment_class(spec), spec, policy.tool_timeout)
+        environments = {name: EnvironmentFactory(environment_class(spec, timeout), spec, timeout)
                         for name, spec in named.items()} or None  # fmt: skip
         if not any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")):
             add_response_schema(tokenizer)  # how TRL reads a call out of a turn, for the templates it knows

@@ -150,8 +150,8 @@ class PolicyArguments:
     environment: str | None = field(
         default=None,
         metadata={"help": "grpo: the environment episodes play in, module:Class or path/file.py:Class (its methods "
-                  "the tools, reset, get_reward: TRL's); several as name=module:Class,..., each row's `environment` "
-                  "column naming its own (docs/rl.md)."},
+                  "the tools, reset, get_reward: TRL's), or an OpenEnv server's URL (http://host:port); several as "
+                  "name=module:Class,..., each row's `environment` column naming its own (docs/rl.md)."},
     )  # fmt: skip
     vllm_mode: str = field(default="colocate", metadata={"help": f"grpo, rloo with vLLM: {', '.join(VLLM_MODES)}."})
     sampler: str = field(

@@ -1,9 +1,10 @@
 """A GRPO run's environments (--environment) loaded and checked before any weights load, each in one line: the
-class (`module:Class` or `path/file.py:Class`), its `reset`, its tools' schemas (transformers reads each from the
-signature's type hints and the docstring's Args, as for --tools), a tool named like another the model is offered, a
-reward source (get_reward, or --reward_funcs), the rows' `environment` names where several classes are named; then
-one trial episode on the first row, in its own process: reset and get_reward must answer in time with what TRL can
-use. The factories TRL is given come out (environments.py)."""
+class (`module:Class`, `path/file.py:Class`, or one built for an OpenEnv server's URL: served_environments.py),
+its `reset`, its tools' schemas (transformers reads each from the signature's type hints and the docstring's Args,
+as for --tools), a tool named like another the model is offered, a reward source (get_reward, or --reward_funcs),
+the rows' `environment` names where several classes are named; then one trial episode on the first row, in its
+own process: reset and get_reward must answer in time with what TRL can use. The factories TRL is given come out
+(environments.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import inspect
 from ..errors import ConfigError, DataError, warn
 from .environments import Environment, EnvironmentFactory, EnvironmentFailure, tool_names
 from .rewards import user_object
+from .served_environments import is_served, served_class
 
 TRIAL_ROWS = 1  # episodes tried before training: the first row's
 
@@ -22,7 +24,7 @@ def environment_factories(policy, rows, tool_names_offered: list[str]) -> Enviro
     named = named_environments(policy.environment)
     if not named:
         return None
-    factories = {name: EnvironmentFactory(environment_class(spec), spec, policy.tool_timeout)
+    factories = {name: EnvironmentFactory(environment_class(spec, policy.tool_timeout), spec, policy.tool_timeout)
                  for name, spec in named.items()}  # fmt: skip
     for factory in factories.values():
         check_class(factory, tool_names_offered)
@@ -53,7 +55,10 @@ def named_environments(value: str | dict | None) -> dict[str | None, str]:
     return {name.strip(): spec.strip() for name, _, spec in named}
 
 
-def environment_class(spec: str) -> type:
+def environment_class(spec: str, timeout: float) -> type:
+    """The class a spec names, or the one built for an environment served at a URL (served_environments.py)."""
+    if is_served(spec):
+        return served_class(spec, timeout)
     if ":" not in spec:
         raise ConfigError(f"environment {spec!r}: write module:Class or path/file.py:Class.")
     cls = user_object(spec, "environment")
