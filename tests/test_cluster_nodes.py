@@ -189,7 +189,10 @@ def test_a_cut_link_ends_both_nodes_naming_the_lost_one_and_the_relaunch_resumes
     newest = max(shared.joinpath(name).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     outputs = run_nodes(cluster, script, envs, shared, tmp_path / "relaunch")
     assert f"resume auto: continuing from /checkpoints/{name}/{newest.name}" in outputs[0], outputs[0][-2000:]
-    for a, b in zip(reference, rank_reports(shared / name), strict=True):
+    reports = rank_reports(shared / name)  # once short of a rank's (a flake not yet explained): say whose, and why
+    assert len(reports) == len(reference), [sorted(p.name for p in shared.joinpath(name).rglob("rank*")),
+                                            *(out[-1500:] for out in outputs)]  # fmt: skip
+    for a, b in zip(reference, reports, strict=True):
         assert b["weights_sha256"] == a["weights_sha256"]
 
 

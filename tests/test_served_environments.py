@@ -1,9 +1,9 @@
 """Environments served in OpenEnv's protocol (--environment http://..., served_environments.py), against
 openenv-core's own server (0.3.0, from .venv-openenv, which `make install` builds): an MCP environment's tools
 and a plain one's action become the class's tools with the schemas the server gives; each episode its own
-session, told its row; rewards summed from the answers; done, a tool's error, a server that fails reset or goes
-away: error results or one line, never a hang. Training against the served shop equals training against the shop
-in-process: tests/test_environments.py."""
+session, told its row; its return summed from the answers (0 if none carried a reward); done, a tool's error, a
+server that fails reset or goes away: error results or one line, never a hang. Training against the served shop
+equals training against the shop in-process: tests/test_environments.py."""
 
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def test_an_mcp_environment_s_tools_are_the_in_process_class_s():
         assert all(get_json_schema(getattr(cls, n)) == get_json_schema(getattr(Shop, n)) for n in ("answer", "stock"))
         (shop,) = handles(url)
         try:
+            shop.reset(items=["figs", "limes"], counts=[4, 9])
+            assert shop.stock(item="limes") == "9 limes" and shop.get_reward() == 0.0  # never answered: as Shop's
             assert shop.reset(items=["figs", "limes"], counts=[4, 9]) is None
             assert shop.stock(item="limes") == "9 limes"
             with pytest.raises(RuntimeError, match="Missing required argument"):
@@ -83,15 +85,17 @@ def test_an_mcp_environment_s_tools_are_the_in_process_class_s():
 def test_a_server_that_fails_or_goes_away_is_one_line_or_an_error_result():
     """Nothing listening: one line at the class, naming the fix. reset raising on the server: the episode cannot
     begin, one line with the server's reason. The server killed mid-episode: the next call is an error result at
-    once, and the next episode cannot begin (one line), never a hang."""
+    once, the episode cannot be scored (one line: never a silent 0), nor the next begin; never a hang."""
     with openenv_server(GUESS) as url:
         (env,) = handles(url)
         with pytest.raises(EnvironmentFailure, match="reset failed, so the episode cannot begin: .*this row breaks"):
             env.reset(secret=3, fail=True)
         env.reset(secret=3)
     start = time.monotonic()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the session with the server was lost: ConnectionClosed"):
         env.step(guess=3)
+    with pytest.raises(EnvironmentFailure, match="get_reward failed, so the episode cannot be scored: .*lost mid"):
+        env.get_reward()
     with pytest.raises(EnvironmentFailure, match="reset failed, so the episode cannot begin: .*Connection refused"):
         env.reset(secret=3)
     assert time.monotonic() - start < 10

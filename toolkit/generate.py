@@ -17,6 +17,13 @@ from pathlib import Path
 from .errors import ConfigError, command
 
 
+def refuse_classifier(folder: Path, architectures: list[str] | None) -> None:
+    """A model that labels text (a classification head) cannot answer: one line, before it loads."""
+    heads = " ".join(architectures or [])
+    if "ForSequenceClassification" in heads or "ForTokenClassification" in heads:
+        raise ConfigError(f"{folder} is a classification model ({heads}): it labels text, it does not write it.")
+
+
 def load(folder: str | Path, dtype: str = "auto"):
     """(model, tokenizer) of a run's output: a full causal LM, or a LoRA adapter on its base. A folder that is not
     whole (no weights, a config that is not JSON, no tokenizer) is one error line naming what is missing."""
@@ -53,9 +60,7 @@ def load_model_and_tokenizer(folder: Path, dtype: str):
         config = AutoConfig.from_pretrained(base)
     else:
         config = AutoConfig.from_pretrained(folder)
-    heads = " ".join(config.architectures or [])
-    if "ForSequenceClassification" in heads or "ForTokenClassification" in heads:
-        raise ConfigError(f"{folder} is a classification model ({heads}): it labels text, it does not write it.")
+    refuse_classifier(folder, config.architectures)
     from .models.lora import adapted_model
     from .settings.tasks import architecture
 

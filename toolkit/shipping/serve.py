@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, command, description
+from ..generate import refuse_classifier
 from ..models.gguf_model import exported_files
 from ..results.record import check_export
 
@@ -101,6 +102,4 @@ def check_text_model(run: Path) -> None:
     config = run / "config.json"
     if adapter.is_file() and not config.is_file():
         return  # the base's config is read when the adapter loads (generate.load's own errors)
-    heads = " ".join(json.loads(config.read_text()).get("architectures") or [])
-    if "ForSequenceClassification" in heads or "ForTokenClassification" in heads:
-        raise ConfigError(f"{run} is a classification model ({heads}): it labels text, it does not write it.")
+    refuse_classifier(run, json.loads(config.read_text()).get("architectures"))

@@ -7,9 +7,10 @@ begins it (the row's columns are sent; the server passes on those its reset take
 action, and every answer is the observation, its reward and whether the episode is done. An MCP environment lists
 its tools (a `list_tools` step) and runs one per `call_tool` step: each becomes a method of the class, with the
 tool's name, description and argument schema (what TRL and transformers read from a user's method). Any other
-environment takes one kind of action, whose fields /schema describes: one tool, `step`. `get_reward` is the sum
-of the rewards the episode's answers carried (None, unscored, if none carried one); a call after the server said
-done is an error result, and so is a tool's error (MCP's `error`), both counted as TRL counts a tool's failures.
+environment takes one kind of action, whose fields /schema describes: one tool, `step`. `get_reward` is the
+episode's return, the sum of the rewards its answers carried (0 if none did); a call after the server said done
+is an error result, and so is a tool's error (MCP's `error`), both counted as TRL counts a tool's failures. A
+session lost mid-episode (the server gone) leaves the episode unscorable: the run ends in one line.
 
 Each episode opens its session in its own process (environments.py forks them), so two episodes never share one.
 The protocol is spoken here with `websockets`: openenv-core's own client comes with the server's FastAPI, Gradio
@@ -83,23 +84,27 @@ class ServedEpisode:
     url, timeout = "", 10.0
 
     def __init__(self) -> None:  # no connection here: the episode's process opens its own at reset
-        self.session, self.rewards, self.done = None, [], True  # done until reset begins an episode
+        self.session, self.rewards, self.done, self.lost = None, [], True, ""  # done until reset begins an episode
 
     def reset(self, **row):
         if self.session is not None:
             self.session.close()
-        self.session, self.rewards = Session(self.url, self.timeout), []
+        self.session, self.rewards, self.lost = Session(self.url, self.timeout), [], ""
         answer = self.session.ask("reset", json.loads(json.dumps(row, default=str)))  # JSON, whatever the columns
         self._note(answer)
         return text(answer.get("observation") or {})
 
-    def get_reward(self) -> float | None:
-        """The episode's score, asked at its end (TRL's last call): the session is closed here, as the server
-        expects, not dropped when the episode's process is stopped."""
+    def get_reward(self) -> float:
+        """The episode's return: the sum of the rewards its answers carried (0 if none did: an episode the
+        environment did not reward, as the in-process shop scores one never answered). Asked at the episode's end
+        (TRL's last call), it closes the session as the server expects. An episode whose session was lost cannot
+        be scored: that raises, and the run ends in one line (the server is gone for the next episode too)."""
+        if self.lost:
+            raise RuntimeError(f"the session with the server was lost mid-episode ({self.lost})")
         if self.session is not None:
             self.session.close()
             self.session, self.done = None, True
-        return sum(self.rewards) if self.rewards else None
+        return float(sum(self.rewards))
 
     def _note(self, answer: dict) -> None:
         if answer.get("reward") is not None:
@@ -107,9 +112,15 @@ class ServedEpisode:
         self.done = bool(answer.get("done"))
 
     def _act(self, action: dict) -> str | None:
+        from websockets.exceptions import WebSocketException
+
         if self.done:
             raise RuntimeError("the episode has ended (the environment said done, or it was scored): no more calls")
-        answer = self.session.ask("step", action)
+        try:
+            answer = self.session.ask("step", action)
+        except (OSError, WebSocketException) as error:
+            self.lost, self.done = f"{type(error).__name__}: {error}", True
+            raise RuntimeError(f"the session with the server was lost: {self.lost}") from None
         self._note(answer)
         observation = answer.get("observation") or {}
         if observation.get("error"):  # an MCP tool's failure: the model reads it, TRL counts it
