@@ -102,3 +102,15 @@ def test_a_server_that_fails_or_goes_away_is_one_line_or_an_error_result():
     env._close()
     with pytest.raises(ConfigError, match=r"no OpenEnv server answers there \(\[Errno 111\] Connection refused\)"):
         served_class(url, 5.0)
+
+
+def test_what_the_model_reads_of_an_observation():
+    """An MCP result's text parts; else the observation's own fields: one text field as it is, several as JSON,
+    none as nothing (done, reward and metadata are the protocol's, not the model's)."""
+    from toolkit.training.served_environments import text
+
+    content = [{"type": "text", "text": "3 apples"}, {"type": "image", "data": "..."}, {"type": "text", "text": "ok"}]
+    assert text({"tool_name": "stock", "result": {"content": content}, "error": None}) == "3 apples\nok"
+    assert text({"board": "x.o", "done": False, "reward": None, "metadata": {"turn": 2}}) == "x.o"
+    assert text({"board": "x.o", "legal": [1, 2], "done": False}) == '{"board": "x.o", "legal": [1, 2]}'
+    assert text({"score": 3}) == '{"score": 3}' and text({"done": True, "reward": 1.0, "metadata": {}}) is None
