@@ -1,6 +1,8 @@
 """The shop (shop.py) served in OpenEnv's protocol (openenv-core, https://github.com/meta-pytorch/OpenEnv): an
 MCP environment whose tools are the shop's `stock` and `answer`, each WebSocket session an episode of its own.
-`answer` ends the episode, its observation carrying the shop's reward. It runs in OpenEnv's own environment, which
+Each call's reward is the change it made to the shop's score, so an episode's return (the sum, what the toolkit
+scores it by) is the score the shop's get_reward gives at its end in-process: the same episodes, a second answer
+included, score the same served or not. It runs in OpenEnv's own environment, which
 `make install` builds beside the toolkit's (.venv-openenv: openenv-core brings FastAPI, Gradio and an MCP server,
 none of which training needs):
 
@@ -31,7 +33,7 @@ class ShopEnvironment(MCPEnvironment):
     SUPPORTS_CONCURRENT_SESSIONS = True  # each session builds its own: nothing is shared
 
     def __init__(self) -> None:
-        self.shop, self.steps = Shop(), 0
+        self.shop, self.steps, self.score = Shop(), 0, 0.0
         server = FastMCP("shop")
         for tool in (self.shop.stock, self.shop.answer):
             server.tool(tool)  # its name, docstring and signature: the schema the in-process shop offers
@@ -39,14 +41,15 @@ class ShopEnvironment(MCPEnvironment):
 
     def reset(self, seed=None, episode_id=None, items=None, counts=None, **row) -> Observation:
         self.shop.reset(items, counts)
-        self.steps = 0
+        self.steps, self.score = 0, self.shop.get_reward()
         return Observation(done=False, reward=None)
 
     async def step_async(self, action, timeout_s=None, **kwargs) -> Observation:
         observation = await super().step_async(action, timeout_s=timeout_s, **kwargs)
-        self.steps += 1
-        if isinstance(action, CallToolAction) and action.tool_name == "answer" and observation.error is None:
-            observation.done, observation.reward = True, self.shop.get_reward()
+        if isinstance(action, CallToolAction):  # not listing the tools
+            self.steps += 1
+            score = self.shop.get_reward()
+            observation.reward, self.score = score - self.score, score
         return observation
 
     def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:

@@ -169,15 +169,20 @@ def served_class(url: str, timeout: float) -> type:
 
     try:
         name = fetch(url, "/metadata", timeout).get("name") or "ServedEnvironment"
+        action = fetch(url, "/schema", timeout).get("action", {})
         session = Session(url, timeout)
     except (OSError, ValueError, WebSocketException) as error:  # URLError is an OSError
         said = getattr(error, "reason", None) or error  # urllib's wrapper says less than its reason
         raise ConfigError(f"environment {url}: no OpenEnv server answers there ({said}): start it (docs/rl.md, "
                           "environments served over HTTP) or correct the URL.") from None  # fmt: skip
     try:
-        listed = session.ask("step", {"type": "list_tools"}).get("observation", {}).get("tools")
-    except RuntimeError:  # not an MCP environment: its one action is its one tool
-        listed = None
+        if "tool_name" in action.get("properties", {}):  # an MCP environment: its action is MCP's CallToolAction
+            listed = session.ask("step", {"type": "list_tools"}).get("observation", {}).get("tools") or []
+        else:
+            listed = None
+    except RuntimeError as error:
+        raise ConfigError(f"environment {url}: {name} takes MCP's tool calls but did not list its tools ({error})"
+                          ": see the server's log.") from None  # fmt: skip
     finally:
         session.close()
     if listed is not None:
@@ -185,8 +190,7 @@ def served_class(url: str, timeout: float) -> type:
                                  lambda arguments, t=t: {"type": "call_tool", "tool_name": t["name"],
                                                          "arguments": arguments})
                  for t in listed}  # fmt: skip
-    else:
-        action = fetch(url, "/schema", timeout).get("action", {})
+    else:  # one kind of action: its fields are the arguments of one tool
         fields = {k: v for k, v in action.get("properties", {}).items() if k not in RESERVED}
         schema = {"properties": fields, "required": [k for k in action.get("required", ()) if k in fields]}
         tools = {"step": tool("step", action.get("description", ""), schema, lambda arguments: arguments)}
