@@ -83,11 +83,18 @@ def test_an_mcp_environment_s_tools_are_the_in_process_class_s():
 
 
 def test_a_server_that_fails_or_goes_away_is_one_line_or_an_error_result():
-    """Nothing listening: one line at the class, naming the fix. reset raising on the server: the episode cannot
-    begin, one line with the server's reason. The server killed mid-episode: the next call is an error result at
-    once, the episode cannot be scored (one line: never a silent 0), nor the next begin; never a hang."""
+    """Nothing listening: one line at the class, naming the fix. A server with fewer sessions than episodes at
+    once, or whose reset raises: the episode cannot begin, one line with the server's reason and the fix. The
+    server killed mid-episode: the next call is an error result at once, the episode cannot be scored (one line:
+    never a silent 0), nor the next begin; never a hang."""
     with openenv_server(GUESS) as url:
-        (env,) = handles(url)
+        *full, env = handles(url, 9)  # the server takes 8 sessions at once
+        for other in full:
+            other.reset(secret=3)
+        with pytest.raises(EnvironmentFailure, match="CAPACITY_REACHED: Server at capacity: 8/8 .*: raise it"):
+            env.reset(secret=3)
+        for other in full:
+            other._close()
         with pytest.raises(EnvironmentFailure, match="reset failed, so the episode cannot begin: .*this row breaks"):
             env.reset(secret=3, fail=True)
         env.reset(secret=3)

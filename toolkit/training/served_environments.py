@@ -51,11 +51,18 @@ class Session:
         self.socket = self.exits.enter_context(connect(f"{address}/ws", open_timeout=timeout, max_size=2**27))
 
     def ask(self, kind: str, data: dict | None = None) -> dict:
-        self.socket.send(json.dumps({"type": kind} if data is None else {"type": kind, "data": data}))
+        from websockets.exceptions import ConnectionClosed
+
+        with contextlib.suppress(ConnectionClosed):  # the server said why and closed (it is full): read why below
+            self.socket.send(json.dumps({"type": kind} if data is None else {"type": kind, "data": data}))
         answer = json.loads(self.socket.recv())
         if answer.get("type") == "error":
             detail = answer.get("data", {})
-            raise RuntimeError(f"the server answered {detail.get('code', 'an error')}: {detail.get('message')}")
+            full = (": it serves fewer sessions at once than the episodes this run plays at once (its "
+                    "max_concurrent_envs; a step's rollouts on each process): raise it") * (
+                    detail.get("code") == "CAPACITY_REACHED")  # fmt: skip
+            said = str(detail.get("message")).rstrip(".")
+            raise RuntimeError(f"the server answered {detail.get('code', 'an error')}: {said}{full}")
         return answer.get("data", {})
 
     def close(self) -> None:
