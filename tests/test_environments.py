@@ -342,6 +342,14 @@ class Tools:
         """Return an object."""
         return object()
 
+    def dies_later(self) -> str:
+        """Answer, then die."""
+        import os
+        import threading
+
+        threading.Timer(0.2, os._exit, (6,)).start()
+        return "ok"
+
     def get_reward(self) -> float:
         return 1.0
 
@@ -385,6 +393,18 @@ def test_a_tool_that_fails_is_an_error_result_in_time_and_a_stopped_episode_goes
     assert env.factory.unscored == int(stopped)
     env.reset()
     assert env.count() == "1 1 1" and env.get_reward() == 1.0
+
+
+def test_an_episode_whose_process_dies_between_calls_is_stopped_not_a_traceback():
+    """Its process gone while no call ran (the pipe broken when the next call is sent): that call is an error
+    result saying how it ended, and the episode goes unscored, as one that dies in a call."""
+    env = handle(Tools)
+    env.reset()
+    assert env.dies_later() == "ok"
+    time.sleep(1)
+    with pytest.raises(RuntimeError, match=r"the environment's process died \(exit code 6\) before count answered"):
+        env.count()
+    assert env.get_reward() is None and env.factory.unscored == 1
 
 
 def test_a_tool_that_fails_in_training_is_scored_as_trl_scores_it(bad, tmp_path, capsys, monkeypatch):

@@ -172,19 +172,25 @@ class Episode:
         (the episode stopped where it hung or died)."""
         if self.stopped:
             raise RuntimeError(f"this episode's environment was stopped earlier ({self.stopped})")
-        self.connection.send((name, kwargs))
+        try:
+            self.connection.send((name, kwargs))
+        except OSError:  # its process died between calls (a broken pipe): as when it dies in one, below
+            return self.died(name)
         if not wait([self.connection], timeout=seconds):
             self.stop(f"{name} gave no result within {seconds:g} s")
             raise TimeoutError(f"no result within {seconds:g} s (--tool_timeout): stopped")
         try:  # a result, perhaps sent just before the process ended; else the end of a pipe whose process died
             status, value = self.connection.recv()
         except EOFError:
-            how = self.spawner.ended(self.pid)
-            self.stop(f"its process died ({how}) in {name}", dead=True)
-            raise RuntimeError(f"the environment's process died ({how}) before {name} answered") from None
+            return self.died(name)
         if status == "error":
             raise RuntimeError(value)
         return value
+
+    def died(self, name: str):
+        how = self.spawner.ended(self.pid)
+        self.stop(f"its process died ({how}) in {name}", dead=True)
+        raise RuntimeError(f"the environment's process died ({how}) before {name} answered")
 
     def stop(self, why: str = "ended", dead: bool = False) -> None:
         """Kill the episode's process (unless it is known dead: its pid may have been reaped) and close its pipe."""
