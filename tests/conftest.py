@@ -166,14 +166,15 @@ OPENENV = BIN.parent.with_name(".venv-openenv") / "bin" / "python"  # openenv-co
 
 
 @contextlib.contextmanager
-def openenv_server(script: Path):
-    """`script` (an OpenEnv app, run with its port) served by openenv-core from .venv-openenv on a free port: its
-    URL, once /health answers."""
+def openenv_server(script: Path, *args: str):
+    """`script` (an OpenEnv app, run with its port and `args`) served by openenv-core from .venv-openenv on a free
+    port: its URL, once /health answers."""
     import urllib.request
 
     port = free_port()
     log = tempfile.TemporaryFile("w+")  # not a pipe: one no one reads would stop the server once full
-    server = subprocess.Popen([str(OPENENV), str(script), "--port", str(port)], cwd=ROOT, stdout=log, stderr=log)
+    server = subprocess.Popen([str(OPENENV), str(script), "--port", str(port), *args], cwd=ROOT, stdout=log,
+                              stderr=log)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):

@@ -146,7 +146,8 @@ def test_preempted_run_in_an_environment_resumes_bit_identically(one_process, tm
 def test_the_shop_served_by_openenv_trains_as_the_shop_in_process(one_process, tmp_path, scripted):
     """The shop behind openenv-core's own server (recipes/environments/shop_openenv.py), each episode a WebSocket
     session of its own: the same episodes, rewards, losses and adapter as the shop in the training's process; its
-    held-out episodes, played by a model that answers right, score 1 each, as in-process."""
+    held-out episodes, played by a model that answers right, score 1 each, as in-process, no more of them at once
+    than the evaluation's batch (the server takes 8 sessions: 12 rows at once were once refused)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -154,12 +155,12 @@ def test_the_shop_served_by_openenv_trains_as_the_shop_in_process(one_process, t
 
     out = tmp_path / "served"
     flags = env_flags(out)
-    with openenv_server(ROOT / "recipes" / "environments" / "shop_openenv.py") as url:
+    with openenv_server(ROOT / "recipes" / "environments" / "shop_openenv.py", "--sessions", "8") as url:
         flags[flags.index("--environment") + 1] = url
         train(ENV, flags, NAME)
         tokenizer = AutoTokenizer.from_pretrained(out)
-        rows = Dataset.from_list([json.loads(line) for line in Path(shop_policy.ROWS).read_text().splitlines()[:4]])
-        scores = held_out_rewards(RunRecord.read(out), ScriptedModel(tokenizer), tokenizer, rows, batch_size=2)
+        rows = Dataset.from_list([json.loads(line) for line in Path(shop_policy.ROWS).read_text().splitlines()[:12]])
+        scores = held_out_rewards(RunRecord.read(out), ScriptedModel(tokenizer), tokenizer, rows, batch_size=4)
     assert scores["ShopEnvironment"] == scores["reward"] == scores["finished"] == 1.0
     keys = ("loss", "reward", "reward_std", "grad_norm", "entropy", "num_tokens", "environment/turns",
             "tools/call_frequency", "tools/failure_frequency", "completions/mean_length")  # fmt: skip

@@ -39,14 +39,12 @@ def held_out_rewards(record: RunRecord, model, tokenizer, rows, batch_size: int 
 
 def episode_rewards(answers: list) -> dict[str, list]:
     """Each environment class's get_reward over the answers' episodes (None where another class played it, or it
-    was stopped), as TRL adds it: a reward named after the class, weight 1. The episodes' processes end here."""
+    was stopped), as TRL adds it: a reward named after the class, weight 1."""
     out: dict[str, list] = {}
     for k, answer in enumerate(answers):
-        handle = answer.environment
-        if handle is not None and hasattr(handle, "get_reward"):
-            out.setdefault(type(handle).__name__, [None] * len(answers))[k] = handle.get_reward()
-        if handle is not None:
-            handle._close()
+        if answer.scored is not None:
+            name, value = answer.scored
+            out.setdefault(name, [None] * len(answers))[k] = value
     return out
 
 

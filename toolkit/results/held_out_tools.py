@@ -31,6 +31,16 @@ class Answer:
     turn_calls: list | None = None  # the calls the last turn made, to run
     tools: list = field(default_factory=list)  # what the answer is offered: --tools and its environment's
     environment: object = None  # the episode's handle (environments.py), where the run has an environment
+    scored: tuple | None = None  # once its episode ended: its environment's name and get_reward (end_episode)
+
+    def end_episode(self) -> None:
+        """The episode scored, where its class has a get_reward (TRL's reward named after the class), and its
+        process and session ended."""
+        handle, self.environment = self.environment, None
+        if handle is not None:
+            if hasattr(handle, "get_reward"):
+                self.scored = (type(handle).__name__, handle.get_reward())
+            handle._close()
 
 
 def end_ids(model, tokenizer) -> list[int]:
@@ -129,20 +139,29 @@ class Loop:
 
 
 def answers_with_tools(model, tokenizer, rows, policy, batch_size: int) -> list[Answer]:
-    """Each held-out row's greedy answer with the run's tools and environment (module docstring)."""
+    """Each held-out row's greedy answer with the run's tools and environment (module docstring), `batch_size`
+    rows at a time, each group's episodes ended and scored before the next begins: as many episodes live at once
+    as training plays (an environment's server takes so many sessions, not one per held-out row)."""
     loop = Loop.of(model, tokenizer, policy)
-    answers = [loop.begin(tokenizer, row["prompt"], row) for row in rows]
-    active = list(range(len(answers)))
+    answers: list[Answer] = []
+    group: list[Answer] = []
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues each row's last token
     try:
-        while active:
-            for start in range(0, len(active), batch_size):
-                continued(model, tokenizer, [answers[k] for k in active[start : start + batch_size]], loop)
-            active = [k for k in active if called(tokenizer, answers[k], loop)]
-            print(f"  {len(answers) - len(active)}/{len(answers)} held-out prompts answered (with tools)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        for start in range(0, len(rows), batch_size):
+            chunk = [rows[k] for k in range(start, min(start + batch_size, len(rows)))]
+            group = active = [loop.begin(tokenizer, row["prompt"], row) for row in chunk]
+            while active:
+                continued(model, tokenizer, active, loop)
+                active = [answer for answer in active if called(tokenizer, answer, loop)]
+            for answer in group:
+                answer.end_episode()
+            answers += group
+            print(f"  {len(answers)}/{len(rows)} held-out prompts answered (with tools)", file=sys.stderr, flush=True)
     finally:
         tokenizer.padding_side = side
+        for answer in group:
+            if answer.environment is not None:  # left playing by a failure
+                answer.environment._close()
     return answers
 
 
