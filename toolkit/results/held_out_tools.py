@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from ..training.environment_checks import environment_class
+from ..training.environment_checks import loaded_factories
 from ..training.environments import tool_names
 
 
@@ -69,15 +69,10 @@ class Loop:
         from trl.chat_template_utils import add_response_schema, get_training_chat_template
         from trl.chat_template_utils import is_chat_template_prefix_preserving as preserves
 
-        from ..training.environment_checks import named_environments
-        from ..training.environments import EnvironmentFactory
         from ..training.tools import tool_functions
 
-        timeout = policy.tool_timeout
-        tools = tool_functions([t.strip() for t in (policy.tools or "").split(",") if t.strip()], timeout)
-        named = named_environments(policy.environment)
-        environments = {name: EnvironmentFactory(environment_class(spec, timeout), spec, timeout)
-                        for name, spec in named.items()} or None  # fmt: skip
+        tools = tool_functions([t.strip() for t in (policy.tools or "").split(",") if t.strip()], policy.tool_timeout)
+        environments = loaded_factories(policy) or None
         if not any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")):
             add_response_schema(tokenizer)  # how TRL reads a call out of a turn, for the templates it knows
         preserving = preserves(tokenizer)

@@ -21,11 +21,9 @@ TRIAL_ROWS = 1  # episodes tried before training: the first row's
 def environment_factories(policy, rows, tool_names_offered: list[str]) -> EnvironmentFactory | dict | None:
     """TRL's environment_factory for the recipe's environments (one factory, or a dict by name), each checked and
     tried on its first row (module docstring); None without any."""
-    named = named_environments(policy.environment)
-    if not named:
+    factories = loaded_factories(policy)
+    if not factories:
         return None
-    factories = {name: EnvironmentFactory(environment_class(spec, policy.tool_timeout), spec, policy.tool_timeout)
-                 for name, spec in named.items()}  # fmt: skip
     for factory in factories.values():
         check_class(factory, tool_names_offered)
     if not policy.rewards() and not any(callable(getattr(f.cls, "get_reward", None)) for f in factories.values()):
@@ -38,6 +36,14 @@ def environment_factories(policy, rows, tool_names_offered: list[str]) -> Enviro
         if first is not None:
             trial_episode(factory, first, multiple=None not in factories)
     return factories[None] if None in factories else factories
+
+
+def loaded_factories(policy) -> dict[str | None, EnvironmentFactory]:
+    """TRL's factory for each of the run's environments by name, its class loaded (or built from its server), not
+    yet checked; {} for none."""
+    timeout = policy.tool_timeout
+    return {name: EnvironmentFactory(environment_class(spec, timeout), spec, timeout)
+            for name, spec in named_environments(policy.environment).items()}  # fmt: skip
 
 
 def named_environments(value: str | dict | None) -> dict[str | None, str]:

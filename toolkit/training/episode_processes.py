@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import typing
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -175,19 +176,20 @@ class Episode:
         try:
             self.connection.send((name, kwargs))
         except OSError:  # its process died between calls (a broken pipe): as when it dies in one, below
-            return self.died(name)
+            self.died(name)
         if not wait([self.connection], timeout=seconds):
             self.stop(f"{name} gave no result within {seconds:g} s")
             raise TimeoutError(f"no result within {seconds:g} s (--tool_timeout): stopped")
         try:  # a result, perhaps sent just before the process ended; else the end of a pipe whose process died
             status, value = self.connection.recv()
         except EOFError:
-            return self.died(name)
+            self.died(name)
         if status == "error":
             raise RuntimeError(value)
         return value
 
-    def died(self, name: str):
+    def died(self, name: str) -> typing.NoReturn:
+        """The episode stopped as its process is found dead during `name`'s call: how it ended, as an error."""
         how = self.spawner.ended(self.pid)
         self.stop(f"its process died ({how}) in {name}", dead=True)
         raise RuntimeError(f"the environment's process died ({how}) before {name} answered")

@@ -169,34 +169,36 @@ def fetch(url: str, path: str, timeout: float) -> dict:
         return json.loads(answer.read())
 
 
-def served_class(url: str, timeout: float) -> type:
-    """The class TRL is given for the environment served at `url`: named after the server's environment, a tool per
-    MCP tool it lists (or one, `step`, taking its action's fields). One line if no OpenEnv server answers there."""
+def listed_tools(url: str, name: str, timeout: float) -> list[dict]:
+    """An MCP environment's tools, as a session's `list_tools` step answers them."""
     from websockets.exceptions import WebSocketException
 
     try:
+        session = Session(url, timeout)
+        try:
+            return session.ask("step", {"type": "list_tools"}).get("observation", {}).get("tools") or []
+        finally:
+            session.close()
+    except (RuntimeError, OSError, WebSocketException) as error:
+        raise ConfigError(f"environment {url}: {name} takes MCP's tool calls but did not list its tools ({error})"
+                          ": see the server's log.") from None  # fmt: skip
+
+
+def served_class(url: str, timeout: float) -> type:
+    """The class TRL is given for the environment served at `url`: named after the server's environment, a tool per
+    MCP tool it lists (or one, `step`, taking its action's fields). One line if no OpenEnv server answers there."""
+    try:
         name = fetch(url, "/metadata", timeout).get("name") or "ServedEnvironment"
         action = fetch(url, "/schema", timeout).get("action", {})
-        session = Session(url, timeout)
-    except (OSError, ValueError, WebSocketException) as error:  # URLError is an OSError
+    except (OSError, ValueError) as error:  # URLError is an OSError
         said = getattr(error, "reason", None) or error  # urllib's wrapper says less than its reason
         raise ConfigError(f"environment {url}: no OpenEnv server answers there ({said}): start it (docs/rl.md, "
                           "environments served over HTTP) or correct the URL.") from None  # fmt: skip
-    try:
-        if "tool_name" in action.get("properties", {}):  # an MCP environment: its action is MCP's CallToolAction
-            listed = session.ask("step", {"type": "list_tools"}).get("observation", {}).get("tools") or []
-        else:
-            listed = None
-    except RuntimeError as error:
-        raise ConfigError(f"environment {url}: {name} takes MCP's tool calls but did not list its tools ({error})"
-                          ": see the server's log.") from None  # fmt: skip
-    finally:
-        session.close()
-    if listed is not None:
+    if "tool_name" in action.get("properties", {}):  # an MCP environment: its action is MCP's CallToolAction
         tools = {t["name"]: tool(t["name"], t.get("description", ""), t.get("input_schema") or {},
                                  lambda arguments, t=t: {"type": "call_tool", "tool_name": t["name"],
                                                          "arguments": arguments})
-                 for t in listed}  # fmt: skip
+                 for t in listed_tools(url, name, timeout)}  # fmt: skip
     else:  # one kind of action: its fields are the arguments of one tool
         fields = {k: v for k, v in action.get("properties", {}).items() if k not in RESERVED}
         schema = {"properties": fields, "required": [k for k in action.get("required", ()) if k in fields]}
